@@ -1,0 +1,35 @@
+"""dcp_fsspec: torch.distributed.checkpoint on any fsspec URL, and a training checkpointer.
+
+Layers, bottom up: ``storage`` (DCP StorageWriter/StorageReader over fsspec) ← ``checkpoint``
+(iteration layout, commit pointer, retention, background saves) ← ``Checkpointer`` ← CLI.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    DcpFsspecError,
+    InvalidURLError,
+    MissingDriverError,
+    StorageError,
+)
+from .storage.reader import FsspecStorageReader
+from .storage.writer import FsspecStorageWriter
+
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "DcpFsspecError",
+    "FsspecStorageReader",
+    "FsspecStorageWriter",
+    "InvalidURLError",
+    "MissingDriverError",
+    "StorageError",
+]

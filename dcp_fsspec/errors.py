@@ -1,0 +1,55 @@
+"""The exceptions dcp_fsspec raises.
+
+Every error derives from :class:`DcpFsspecError`, and each also derives from the built-in
+exception a caller would naturally catch, so ``except FileNotFoundError`` keeps working::
+
+    DcpFsspecError
+    ├── CheckpointNotFoundError    (FileNotFoundError)  no committed checkpoint at the URL
+    ├── CheckpointExistsError      (FileExistsError)    a committed checkpoint is in the way
+    ├── CorruptCheckpointError     (ValueError)         bytes on storage are not what was written
+    │   └── ChecksumMismatchError                       a record's CRC32 does not match its bytes
+    ├── CheckpointMismatchError    (ValueError)         the checkpoint does not fit the state dict
+    ├── InvalidURLError            (ValueError)         a URL or path that cannot name a checkpoint
+    ├── MissingDriverError         (ImportError)        the fsspec driver for a scheme is missing
+    └── StorageError               (OSError)            the backend failed while reading/writing
+
+Every message names the URL or file concerned and what to do next.
+"""
+
+from __future__ import annotations
+
+
+class DcpFsspecError(Exception):
+    """Base class of every error raised by dcp_fsspec."""
+
+
+class CheckpointNotFoundError(DcpFsspecError, FileNotFoundError):
+    """There is no committed checkpoint (no ``.metadata``) where one was expected."""
+
+
+class CheckpointExistsError(DcpFsspecError, FileExistsError):
+    """A committed checkpoint already exists and overwriting was not allowed."""
+
+
+class CorruptCheckpointError(DcpFsspecError, ValueError):
+    """A checkpoint file is truncated, garbled or otherwise not what was written."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """The CRC32 recorded for an item does not match the bytes read back."""
+
+
+class CheckpointMismatchError(DcpFsspecError, ValueError):
+    """The checkpoint's tensors do not fit the state dict being loaded (shape, dtype, keys)."""
+
+
+class InvalidURLError(DcpFsspecError, ValueError):
+    """A URL or path that cannot name a checkpoint location."""
+
+
+class MissingDriverError(DcpFsspecError, ImportError):
+    """The fsspec implementation for a URL scheme is not installed."""
+
+
+class StorageError(DcpFsspecError, OSError):
+    """The storage backend failed while reading or writing a file."""

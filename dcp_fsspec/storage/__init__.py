@@ -1,0 +1,1 @@
+"""The storage layer: DCP StorageWriter/StorageReader for any fsspec filesystem."""

@@ -1,0 +1,130 @@
+"""Turning a user's URL (or plain path) into an fsspec filesystem and a path on it.
+
+This is the one place that talks to fsspec's URL registry, so every layer above reports a bad
+scheme or a missing driver the same way, and joins paths with ``posixpath`` rather than
+``os.path`` (URLs use ``/`` on every platform).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import known_implementations, registry
+
+from ..errors import InvalidURLError, MissingDriverError
+
+# Which pip package provides each scheme's driver, for the ImportError users see.
+_DRIVER_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+    "sftp": "sshfs",
+    "ssh": "sshfs",
+    "hf": "huggingface_hub",
+    "oci": "ocifs",
+    "oss": "ossfs",
+}
+
+
+@dataclass(frozen=True)
+class Location:
+    """A filesystem and a scheme-less root path on it, plus the URL the user gave."""
+
+    fs: fsspec.AbstractFileSystem
+    path: str
+    url: str
+
+    def join(self, *names: str) -> str:
+        """The path of ``names`` below the root (always ``/``-separated)."""
+        return posixpath.join(self.path, *names)
+
+    def url_of(self, path: str) -> str:
+        """The full URL of a path on this filesystem, for messages."""
+        if isinstance(self.fs, LocalFileSystem):
+            return path
+        return str(self.fs.unstrip_protocol(path))
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+
+def normalize_url(url: str | os.PathLike[str]) -> str:
+    """Return ``url`` with a scheme kept as is, or a local path made absolute with ``~`` expanded.
+
+    Ranks may run in different working directories, so a relative path is resolved once, here,
+    rather than differently in every process.
+    """
+    text = os.fspath(url)
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidURLError(f"checkpoint URL {url!r} is empty; pass a local path or a URL like s3://bucket/ckpt")
+    if "://" in text or "::" in text:
+        return text.rstrip("/") if not text.endswith("://") else text
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def scheme_of(url: str) -> str:
+    """The first protocol of a (possibly chained) URL; ``file`` for plain paths."""
+    head = url.split("::", 1)[0]
+    return head.split("://", 1)[0] if "://" in head else "file"
+
+
+def is_known_scheme(url: str) -> bool:
+    """Whether fsspec knows a driver for every protocol of ``url`` (installed or not)."""
+    for part in url.split("::"):
+        proto = part.split("://", 1)[0] if "://" in part else "file"
+        if proto not in known_implementations and proto not in registry:
+            return False
+    return True
+
+
+def resolve(
+    url: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    fs: fsspec.AbstractFileSystem | None = None,
+) -> Location:
+    """Resolve ``url`` to a :class:`Location`.
+
+    Args:
+        url: any fsspec URL (``s3://bucket/run``, ``memory://x``, ``simplecache::s3://…``) or a
+            local path (relative paths and ``~`` are resolved against this process).
+        storage_options: passed to the fsspec filesystem's constructor (credentials, endpoint).
+        fs: a ready filesystem to use instead of building one from the URL's scheme.
+
+    Raises:
+        InvalidURLError: the scheme is unknown to fsspec, or the URL is empty.
+        MissingDriverError: the scheme is known but its driver package is not installed.
+    """
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise InvalidURLError(
+            f"storage_options for {url!r} must be a dict, got {type(storage_options).__name__}"
+        )
+    text = normalize_url(url)
+    if fs is not None:
+        return Location(fs=fs, path=fs._strip_protocol(text).rstrip("/") or "/", url=text)
+    if not is_known_scheme(text):
+        raise InvalidURLError(
+            f"checkpoint URL {text!r} has scheme {scheme_of(text)!r}, which fsspec does not know; "
+            "use a local path or one of fsspec's schemes (s3://, gs://, az://, memory://, file://, …)"
+        )
+    try:
+        filesystem, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+    except ImportError as e:
+        package = _DRIVER_PACKAGES.get(scheme_of(text), "the fsspec driver for this scheme")
+        raise MissingDriverError(
+            f"cannot open {text!r}: the driver for {scheme_of(text)}:// is not installed; "
+            f"run `pip install {package}`"
+        ) from e
+    except (TypeError, ValueError) as e:
+        raise InvalidURLError(f"cannot open {text!r} with storage_options {sorted(storage_options or {})}: {e}") from e
+    return Location(fs=filesystem, path=path.rstrip("/") or "/", url=text)

@@ -1,0 +1,95 @@
+"""Shared fixtures: one fixture per storage backend, and a real S3 API on loopback.
+
+Every backend-agnostic test takes the ``backend`` fixture, which is parametrized over the
+backends below; adding a backend is one more ``Backend`` factory here. The S3 backend talks to
+a moto server started once per session on 127.0.0.1 with a port the OS chose; each test gets
+a fresh bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pytest
+
+from dcp_fsspec.local_s3 import LocalS3Server
+
+
+@dataclass
+class Backend:
+    """A place to write checkpoints: a root URL and the storage options to reach it."""
+
+    name: str
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    # Backends a child process can reach (not memory://, which lives in one process).
+    shared_between_processes: bool = True
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+
+    def sub(self, *names: str) -> str:
+        return "/".join([self.url.rstrip("/"), *names])
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[LocalS3Server]:
+    server = LocalS3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_backend(s3_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    # Credentials and region come from the environment for the duration of the test only
+    # (monkeypatch restores them); the region must not go into client_kwargs (moto then
+    # rejects bucket creation).
+    for name, value in s3_server.environ().items():
+        monkeypatch.setenv(name, value)
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(bucket)
+    return Backend("s3", f"s3://{bucket}/ckpt", s3_server.storage_options())
+
+
+@pytest.fixture
+def local_backend(tmp_path: Any) -> Backend:
+    return Backend("local", str(tmp_path / "ckpt"))
+
+
+@pytest.fixture
+def memory_backend() -> Iterator[Backend]:
+    root = f"memory://dcp-fsspec-tests/{uuid.uuid4().hex}"
+    yield Backend("memory", root, shared_between_processes=False)
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+BACKENDS = ["local", "memory", "s3"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Every backend in turn; the shared suites take this fixture."""
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture(params=[b for b in BACKENDS if b != "memory"])
+def shared_backend(request: pytest.FixtureRequest) -> Backend:
+    """Backends that several processes can reach (for multi-rank tests)."""
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_env_changes() -> Iterator[None]:
+    before = dict(os.environ)
+    yield
+    assert dict(os.environ) == before, "a test changed os.environ without restoring it"
