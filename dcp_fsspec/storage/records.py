@@ -1,0 +1,371 @@
+"""torch's per-tensor records: encoding them without copying, decoding them straight into tensors.
+
+torch's ``FileSystemWriter`` stores each tensor as one ``torch.save`` archive (an uncompressed
+zip: ``data.pkl``, a few small entries, the raw storage bytes as ``data/0``, then the central
+directory) at an offset in a ``.distcp`` file. We keep that format exactly, so torch's readers
+load what we write, but avoid its two costs:
+
+* Encoding: ``torch.save`` copies every tensor into the archive. We run ``torch.save`` under
+  ``torch.serialization.skip_data()`` into a sink that keeps only the small header and trailer,
+  then stream the tensor's own memory in between and patch the CRC-32 of ``data/0`` into the
+  trailer (where torch's own writer puts it), so the record carries a checksum torch defines.
+* Decoding: torch's reader runs ``torch.load`` per record. We parse the zip's local headers and
+  ``data.pkl`` with a restricted unpickler, learn where the storage bytes sit, and copy them
+  straight into the target tensor, verifying the CRC-32 on the way. Anything unusual falls back
+  to ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.serialization import skip_data
+
+_LOCAL_HEADER = b"PK\x03\x04"
+_DESCRIPTOR = b"PK\x07\x08"
+_CENTRAL_HEADER = b"PK\x01\x02"
+_EOCD = b"PK\x05\x06"
+_ZIP64_EOCD_LOCATOR = b"PK\x06\x07"
+_LOCAL_HEADER_SIZE = 30
+_FLAG_DESCRIPTOR = 0x08
+
+
+class RecordFormatError(ValueError):
+    """The bytes are not a torch.save record this module can decode itself."""
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor's memory."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def storage_ready(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a record will hold it: detached, on CPU, contiguous, owning exactly its bytes.
+
+    A view into a larger storage would otherwise save the whole storage (torch's writer clones in
+    that case too).
+    """
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
+class _GapSink(io.RawIOBase):
+    """A seekable write-only stream that keeps what is written and only notes what is skipped."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.end = 0
+        self.writes: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self.writes.append((self.pos, data))
+        self.pos += len(data)
+        self.end = max(self.end, self.pos)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.end}[whence]
+        self.pos = base + offset
+        return self.pos
+
+
+@dataclass
+class EncodedRecord:
+    """One tensor record as three buffers whose concatenation is a ``torch.save`` archive."""
+
+    header: bytes
+    data: memoryview
+    trailer: bytes
+    crc32: int
+    tensor: torch.Tensor  # keeps ``data``'s memory alive
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + len(self.data) + len(self.trailer)
+
+    def buffers(self) -> list[memoryview | bytes]:
+        return [self.header, self.data, self.trailer] if len(self.data) else [self.header, self.trailer]
+
+
+def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedRecord:
+    """Encode ``tensor`` as torch's per-tensor record without copying its data."""
+    t = storage_ready(tensor)
+    data = tensor_bytes(t)
+    sink = _GapSink()
+    with skip_data():
+        torch.save(t, sink)
+    # torch wrote everything but the storage bytes, leaving one hole of exactly their size.
+    head, tail = bytearray(), bytearray()
+    for pos, chunk in sorted(sink.writes, key=lambda w: w[0]):
+        if pos == len(head) and not tail:
+            head += chunk
+        elif pos == len(head) + len(data) + len(tail):
+            tail += chunk
+        else:
+            raise RecordFormatError("torch.save(skip_data) left an unexpected layout")
+    if len(head) + len(data) + len(tail) != sink.end:
+        raise RecordFormatError("torch.save(skip_data) left an unexpected layout")
+    if len(data) == 0:
+        return EncodedRecord(bytes(head), data, bytes(tail), 0, t)
+    crc = zlib.crc32(data) if checksum else 0
+    _patch_data_crc(tail, crc, data_end=len(head) + len(data))
+    return EncodedRecord(bytes(head), data, bytes(tail), crc, t)
+
+
+def _patch_data_crc(trailer: bytearray, crc: int, *, data_end: int) -> None:
+    """Write ``crc`` into ``data/0``'s data descriptor and central-directory entry.
+
+    ``trailer`` starts right after the storage bytes, at absolute offset ``data_end``.
+    """
+    if trailer[:4] != _DESCRIPTOR:
+        raise RecordFormatError("no data descriptor after the tensor data")
+    struct.pack_into("<I", trailer, 4, crc)
+    eocd = trailer.rfind(_EOCD)
+    if eocd < 0:
+        raise RecordFormatError("no end of central directory")
+    (cd_offset,) = struct.unpack_from("<I", trailer, eocd + 16)
+    if cd_offset == 0xFFFFFFFF:
+        locator = trailer.rfind(_ZIP64_EOCD_LOCATOR, 0, eocd)
+        (zip64_eocd,) = struct.unpack_from("<Q", trailer, locator + 8)
+        (cd_offset,) = struct.unpack_from("<Q", trailer, zip64_eocd - data_end + 48)
+    pos = cd_offset - data_end
+    while trailer[pos : pos + 4] == _CENTRAL_HEADER:
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", trailer, pos + 28)
+        name = bytes(trailer[pos + 46 : pos + 46 + name_len])
+        if name.endswith(b"/data/0"):
+            struct.pack_into("<I", trailer, pos + 16, crc)
+            return
+        pos += 46 + name_len + extra_len + comment_len
+    raise RecordFormatError("no central directory entry for data/0")
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What ``data.pkl`` says about the saved tensor."""
+
+    dtype: torch.dtype
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage_numel * _element_size(self.dtype)
+
+    @property
+    def is_dense(self) -> bool:
+        """The storage holds exactly this tensor, row-major (so its bytes can be copied as is)."""
+        numel = 1
+        for s in self.size:
+            numel *= s
+        return (
+            self.storage_offset == 0
+            and numel == self.storage_numel
+            and self.stride == tuple(torch.empty(self.size, device="meta").stride())
+        )
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    dtype: torch.dtype
+    key: str
+    numel: int
+
+
+def _rebuild_v2(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *_: Any) -> TensorSpec:
+    return TensorSpec(storage.dtype, storage.numel, int(storage_offset), tuple(size), tuple(stride))
+
+
+def _rebuild_v3(
+    storage: _StorageRef, storage_offset: int, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_: Any
+) -> TensorSpec:
+    # Newer dtypes (float8, uint16, …) pickle an untyped storage counted in bytes.
+    numel = storage.numel // _element_size(dtype)
+    return TensorSpec(dtype, numel, int(storage_offset), tuple(size), tuple(stride))
+
+
+class _SpecUnpickler(pickle.Unpickler):
+    """Reads a tensor record's ``data.pkl`` into a :class:`TensorSpec`, refusing anything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return torch.UntypedStorage
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            storage_type = getattr(torch, name, None)
+            if storage_type is not None and hasattr(storage_type, "_dtype"):
+                return storage_type
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise RecordFormatError(f"unexpected global {module}.{name} in a tensor record")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise RecordFormatError(f"unexpected persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        if storage_type is torch.UntypedStorage:
+            dtype = torch.uint8
+        else:
+            dtype = storage_type if isinstance(storage_type, torch.dtype) else storage_type._dtype
+        return _StorageRef(dtype, str(key), int(numel))
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where a record's tensor bytes are, relative to the record's first byte."""
+
+    spec: TensorSpec
+    data_start: int
+    # Where the CRC-32 of data/0 sits: in the local header (flag bit 3 clear), or in the data
+    # descriptor right after the data (torch's own writer).
+    crc_in_header: int | None
+
+    @property
+    def data_end(self) -> int:
+        return self.data_start + self.spec.nbytes
+
+
+def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
+    """Parse a record's leading bytes; ``None`` if ``head`` is too short to say yet.
+
+    Raises:
+        RecordFormatError: the bytes are not a torch.save record we can decode directly.
+    """
+    buf = memoryview(head)
+    pos = 0
+    spec: TensorSpec | None = None
+    while True:
+        if len(buf) < pos + _LOCAL_HEADER_SIZE:
+            return None
+        if bytes(buf[pos : pos + 4]) != _LOCAL_HEADER:
+            raise RecordFormatError(f"no zip entry at byte {pos} of the record")
+        flags, method, crc, csize, _usize, name_len, extra_len = struct.unpack_from("<HHxxxxIIIHH", buf, pos + 6)
+        if method != 0:
+            raise RecordFormatError("compressed zip entry")
+        start = pos + _LOCAL_HEADER_SIZE + name_len + extra_len
+        if len(buf) < start:
+            return None
+        name = bytes(buf[pos + _LOCAL_HEADER_SIZE : pos + _LOCAL_HEADER_SIZE + name_len])
+        has_descriptor = bool(flags & _FLAG_DESCRIPTOR)
+        if name.endswith(b"/data/0"):
+            if spec is None:
+                raise RecordFormatError("data/0 before data.pkl")
+            return RecordLayout(spec, start, None if has_descriptor else crc)
+        end: int | None
+        if name.endswith(b"/data.pkl"):
+            parsed = _parse_pickle(buf[start:])
+            if parsed is None:
+                return None
+            spec, length = parsed
+            end = start + length
+        elif not has_descriptor:
+            end = start + csize
+        else:
+            end = _find_descriptor(buf, start)
+        if end is not None and has_descriptor:
+            end = _skip_descriptor(buf, end)
+        if end is None:
+            return None
+        pos = end
+
+
+_PICKLE_WINDOW = 1 << 16  # a tensor's data.pkl is a few hundred bytes
+
+
+def _parse_pickle(buf: memoryview) -> tuple[TensorSpec, int] | None:
+    stream = io.BytesIO(buf[:_PICKLE_WINDOW])
+    try:
+        spec = _SpecUnpickler(stream).load()
+    except (EOFError, pickle.UnpicklingError, IndexError, struct.error) as e:
+        if len(buf) < _PICKLE_WINDOW:
+            return None
+        raise RecordFormatError("unreadable data.pkl") from e
+    if not isinstance(spec, TensorSpec):
+        raise RecordFormatError("data.pkl does not hold a single tensor")
+    return spec, stream.tell()
+
+
+def _find_descriptor(buf: memoryview, start: int) -> int | None:
+    """Where the data descriptor of a small entry starting at ``start`` is (its size is only there)."""
+    window = bytes(buf[start : start + 4096])
+    at = 0
+    while (hit := window.find(_DESCRIPTOR, at)) >= 0:
+        if len(window) < hit + 16:
+            return None
+        if struct.unpack_from("<I", window, hit + 8)[0] == hit:
+            return start + hit
+        at = hit + 1
+    if len(window) < 4096:
+        return None
+    raise RecordFormatError("small zip entry without a data descriptor")
+
+
+def _skip_descriptor(buf: memoryview, pos: int) -> int | None:
+    """The end of the data descriptor at ``pos`` (16 bytes, or 24 with zip64 sizes)."""
+    if len(buf) < pos + 20:
+        return None
+    if bytes(buf[pos : pos + 4]) != _DESCRIPTOR:
+        raise RecordFormatError("missing zip data descriptor")
+    return pos + 16 if bytes(buf[pos + 16 : pos + 20]) == _LOCAL_HEADER else pos + 24
+
+
+def descriptor_crc(record_tail: bytes | memoryview) -> int:
+    """The CRC-32 in the data descriptor that starts ``record_tail`` (right after data/0)."""
+    if bytes(record_tail[:4]) != _DESCRIPTOR:
+        raise RecordFormatError("no data descriptor after the tensor data")
+    return int(struct.unpack_from("<I", record_tail, 4)[0])
+
+
+def tensor_from_record(record: bytes | memoryview, layout: RecordLayout | None = None) -> torch.Tensor:
+    """Decode a whole record to a tensor that shares ``record``'s memory when it can."""
+    view = memoryview(record)
+    try:
+        layout = layout or parse_layout(view)
+    except RecordFormatError:
+        layout = None
+    if layout is None or len(view) < layout.data_end:
+        return torch.load(io.BytesIO(bytes(view)), map_location="cpu", weights_only=True)
+    spec = layout.spec
+    if spec.storage_numel == 0:
+        flat = torch.empty(0, dtype=spec.dtype)
+    else:
+        raw = view[layout.data_start : layout.data_end]
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(spec.dtype)
+    return flat.as_strided(spec.size, spec.stride, spec.storage_offset)

@@ -1,0 +1,274 @@
+"""``FsspecStorageWriter``: a DCP StorageWriter for any fsspec URL, in torch's on-storage format.
+
+A checkpoint is a folder of ``__{rank}_{n}.distcp`` data files and one ``.metadata`` file, the
+same bytes torch's ``FileSystemWriter`` produces, so torch's readers load it. What differs is how
+the bytes get there: each rank writes several files at once, each file streams straight from
+tensor memory (no ``torch.save`` copy), object-store files go up as concurrent multipart parts
+within a bounded memory budget, and local files are fsynced and renamed into place.
+``.metadata`` is written last, by the coordinator alone: a folder without it is never a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import fsspec
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
+from .records import encode_tensor
+from .uploads import ByteBudget, FileUpload, fsync_dir, upload_factory, write_whole_file
+from .urls import Location, is_known_scheme, normalize_url, resolve
+
+METADATA_FILE = ".metadata"
+DATA_SUFFIX = ".distcp"
+# torch writes this version into .metadata; keep in step so its readers see the same thing.
+DCP_VERSION = "1.0.0"
+
+MiB = 1024 * 1024
+
+
+def metadata_file_name(rank: int | None = None) -> str:
+    """``.metadata``, or ``__{rank}.metadata`` for saves made without collectives."""
+    return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+
+
+class FsspecStorageWriter(StorageWriter):
+    """Write a DCP checkpoint to any fsspec URL.
+
+    Use it wherever DCP takes a storage writer::
+
+        dcp.save(state_dict, storage_writer=FsspecStorageWriter("s3://bucket/ckpt", storage_options=opts))
+
+    DCP calls, in order: :meth:`reset` → :meth:`set_up_storage_writer` →
+    :meth:`prepare_local_plan` (every rank) → :meth:`prepare_global_plan` (coordinator) →
+    :meth:`write_data` (every rank) → :meth:`finish` (coordinator).
+
+    Guarantees: data files are complete or absent (local: temp file, fsync, rename; object
+    stores: one PUT or one multipart upload, published whole); ``.metadata`` is written only in
+    :meth:`finish`, after every rank's data is written, and atomically; when ``overwrite`` is
+    true an existing ``.metadata`` is removed *before* new data is written, so a save that dies
+    half-way leaves no checkpoint rather than a mixed one.
+
+    Args:
+        path: the checkpoint folder: any fsspec URL (``s3://bucket/ckpt``, ``memory://x``) or a
+            local path (``~`` and relative paths are resolved in this process).
+        storage_options: options for the fsspec filesystem (credentials, ``client_kwargs``…).
+        fs: a ready fsspec filesystem to use instead of one built from the URL.
+        overwrite: ``False`` (default) raises :class:`CheckpointExistsError` when a committed
+            checkpoint is already at the URL; ``True`` replaces it.
+        files_per_rank: at most this many data files per rank, written concurrently.
+        part_size: multipart upload part size on object stores.
+        max_inflight_bytes: upload data held in memory at once across all files (S3).
+        sync_files: fsync local files and folders (durability across power loss).
+        checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
+            :class:`FsspecStorageReader` verifies.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        fs: fsspec.AbstractFileSystem | None = None,
+        overwrite: bool = False,
+        files_per_rank: int = 8,
+        part_size: int = 16 * MiB,
+        max_inflight_bytes: int = 256 * MiB,
+        sync_files: bool = True,
+        checksums: bool = True,
+    ) -> None:
+        super().__init__()
+        if files_per_rank < 1:
+            raise ValueError(f"files_per_rank must be at least 1, got {files_per_rank}")
+        self.storage_options = dict(storage_options or {})
+        self._fs_override = fs
+        self.location: Location = resolve(path, self.storage_options, fs)
+        self.overwrite = overwrite
+        self.files_per_rank = files_per_rank
+        self.part_size = part_size
+        self.max_inflight_bytes = max_inflight_bytes
+        self.sync_files = sync_files
+        self.checksums = checksums
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self.rank: int | None = None
+        self.use_collectives = True
+
+    # --- DCP protocol -----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save, at ``checkpoint_id`` when given (so ``dcp.save(checkpoint_id=…)`` works)."""
+        if checkpoint_id:
+            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Create the folder where needed and refuse to clobber a checkpoint unless ``overwrite``."""
+        fs, path = self.location.fs, self.location.path
+        try:
+            if self.location.is_local:
+                fs.makedirs(path, exist_ok=True)
+            exists = fs.exists(self._metadata_path())
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot prepare checkpoint folder {self.location.url!r}: {e}") from e
+        if exists and not self.overwrite:
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {self.location.url!r}; pass overwrite=True to "
+                "replace it or choose another URL"
+            )
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Name each rank's files; when overwriting, un-commit the old checkpoint first."""
+        if self.overwrite:
+            metadata_path = self._metadata_path()
+            try:
+                if self.location.fs.exists(metadata_path):
+                    self.location.fs.rm_file(metadata_path)
+            except OSError as e:
+                raise StorageError(f"cannot remove the old {self.location.url_of(metadata_path)!r}: {e}") from e
+        return [
+            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into up to ``files_per_rank`` files, concurrently."""
+        prefix: _StoragePrefix = plan.storage_data
+        bins = _split_into_files(plan.items, self.files_per_rank)
+        budget = ByteBudget(self.max_inflight_bytes)
+        new_upload = upload_factory(
+            self.location.fs, part_size=self.part_size, budget=budget, fsync=self.sync_files
+        )
+        jobs = [(f"{prefix.prefix}{n}{DATA_SUFFIX}", items) for n, items in enumerate(bins)]
+        results: list[WriteResult] = []
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="dcp-fsspec-write") as pool:
+            futures = [pool.submit(self._write_file, new_upload, name, items, planner) for name, items in jobs]
+            errors = []
+            for f in futures:
+                try:
+                    results.extend(f.result())
+                except BaseException as e:  # noqa: BLE001 - collected, the first is re-raised
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+        if self.location.is_local and self.sync_files:
+            fsync_dir(self.location.path)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` (the commit point): every rank's data is already written."""
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+        metadata.storage_meta = self.storage_meta()
+        path = self._metadata_path()
+        try:
+            write_whole_file(self.location.fs, path, pickle.dumps(metadata), fsync=self.sync_files)
+        except (OSError, ValueError) as e:
+            raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.location.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a local path or a URL whose scheme fsspec knows."""
+        try:
+            return is_known_scheme(normalize_url(checkpoint_id))
+        except (DcpFsspecError, TypeError):
+            return False
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _metadata_path(self) -> str:
+        rank = self.rank if (not self.use_collectives and self.rank is not None) else None
+        return self.location.join(metadata_file_name(rank))
+
+    def _write_file(
+        self,
+        new_upload: Any,
+        name: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+    ) -> list[WriteResult]:
+        path = self.location.join(name)
+        try:
+            upload: FileUpload = new_upload(path)
+        except OSError as e:
+            raise StorageError(f"cannot create {self.location.url_of(path)!r}: {e}") from e
+        results = []
+        try:
+            for item in items:
+                data = planner.resolve_data(item)
+                offset = upload.size
+                if item.type == WriteItemType.BYTE_IO:
+                    if not isinstance(data, io.BytesIO):
+                        raise TypeError(f"DCP resolved BYTE_IO item {item.index.fqn!r} to {type(data).__name__}")
+                    upload.write([data.getbuffer()])
+                else:
+                    if not isinstance(data, torch.Tensor):
+                        raise TypeError(f"DCP resolved tensor item {item.index.fqn!r} to {type(data).__name__}")
+                    upload.write(encode_tensor(data, checksum=self.checksums).buffers())
+                length = upload.size - offset
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                )
+            upload.commit()
+        except BaseException as e:
+            upload.abort()
+            if isinstance(e, OSError) and not isinstance(e, DcpFsspecError):
+                raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
+            raise
+        return results
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    numel = 1
+    for s in item.tensor_data.size:
+        numel *= s
+    return numel * item.tensor_data.properties.dtype.itemsize
+
+
+# Below this much data per file, more files only add requests.
+_MIN_FILE_BYTES = 32 * MiB
+
+
+def _split_into_files(items: list[WriteItem], max_files: int) -> list[list[WriteItem]]:
+    """Balance items over files by size (largest first into the lightest file)."""
+    total = sum(_item_nbytes(i) for i in items)
+    n = max(1, min(max_files, total // _MIN_FILE_BYTES, len(items)))
+    bins: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for item in sorted(items, key=_item_nbytes, reverse=True):
+        k = sizes.index(min(sizes))
+        bins[k].append(item)
+        sizes[k] += _item_nbytes(item) or 1
+    return [b for b in bins if b]
