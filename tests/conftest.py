@@ -90,6 +90,7 @@ def shared_backend(request: pytest.FixtureRequest) -> Backend:
 
 @pytest.fixture(autouse=True)
 def _no_stray_env_changes() -> Iterator[None]:
-    before = dict(os.environ)
+    before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     yield
-    assert dict(os.environ) == before, "a test changed os.environ without restoring it"
+    after = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    assert after == before, "a test changed os.environ without restoring it"

@@ -1,0 +1,47 @@
+"""Small helpers shared by the storage tests: save/load through DCP, and DCP's error wrapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
+from tests.conftest import Backend
+
+
+def save(state: dict, backend: Backend, url: str | None = None, **options: Any) -> None:
+    writer = FsspecStorageWriter(url or backend.url, storage_options=backend.storage_options, **options)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def load(state: dict, backend: Backend, url: str | None = None, **options: Any) -> dict:
+    reader = FsspecStorageReader(url or backend.url, storage_options=backend.storage_options, **options)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+class Raised:
+    """The original exception once the block has raised (DCP's wrapper removed)."""
+
+    value: BaseException
+
+
+@contextmanager
+def raises_through_dcp(kind: type[BaseException]) -> Iterator[Raised]:
+    """Expect ``kind``, raised directly or inside DCP's ``CheckpointException`` (a BaseException)."""
+    raised = Raised()
+    try:
+        yield raised
+    except CheckpointException as e:
+        originals = [exc for exc, _trace in e.failures.values()]
+        matching = [exc for exc in originals if isinstance(exc, kind)]
+        assert matching, f"expected {kind.__name__}, DCP reported {originals!r}"
+        raised.value = matching[0]
+    except kind as e:
+        raised.value = e
+    else:
+        raise AssertionError(f"expected {kind.__name__}, nothing was raised")

@@ -1,0 +1,108 @@
+"""The shared round-trip suite: every test runs on every backend in conftest (local, memory, S3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter
+from tests.conftest import Backend
+from tests.helpers import load, raises_through_dcp, save
+from tests.states import assert_state_equal, empty_like_state, sample_state
+
+
+def test_round_trip_restores_every_entry_bitwise(backend: Backend) -> None:
+    state = sample_state()
+    save(state, backend)
+    loaded = load(empty_like_state(state), backend)
+    assert_state_equal(loaded, state)
+
+
+def test_checkpoint_is_data_files_plus_metadata(backend: Backend) -> None:
+    save(sample_state(), backend, files_per_rank=4)
+    names = sorted(p.rsplit("/", 1)[-1] for p in backend.fs.ls(backend.fs._strip_protocol(backend.url), detail=False))
+    assert names[0] == ".metadata"
+    assert names[1:] and all(n.startswith("__0_") and n.endswith(".distcp") for n in names[1:])
+
+
+def test_large_state_is_spread_over_several_files_that_all_load(backend: Backend) -> None:
+    gen = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randn(9 * 1024 * 1024, generator=gen) for i in range(4)}  # 4 × 36 MiB
+    save(state, backend, files_per_rank=4, part_size=5 * 1024 * 1024, max_inflight_bytes=16 * 1024 * 1024)
+    data_files = [p for p in backend.fs.ls(backend.fs._strip_protocol(backend.url), detail=False) if p.endswith(".distcp")]
+    assert len(data_files) == 4
+    loaded = load(empty_like_state(state), backend, window_bytes=8 * 1024 * 1024, max_request_bytes=3 * 1024 * 1024)
+    assert_state_equal(loaded, state)
+
+
+def test_reset_with_checkpoint_id_writes_to_that_url(backend: Backend) -> None:
+    state = {"w": torch.arange(10.0)}
+    writer = FsspecStorageWriter(backend.sub("first"), storage_options=backend.storage_options)
+    dcp.save(state, checkpoint_id=backend.sub("second"), storage_writer=writer, no_dist=True)
+    assert backend.fs.exists(backend.fs._strip_protocol(backend.sub("second", ".metadata")))
+    assert not backend.fs.exists(backend.fs._strip_protocol(backend.sub("first", ".metadata")))
+    reader = FsspecStorageReader(backend.sub("elsewhere"), storage_options=backend.storage_options)
+    target = {"w": torch.zeros(10)}
+    dcp.load(target, checkpoint_id=backend.sub("second"), storage_reader=reader, no_dist=True)
+    assert torch.equal(target["w"], state["w"])
+
+
+def test_saving_over_a_committed_checkpoint_raises_without_overwrite(backend: Backend) -> None:
+    save({"w": torch.ones(3)}, backend)
+    with raises_through_dcp(CheckpointExistsError) as raised:
+        save({"w": torch.zeros(3)}, backend)
+    assert backend.url in str(raised.value)
+    assert torch.equal(load({"w": torch.empty(3)}, backend)["w"], torch.ones(3))
+
+
+def test_overwrite_replaces_the_checkpoint(backend: Backend) -> None:
+    save({"w": torch.ones(3)}, backend)
+    save({"w": torch.full((3,), 7.0)}, backend, overwrite=True)
+    assert torch.equal(load({"w": torch.empty(3)}, backend)["w"], torch.full((3,), 7.0))
+
+
+def test_load_of_a_subset_and_of_resized_chunks_reads_what_is_needed(backend: Backend) -> None:
+    state = sample_state()
+    save(state, backend)
+    subset = {"matrix": torch.zeros(257, 129), "small": {"t4": torch.zeros(5)}}
+    loaded = load(subset, backend)
+    assert torch.equal(loaded["matrix"], state["matrix"])
+    assert torch.equal(loaded["small"]["t4"], state["small"]["t4"])
+
+
+def test_loading_without_checksum_verification_gives_the_same_state(backend: Backend) -> None:
+    state = sample_state()
+    save(state, backend, checksums=False)
+    assert_state_equal(load(empty_like_state(state), backend, verify_checksums=False), state)
+    assert_state_equal(load(empty_like_state(state), backend), state)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A real (gloo, world of 1) process group; DCP's process executor needs one."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the executor's own store: loopback only
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("executor", [AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS])
+def test_async_save_lands_a_loadable_checkpoint(
+    backend: Backend, executor: AsyncCheckpointerType, one_rank_group: None
+) -> None:
+    if executor is AsyncCheckpointerType.PROCESS and not backend.shared_between_processes:
+        pytest.skip("memory:// lives in one process; a background process cannot write to it")
+    state = sample_state()
+    writer = FsspecStorageWriter(backend.url, storage_options=backend.storage_options)
+    response = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=executor)
+    future = getattr(response, "upload_completion", response)
+    future.result(timeout=240)
+    assert_state_equal(load(empty_like_state(state), backend), state)
