@@ -79,9 +79,9 @@ class FsspecStorageReader(StorageReader):
         threads: int = 16,
     ) -> None:
         super().__init__()
+        self.location: Location = resolve(path, storage_options, fs)
         self.storage_options = dict(storage_options or {})
         self._fs_override = fs
-        self.location: Location = resolve(path, self.storage_options, fs)
         self.verify_checksums = verify_checksums
         self.window_bytes = window_bytes
         self.max_request_bytes = max_request_bytes
@@ -415,4 +415,4 @@ class _RecordDecoder:
             )
 
     def _fqns(self) -> str:
-        return ", ".join(sorted({i.storage_index.fqn for i in self.record.items}))
+        return ", ".join(repr(fqn) for fqn in sorted({i.storage_index.fqn for i in self.record.items}))

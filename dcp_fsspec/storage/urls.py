@@ -49,7 +49,9 @@ class Location:
         return posixpath.join(self.path, *names)
 
     def url_of(self, path: str) -> str:
-        """The full URL of a path on this filesystem, for messages."""
+        """The full URL of a path on this filesystem, for messages (in the form the user wrote)."""
+        if path == self.path or path.startswith(self.path.rstrip("/") + "/"):
+            return self.url.rstrip("/") + path[len(self.path.rstrip("/")) :]
         if isinstance(self.fs, LocalFileSystem):
             return path
         return str(self.fs.unstrip_protocol(path))

@@ -93,9 +93,9 @@ class FsspecStorageWriter(StorageWriter):
         super().__init__()
         if files_per_rank < 1:
             raise ValueError(f"files_per_rank must be at least 1, got {files_per_rank}")
+        self.location: Location = resolve(path, storage_options, fs)
         self.storage_options = dict(storage_options or {})
         self._fs_override = fs
-        self.location: Location = resolve(path, self.storage_options, fs)
         self.overwrite = overwrite
         self.files_per_rank = files_per_rank
         self.part_size = part_size
