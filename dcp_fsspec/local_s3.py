@@ -6,6 +6,7 @@ by the OS; nothing here listens on anything but loopback.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 ACCESS_KEY = "dcp-fsspec-local"
@@ -28,6 +29,8 @@ class LocalS3Server:
                 "the embedded S3 server needs moto; run `pip install 'moto[server]'` "
                 "(or `pip install 'dcp-fsspec[test]'`)"
             ) from e
+        # werkzeug logs every request at INFO; the demo's output is not the place for them.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
         host, port = self._server.get_host_and_port()
