@@ -1,0 +1,81 @@
+"""torch's per-tensor record format: what we encode is what torch.save writes, and we decode both."""
+
+from __future__ import annotations
+
+import io
+import zlib
+
+import pytest
+import torch
+
+from dcp_fsspec.storage.records import (
+    RecordFormatError,
+    descriptor_crc,
+    encode_tensor,
+    parse_layout,
+    storage_ready,
+    tensor_bytes,
+    tensor_from_record,
+)
+from tests.states import DTYPES, random_tensor
+
+GEN = torch.Generator().manual_seed(3)
+CASES = {
+    "matrix": torch.randn(10, 10, generator=GEN),
+    "transposed": torch.randn(3, 4, generator=GEN).t(),
+    "slice_of_larger_storage": torch.randn(100, generator=GEN)[10:20],
+    "empty": torch.zeros(0, 3),
+    "scalar": torch.tensor(3.5),
+    **{str(d): random_tensor((4, 3), d, GEN) for d in DTYPES},
+}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_encoded_record_is_a_torch_save_archive_with_the_data_crc(name: str) -> None:
+    tensor = CASES[name]
+    record = encode_tensor(tensor)
+    blob = b"".join(bytes(b) for b in record.buffers())
+    loaded = torch.load(io.BytesIO(blob), weights_only=True)
+    assert loaded.dtype == tensor.dtype and loaded.shape == tensor.shape
+    assert torch.equal(_bits(loaded), _bits(tensor))
+    layout = parse_layout(blob)
+    assert layout is not None
+    if tensor.numel():
+        assert descriptor_crc(blob[layout.data_end :]) == zlib.crc32(bytes(tensor_bytes(storage_ready(tensor))))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_records_written_by_torch_save_decode_without_torch_load(name: str) -> None:
+    tensor = CASES[name]
+    buffer = io.BytesIO()
+    torch.save(storage_ready(tensor), buffer)
+    blob = buffer.getvalue()
+    layout = parse_layout(blob)
+    assert layout is not None
+    decoded = tensor_from_record(blob, layout)
+    assert decoded.dtype == tensor.dtype and decoded.shape == tensor.shape
+    assert torch.equal(_bits(decoded), _bits(tensor))
+
+
+def test_parsing_a_prefix_asks_for_more_bytes_until_the_data_starts() -> None:
+    blob = b"".join(bytes(b) for b in encode_tensor(torch.randn(64)).buffers())
+    full = parse_layout(blob)
+    assert full is not None
+    for cut in range(0, full.data_start):
+        assert parse_layout(blob[:cut]) is None
+    assert parse_layout(blob[: full.data_start]) == full
+
+
+def test_bytes_that_are_not_a_record_are_refused() -> None:
+    with pytest.raises(RecordFormatError):
+        parse_layout(b"this is not a zip archive at all, not even close")
+
+
+def test_encoding_does_not_copy_a_contiguous_tensor() -> None:
+    tensor = torch.randn(1024)
+    record = encode_tensor(tensor)
+    assert torch.frombuffer(record.data, dtype=torch.float32).data_ptr() == tensor.data_ptr()
