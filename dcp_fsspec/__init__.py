@@ -6,6 +6,7 @@ Layers, bottom up: ``storage`` (DCP StorageWriter/StorageReader over fsspec) ←
 
 from __future__ import annotations
 
+from .checkpoint import Checkpointer
 from .errors import (
     CheckpointExistsError,
     CheckpointMismatchError,
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "Checkpointer",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "DcpFsspecError",

@@ -23,7 +23,7 @@ import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.serialization import skip_data
@@ -46,7 +46,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy().data).cast("B")
 
 
 def storage_ready(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedReco
     data = tensor_bytes(t)
     sink = _GapSink()
     with skip_data():
-        torch.save(t, sink)
+        torch.save(t, cast(IO[bytes], sink))
     # torch wrote everything but the storage bytes, leaving one hole of exactly their size.
     head, tail = bytearray(), bytearray()
     for pos, chunk in sorted(sink.writes, key=lambda w: w[0]):
@@ -346,7 +346,7 @@ def _skip_descriptor(buf: memoryview, pos: int) -> int | None:
     return pos + 16 if bytes(buf[pos + 16 : pos + 20]) == _LOCAL_HEADER else pos + 24
 
 
-def descriptor_crc(record_tail: bytes | memoryview) -> int:
+def descriptor_crc(record_tail: bytes | bytearray | memoryview) -> int:
     """The CRC-32 in the data descriptor that starts ``record_tail`` (right after data/0)."""
     if bytes(record_tail[:4]) != _DESCRIPTOR:
         raise RecordFormatError("no data descriptor after the tensor data")

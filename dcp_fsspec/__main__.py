@@ -1,0 +1,7 @@
+"""``python -m dcp_fsspec``: the command line (see :mod:`dcp_fsspec.cli`)."""
+
+from __future__ import annotations
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,14 @@
+"""The training-checkpoint layer: iterations of DCP checkpoints under one URL, and a pointer.
+
+Each module owns one piece, after Orbax's split: ``layout`` names the iteration folders and finds
+them; ``commit`` decides what makes an iteration committed and moves the
+``latest_checkpoint.txt`` pointer atomically; ``retention`` decides which old iterations to
+delete; ``state`` turns modules, optimizers, schedulers and dicts into DCP state dicts and back;
+``_collectives`` holds the few cross-rank steps; ``checkpointer`` composes them.
+"""
+
+from __future__ import annotations
+
+from .checkpointer import Checkpointer
+
+__all__ = ["Checkpointer"]

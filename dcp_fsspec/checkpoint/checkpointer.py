@@ -1,0 +1,400 @@
+"""The Checkpointer: save training state to any fsspec URL each k steps, and resume from it.
+
+It composes the pieces: ``state`` turns each keyword into a DCP state dict; every key is written
+by our ``FsspecStorageWriter`` into ``{save_dirname}/iter_…/{key}/``; ``commit`` marks the
+iteration committed and moves the pointer; ``retention`` deletes old iterations. A save is four
+small steps (stage, write every key, commit, retention) so that an asynchronous mode can run
+the middle two in the background without changing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    DcpFsspecError,
+    StorageError,
+)
+from ..storage.reader import FsspecStorageReader
+from ..storage.urls import Location, resolve
+from ..storage.writer import FsspecStorageWriter
+from . import commit, layout, retention
+from . import state as state_mod
+from ._collectives import Collectives
+
+logger = logging.getLogger(__name__)
+
+ASYNC_MODES = ("disabled",)
+OPTIMIZER_KEY = "optim"
+MODEL_KEY = "model"
+
+
+@dataclass(frozen=True)
+class _ResumePlan:
+    """What :meth:`Checkpointer.load` reads, decided on rank 0 and broadcast (plain strings)."""
+
+    source: str  # the iteration folder's URL, for messages
+    iteration: int
+    key_urls: dict[str, str]  # key → DCP checkpoint URL, in load order
+
+
+class Checkpointer:
+    """Saves and resumes training state under one URL, one folder per iteration.
+
+    Every rank calls every method except :meth:`latest_checkpoint`, which any rank may call
+    alone. Without an initialized process group it works in a single process.
+
+    Args:
+        save_dirname: where iterations go: any fsspec URL (``s3://bucket/run/ckpt``) or local path.
+        storage_options: fsspec options for ``save_dirname`` (credentials, endpoint).
+        async_mode: ``"disabled"``: :meth:`save` returns once the checkpoint is committed.
+        keep_last_n: keep this many newest committed iterations, delete older ones after each
+            save; ``None`` keeps everything.
+        load_path: initial weights for a run with nothing under ``save_dirname`` yet: an
+            iteration folder (``…/iter_000000100``), a ``save_dirname`` with a pointer, or a single
+            DCP checkpoint of the model.
+        load_storage_options: fsspec options for ``load_path``; default ``storage_options``.
+        load_training_state: with ``load_path``, load every key given to :meth:`load`, not only
+            ``model``, and return the iteration in the folder's name.
+        strict_resume: a key given to :meth:`load` that the checkpoint lacks is an error; with
+            False it is skipped (logged), and so are entries missing inside a key.
+        load_optimizer: False skips the ``optim`` key (and any other optimizer) on load.
+        keys_not_to_resume: keys :meth:`load` leaves as they are.
+        overwrite: allow saving an iteration that is already committed (it is deleted first).
+        process_group: the group the checkpoint spans; default: every rank.
+
+    Raises:
+        ValueError: an unknown ``async_mode``, or ``keep_last_n`` below 1.
+        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
+    """
+
+    def __init__(
+        self,
+        save_dirname: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        async_mode: str = "disabled",
+        keep_last_n: int | None = None,
+        load_path: str | os.PathLike[str] | None = None,
+        load_storage_options: dict[str, Any] | None = None,
+        load_training_state: bool = False,
+        strict_resume: bool = True,
+        load_optimizer: bool = True,
+        keys_not_to_resume: tuple[str, ...] | list[str] = (),
+        overwrite: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
+        if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1):
+            raise ValueError(f"keep_last_n must be None (keep all) or an int >= 1, got {keep_last_n!r}")
+        if isinstance(keys_not_to_resume, str):
+            raise TypeError(f"keys_not_to_resume must be a list of keys, got the string {keys_not_to_resume!r}")
+        self._root = resolve(save_dirname, storage_options)
+        self._storage_options = dict(storage_options or {})
+        self._load_storage_options = dict((storage_options if load_storage_options is None else load_storage_options) or {})
+        self._load_root = resolve(load_path, self._load_storage_options) if load_path is not None else None
+        self._async_mode = async_mode
+        self._keep_last_n = keep_last_n
+        self._load_training_state = load_training_state
+        self._strict_resume = strict_resume
+        self._load_optimizer = load_optimizer
+        self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
+        self._overwrite = overwrite
+        self._collectives = Collectives(process_group)
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """``save_dirname``, normalized (local paths made absolute)."""
+        return self._root.url
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, iteration: int, **state: Any) -> None:
+        """Save every keyword as ``{save_dirname}/iter_{iteration:09d}/{key}/`` and commit it.
+
+        Returns once the iteration is committed and the pointer names it (unless a newer one
+        was already named; the pointer never moves backwards).
+
+        Args:
+            iteration: the training iteration, >= 0.
+            **state: key → module, optimizer, scheduler, Stateful or dict (see ``state``).
+
+        Raises:
+            CheckpointExistsError: the iteration is committed already, or the pointer names a
+                newer one, and ``overwrite`` is False.
+            StorageError: the backend failed; nothing was committed.
+        """
+        self._check_open("save")
+        layout.format_iteration(iteration)
+        if not state:
+            raise ValueError("save() needs at least one key, e.g. save(iteration, model=model)")
+        keys = tuple(layout.check_key(k) for k in state)
+        staged = self._stage(state)
+        self._collectives.run_on_rank0(lambda: self._prepare_folder(iteration))
+        for key in keys:
+            self._write_key(iteration, key, staged[key])
+        self._commit(iteration, keys)
+        self._apply_retention(protected=(iteration,))
+
+    def _stage(self, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Every key's state dict; every rank learns if any rank failed, before any write."""
+        staged: dict[str, dict[str, Any]] = {}
+        error: Exception | None = None
+        try:
+            staged = {k: state_mod.state_dict_for(k, v, model=state.get(MODEL_KEY)) for k, v in state.items()}
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+        self._collectives.raise_if_any_failed(error)
+        return staged
+
+    def _prepare_folder(self, iteration: int) -> None:
+        """Rank 0: refuse to replace a committed iteration; clear leftovers of an uncommitted one."""
+        root = self._root
+        folder = root.url_of(layout.iteration_path(root, iteration))
+        latest = commit.read_pointer(root)
+        if latest is not None and latest > iteration and not self._overwrite:
+            raise CheckpointExistsError(
+                f"cannot save {folder}: {commit.pointer_url(root)} already names the newer "
+                f"{layout.format_iteration(latest)} and never moves backwards; save a later iteration, use "
+                "a new save_dirname, or pass overwrite=True to write it anyway (the pointer stays)"
+            )
+        record, reason = commit.inspect_iteration(root, iteration)
+        if record is not None and not self._overwrite:
+            raise CheckpointExistsError(
+                f"{folder} is already a committed checkpoint; save a different iteration, or pass "
+                "overwrite=True to replace it"
+            )
+        if record is not None:
+            logger.warning("overwriting the committed checkpoint %s", folder)
+        elif reason != "does not exist":
+            logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
+        if record is not None or reason != "does not exist":
+            commit.discard_iteration(root, iteration)
+
+    def _write_key(self, iteration: int, key: str, state_dict: dict[str, Any]) -> None:
+        url = self._root.url_of(layout.key_path(self._root, iteration, key))
+        writer = FsspecStorageWriter(url, storage_options=self._storage_options)
+        try:
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self._collectives.group,
+                no_dist=not self._collectives.distributed,
+            )
+        except CheckpointException as e:
+            raise _unwrap(e, f"saving key {key!r} to {url}", mismatch=False) from e
+
+    def _commit(self, iteration: int, keys: tuple[str, ...]) -> None:
+        """Every rank finished every key → rank 0 writes the commit record, then the pointer."""
+        self._collectives.raise_if_any_failed(None)
+
+        def on_rank0() -> None:
+            commit.commit_iteration(self._root, iteration, keys, self._collectives.world_size)
+            commit.write_pointer(self._root, iteration)
+            logger.info("committed %s", self._root.url_of(layout.iteration_path(self._root, iteration)))
+
+        self._collectives.run_on_rank0(on_rank0)
+
+    def _apply_retention(self, protected: tuple[int, ...]) -> None:
+        if self._keep_last_n is not None and self._collectives.rank == 0:
+            retention.apply_retention(self._root, self._keep_last_n, protected=protected)
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load(self, **state: Any) -> int:
+        """Restore every keyword in place and return the iteration to continue from.
+
+        In order: 1) the iteration ``latest_checkpoint.txt`` names under ``save_dirname``, every
+        key given that it saved; 2) else ``load_path`` (``model`` only, or every key with
+        ``load_training_state``); 3) else nothing: a fresh run, iteration 0.
+
+        Args:
+            **state: key → the live object to restore into, as for :meth:`save`.
+
+        Returns:
+            The iteration resumed (0 for a fresh run or for initial weights from ``load_path``).
+
+        Raises:
+            ValueError: ``keys_not_to_resume`` names a key not given here.
+            CheckpointNotFoundError: the pointer names a missing or uncommitted folder, or (with
+                ``strict_resume``) the checkpoint lacks a key given here.
+            CorruptCheckpointError: the pointer does not hold an iteration folder name.
+            CheckpointMismatchError: a key's tensors do not fit the live objects.
+        """
+        self._check_open("load")
+        for key in state:
+            layout.check_key(key)
+        unknown = sorted(set(self._keys_not_to_resume) - set(state))
+        if unknown:
+            raise ValueError(
+                f"keys_not_to_resume names {unknown}, which load() was not given (given: {sorted(state)}) "
+                f"for {self.url}; fix the key names"
+            )
+        wanted = [
+            k for k, v in state.items()
+            if k not in self._keys_not_to_resume
+            and (self._load_optimizer or (k != OPTIMIZER_KEY and not state_mod.is_optimizer(v)))
+        ]
+        plan = self._collectives.run_on_rank0(lambda: self._plan_resume(wanted))
+        if plan is None:
+            if self._collectives.rank == 0:
+                logger.info("no checkpoint under %s and no load_path: training from scratch", self.url)
+            return 0
+        # The model first: optimizers are restored by the names of its parameters.
+        for key in sorted(plan.key_urls, key=lambda k: k != MODEL_KEY):
+            self._load_key(key, plan.key_urls[key], state[key], model=state.get(MODEL_KEY))
+        if self._collectives.rank == 0:
+            logger.info("resumed %s from %s", sorted(plan.key_urls), plan.source)
+        return plan.iteration
+
+    def _plan_resume(self, wanted: list[str]) -> _ResumePlan | None:
+        """Rank 0: which folder and keys :meth:`load` reads (the resume rules), or None."""
+        root = self._root
+        latest = commit.read_pointer(root)
+        if latest is not None:
+            record = commit.require_committed(root, latest, named_by=commit.pointer_url(root))
+            return self._select_keys(root, latest, latest, wanted, record.keys)
+        if self._load_root is None:
+            return None
+        return self._plan_from_load_path(self._load_root, wanted)
+
+    def _plan_from_load_path(self, source: Location, wanted: list[str]) -> _ResumePlan:
+        keys = wanted if self._load_training_state else [k for k in wanted if k == MODEL_KEY]
+        if commit.exists(source, source.join(commit.METADATA_NAME)):
+            # A single DCP checkpoint: the model's weights, nothing else.
+            extra = [k for k in keys if k != MODEL_KEY]
+            if extra and self._strict_resume:
+                raise CheckpointNotFoundError(
+                    f"load_path {source.url} is a single DCP checkpoint (the model only), so it has no "
+                    f"{extra}; set load_training_state=False, or point load_path at an iteration folder"
+                )
+            return _ResumePlan(source.url, 0, {MODEL_KEY: source.url} if MODEL_KEY in keys else {})
+        pointed = commit.read_pointer(source)
+        if pointed is not None:
+            record = commit.require_committed(source, pointed, named_by=commit.pointer_url(source))
+            iteration = pointed if self._load_training_state else 0
+            return self._select_keys(source, pointed, iteration, keys, record.keys)
+        # An iteration folder: its keys are the subfolders with .metadata.
+        saved = tuple(k for k in keys if commit.exists(source, posixpath.join(source.join(k), commit.METADATA_NAME)))
+        if not saved:
+            raise CheckpointNotFoundError(
+                f"load_path {source.url} holds no DCP checkpoint of {keys} (no {commit.METADATA_NAME} "
+                "there nor in a key subfolder, and no latest_checkpoint.txt); check the URL"
+            )
+        iteration = 0
+        if self._load_training_state:
+            parsed = layout.parse_iteration(source.path)
+            if parsed is None:
+                logger.warning("load_path %s is not named iter_…; resuming at iteration 0", source.url)
+            iteration = parsed or 0
+        urls = {k: source.url_of(source.join(k)) for k in saved}
+        missing = [k for k in keys if k not in saved]
+        self._report_missing(missing, source.url, saved)
+        return _ResumePlan(source.url, iteration, urls)
+
+    def _select_keys(
+        self, root: Location, folder_iteration: int, iteration: int, wanted: list[str], saved: tuple[str, ...]
+    ) -> _ResumePlan:
+        folder = root.url_of(layout.iteration_path(root, folder_iteration))
+        self._report_missing([k for k in wanted if k not in saved], folder, saved)
+        urls = {k: root.url_of(layout.key_path(root, folder_iteration, k)) for k in wanted if k in saved}
+        return _ResumePlan(folder, iteration, urls)
+
+    def _report_missing(self, missing: list[str], folder: str, saved: tuple[str, ...]) -> None:
+        if not missing:
+            return
+        if self._strict_resume:
+            raise CheckpointNotFoundError(
+                f"checkpoint {folder} has no key(s) {missing} (it holds {sorted(saved)}); pass "
+                "strict_resume=False to skip them, or list them in keys_not_to_resume"
+            )
+        logger.info("checkpoint %s has no key(s) %s; they keep their current values", folder, missing)
+
+    def _load_key(self, key: str, url: str, value: Any, *, model: Any) -> None:
+        state_dict = state_mod.state_dict_for(key, value, model=model)
+        reader = FsspecStorageReader(url, storage_options=self._load_options_for(url))
+        try:
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=not self._strict_resume),
+                process_group=self._collectives.group,
+                no_dist=not self._collectives.distributed,
+            )
+        except CheckpointException as e:
+            raise _unwrap(e, f"loading key {key!r} from {url}", mismatch=True) from e
+        state_mod.restore(key, value, state_dict, model=model, strict=self._strict_resume)
+
+    def _load_options_for(self, url: str) -> dict[str, Any]:
+        under_save_dir = url == self._root.url or url.startswith(self._root.url.rstrip("/") + "/")
+        return self._storage_options if under_save_dir else self._load_storage_options
+
+    # -- inspection and lifetime --------------------------------------------------------------
+
+    def latest_checkpoint(self) -> str | None:
+        """The folder name the pointer holds (``"iter_000000010"``), or None before any save.
+
+        Any rank may call it alone. It does not check that the folder is committed.
+
+        Raises:
+            CorruptCheckpointError: the pointer does not hold an iteration folder name.
+        """
+        latest = commit.read_pointer(self._root)
+        return None if latest is None else layout.format_iteration(latest)
+
+    def committed_iterations(self) -> list[int]:
+        """Every committed iteration under ``save_dirname``, ascending. Any rank may call it."""
+        return commit.committed_iterations(self._root)
+
+    def finalize(self) -> None:
+        """Finish pending work and release resources; later saves and loads are errors.
+
+        Safe to call twice. The ``with`` statement calls it on exit.
+        """
+        if not self._closed:
+            self._closed = True
+            self._collectives.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.finalize()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"cannot {what}: the Checkpointer for {self.url} was finalized")
+
+
+def _unwrap(error: CheckpointException, action: str, *, mismatch: bool) -> Exception:
+    """One of our exceptions for DCP's per-rank ``CheckpointException``.
+
+    Our storage layer's own errors pass through unchanged; backend ``OSError``s become
+    ``StorageError``; anything else on load means the checkpoint does not fit the live objects.
+    """
+    ranks = sorted(error.failures)
+    first, _traceback = error.failures[ranks[0]]
+    if isinstance(first, DcpFsspecError):
+        return first
+    if isinstance(first, OSError):
+        cls: type[DcpFsspecError] = StorageError
+    else:
+        cls = CheckpointMismatchError if mismatch else DcpFsspecError
+    return cls(f"{action} failed on rank(s) {ranks}: {type(first).__name__}: {first}")

@@ -1,0 +1,272 @@
+"""What makes an iteration committed, and the ``latest_checkpoint.txt`` pointer.
+
+An iteration is *committed* when its folder holds a commit record (``.commit.json``, listing the
+keys saved) and every key it lists is a finished DCP checkpoint (has DCP's ``.metadata``). The
+record is written by rank 0 only after every rank finished every key, so a folder left by a
+crash at any point, even one whose keys all happen to be finished, is never taken for a
+checkpoint. The pointer names the newest committed iteration; it is written atomically (a temp
+file renamed over it on local disk, a single PUT on object stores and ``memory://``), only after
+the commit record, and never moves backwards. Deleting an iteration removes the record first,
+so a half-deleted folder is uncommitted rather than a damaged checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import tempfile
+import time
+from dataclasses import dataclass
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..storage.urls import Location
+from . import layout
+
+logger = logging.getLogger(__name__)
+
+POINTER_NAME = "latest_checkpoint.txt"
+COMMIT_RECORD_NAME = ".commit.json"
+METADATA_NAME = ".metadata"  # written by DCP's StorageWriter.finish, last, on the coordinator
+_RECORD_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What rank 0 writes into an iteration's folder once every rank finished every key."""
+
+    iteration: int
+    keys: tuple[str, ...]
+    world_size: int
+    saved_at: float  # seconds since the epoch, for humans and tools
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "format": _RECORD_FORMAT,
+                "iteration": self.iteration,
+                "keys": list(self.keys),
+                "world_size": self.world_size,
+                "saved_at": self.saved_at,
+            },
+            indent=1,
+        ).encode()
+
+
+def pointer_url(root: Location) -> str:
+    """The URL of ``root``'s pointer file, for messages."""
+    return root.url_of(root.join(POINTER_NAME))
+
+
+def exists(root: Location, path: str) -> bool:
+    """Whether ``path`` exists; unlike ``fs.exists``, a backend failure is an error, not False.
+
+    Treating a network error as "missing" would let retention delete a committed iteration.
+    """
+    root.fs.invalidate_cache(posixpath.dirname(path))
+    try:
+        root.fs.info(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise StorageError(f"cannot check {root.url_of(path)}: {e}") from e
+    return True
+
+
+def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
+    """The commit record of ``iteration``, or ``None`` when its folder has none.
+
+    Raises:
+        CorruptCheckpointError: the record exists but is not one we wrote.
+        StorageError: the backend failed.
+    """
+    path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
+    root.fs.invalidate_cache(posixpath.dirname(path))
+    try:
+        raw = root.fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(f"cannot read {root.url_of(path)}: {e}") from e
+    try:
+        doc = json.loads(raw)
+        keys = tuple(layout.check_key(k) for k in doc["keys"])
+        return CommitRecord(int(doc["iteration"]), keys, int(doc["world_size"]), float(doc["saved_at"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"commit record {root.url_of(path)} is unreadable ({e}); delete the folder "
+            f"{root.url_of(posixpath.dirname(path))} if that iteration is not needed"
+        ) from e
+
+
+def key_is_committed(root: Location, iteration: int, key: str) -> bool:
+    """Whether ``key`` of ``iteration`` is a finished DCP checkpoint (has ``.metadata``)."""
+    return exists(root, posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME))
+
+
+def inspect_iteration(root: Location, iteration: int) -> tuple[CommitRecord | None, str | None]:
+    """``(record, None)`` if ``iteration`` is committed, else ``(None, why not)`` in words."""
+    record = read_commit_record(root, iteration)
+    folder = layout.iteration_path(root, iteration)
+    if record is None:
+        if not exists(root, folder):
+            return None, "does not exist"
+        return None, f"has no {COMMIT_RECORD_NAME} (its save never finished)"
+    for key in record.keys:
+        if not key_is_committed(root, iteration, key):
+            return None, f"lacks {root.url_of(posixpath.join(folder, key, METADATA_NAME))}"
+    return record, None
+
+
+def is_committed(root: Location, iteration: int) -> bool:
+    """Whether ``iteration`` has a commit record and every key it lists has ``.metadata``."""
+    return inspect_iteration(root, iteration)[0] is not None
+
+
+def committed_iterations(root: Location) -> list[int]:
+    """The committed iterations under ``root``, ascending (``layout``'s finder, with our test)."""
+    return layout.find_iterations(root, committed=lambda iteration: is_committed(root, iteration))
+
+
+def require_committed(root: Location, iteration: int, *, named_by: str) -> CommitRecord:
+    """The commit record of ``iteration``, or a CheckpointNotFoundError naming ``named_by``.
+
+    Args:
+        root: the ``save_dirname`` location.
+        iteration: the iteration that must be committed.
+        named_by: what pointed at it (the pointer URL), so the message names both.
+    """
+    record, reason = inspect_iteration(root, iteration)
+    if record is None:
+        folder = root.url_of(layout.iteration_path(root, iteration))
+        committed = [layout.format_iteration(i) for i in committed_iterations(root)]
+        raise CheckpointNotFoundError(
+            f"{named_by} names {folder}, which {reason}; committed iterations there: "
+            f"{committed or 'none'}. Restore that folder, or rewrite {POINTER_NAME} to name a "
+            "committed iteration (or delete it to start over)"
+        )
+    return record
+
+
+def commit_iteration(root: Location, iteration: int, keys: tuple[str, ...], world_size: int) -> CommitRecord:
+    """Mark ``iteration`` committed once each of ``keys`` is a finished DCP checkpoint.
+
+    Called by rank 0 after every rank reported success, and before the pointer moves.
+
+    Raises:
+        CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
+    """
+    for key in keys:
+        if not key_is_committed(root, iteration, key):
+            url = root.url_of(layout.key_path(root, iteration, key))
+            raise CheckpointNotFoundError(
+                f"cannot commit {root.url_of(layout.iteration_path(root, iteration))}: key {key!r} at "
+                f"{url} has no {METADATA_NAME}, so its save did not finish; save the iteration again"
+            )
+    record = CommitRecord(iteration, tuple(keys), world_size, time.time())
+    path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
+    write_atomically(root, path, record.to_json())
+    return record
+
+
+def discard_iteration(root: Location, iteration: int) -> None:
+    """Delete ``iteration``'s folder, uncommitting it first.
+
+    Raises:
+        StorageError: the backend failed; the folder may be half deleted, but it is no longer
+            committed, so retention retries it at the next save.
+    """
+    folder = layout.iteration_path(root, iteration)
+    record = posixpath.join(folder, COMMIT_RECORD_NAME)
+    try:
+        if exists(root, record):
+            root.fs.rm_file(record)
+        if exists(root, folder):
+            root.fs.rm(folder, recursive=True)
+    except OSError as e:
+        raise StorageError(f"cannot delete {root.url_of(folder)}: {e}") from e
+    root.fs.invalidate_cache(folder)
+
+
+def read_pointer(root: Location) -> int | None:
+    """The iteration ``latest_checkpoint.txt`` names, or ``None`` when there is no pointer.
+
+    Trailing whitespace and newlines are accepted.
+
+    Raises:
+        CorruptCheckpointError: the pointer is empty or does not hold an iteration folder name.
+        StorageError: the backend failed.
+    """
+    path = root.join(POINTER_NAME)
+    root.fs.invalidate_cache(root.path)
+    try:
+        raw = root.fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(f"cannot read {pointer_url(root)}: {e}") from e
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text = repr(raw[:40])
+    iteration = layout.parse_iteration(text) if "/" not in text else None
+    if iteration is None:
+        raise CorruptCheckpointError(
+            f"{pointer_url(root)} holds {text[:60]!r}, not an iteration folder name like "
+            f"{layout.format_iteration(5)!r}; write the name of a committed iteration into it, or delete "
+            "it to start over"
+        )
+    return iteration
+
+
+def write_pointer(root: Location, iteration: int) -> bool:
+    """Point ``latest_checkpoint.txt`` at ``iteration``, atomically; never move it backwards.
+
+    Returns:
+        True if the pointer now names ``iteration``; False if it names a newer one and was left
+        alone.
+    """
+    current = read_pointer(root)
+    if current is not None and current > iteration:
+        logger.warning(
+            "%s names %s, newer than %s; the pointer does not move backwards",
+            pointer_url(root), layout.format_iteration(current), layout.format_iteration(iteration),
+        )
+        return False
+    if current != iteration:
+        write_atomically(root, root.join(POINTER_NAME), (layout.format_iteration(iteration) + "\n").encode())
+    return True
+
+
+def write_atomically(root: Location, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix.
+
+    On local disk: a temp file in the same folder, fsynced, renamed over ``path``. Elsewhere a
+    single ``pipe_file``, which object stores (S3, GCS, Azure) and ``memory://`` apply atomically.
+    """
+    try:
+        if root.is_local:
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+            dir_fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # make the rename itself durable
+            finally:
+                os.close(dir_fd)
+        else:
+            root.fs.pipe_file(path, data)
+    except OSError as e:
+        raise StorageError(f"cannot write {root.url_of(path)}: {e}") from e
+    root.fs.invalidate_cache(posixpath.dirname(path))

@@ -1,0 +1,93 @@
+"""Where iterations live under ``save_dirname``: folder names, and finding the folders.
+
+An iteration's folder is ``iter_`` and the iteration zero-padded to nine digits
+(``iter_000000005``); every key saved with it is a DCP checkpoint in a subfolder
+(``iter_000000005/model/``). This module owns the one regex for those names. It does not know
+what makes a folder *committed* (``commit`` does), so its finder takes that test as an argument:
+callers must say what they mean, and a half-written folder is never found by accident.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from collections.abc import Callable
+
+from ..errors import StorageError
+from ..storage.urls import Location
+
+ITERATION_PREFIX = "iter_"
+_ITERATION_DIGITS = 9
+_ITERATION_RE = re.compile(r"iter_(\d{9,})")
+# Key names become folder names on every backend, so they stay portable and never collide with
+# DCP's hidden ``.metadata`` or with our own hidden files.
+_KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def format_iteration(iteration: int) -> str:
+    """The folder name of ``iteration`` (``5`` → ``"iter_000000005"``).
+
+    Raises:
+        ValueError: ``iteration`` is negative or not an int.
+    """
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
+    return f"{ITERATION_PREFIX}{iteration:0{_ITERATION_DIGITS}d}"
+
+
+def parse_iteration(name: str) -> int | None:
+    """The iteration named by a folder name or path (its last component), or ``None``."""
+    match = _ITERATION_RE.fullmatch(posixpath.basename(name.rstrip("/")))
+    return int(match.group(1)) if match else None
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it can be a folder name of a saved key, else raise ValueError."""
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(
+            f"checkpoint key {key!r} cannot be a folder name; use letters, digits, '_', '-', '.' "
+            "and do not start with '.' or '-'"
+        )
+    return key
+
+
+def iteration_path(root: Location, iteration: int) -> str:
+    """The path of ``iteration``'s folder under ``root``."""
+    return root.join(format_iteration(iteration))
+
+
+def key_path(root: Location, iteration: int, key: str) -> str:
+    """The path of one saved key (a DCP checkpoint folder) of ``iteration``."""
+    return root.join(format_iteration(iteration), key)
+
+
+def list_iterations(root: Location) -> list[int]:
+    """Every iteration that has a folder under ``root``, committed or not, ascending.
+
+    Raises:
+        StorageError: listing ``root`` failed for a reason other than it not existing.
+    """
+    # A listing cached by an earlier call (s3fs caches them) would hide other ranks' writes.
+    root.fs.invalidate_cache(root.path)
+    try:
+        entries = root.fs.ls(root.path, detail=True)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise StorageError(f"cannot list checkpoints under {root.url}: {e}") from e
+    found = set()
+    for entry in entries:
+        iteration = parse_iteration(entry["name"])
+        if iteration is not None and entry.get("type") == "directory":
+            found.add(iteration)
+    return sorted(found)
+
+
+def find_iterations(root: Location, *, committed: Callable[[int], bool]) -> list[int]:
+    """The iterations under ``root`` for which ``committed`` is true, ascending.
+
+    Args:
+        root: the ``save_dirname`` location.
+        committed: the commit test, usually ``functools.partial(commit.is_committed, root)``.
+    """
+    return [iteration for iteration in list_iterations(root) if committed(iteration)]

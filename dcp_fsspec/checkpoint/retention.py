@@ -1,0 +1,74 @@
+"""Deleting old iterations (``keep_last_n``) without ever failing a save.
+
+The plan is a pure function of what is on storage, so it is easy to reason about: keep the
+newest N committed iterations at or below the pointer, the one the pointer names, and any being
+written; delete every other folder older than the pointer. That includes uncommitted folders
+older than the pointer: they are debris of failed saves or of earlier deletions that failed
+half way (``commit.discard_iteration`` uncommits first), which is how a failed delete is retried
+at the next save without remembering anything between saves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable
+
+from ..errors import DcpFsspecError
+from ..storage.urls import Location
+from . import commit, layout
+
+logger = logging.getLogger(__name__)
+
+
+def plan_deletions(
+    iterations: Iterable[int],
+    committed: Iterable[int],
+    *,
+    keep_last_n: int,
+    latest: int | None,
+    protected: Collection[int] = (),
+) -> list[int]:
+    """The iterations to delete, ascending.
+
+    Args:
+        iterations: every iteration folder under ``save_dirname``, committed or not.
+        committed: the committed ones among them.
+        keep_last_n: how many committed iterations (at or below ``latest``) to keep, >= 1.
+        latest: the iteration the pointer names; nothing is deleted without a pointer.
+        protected: iterations never to delete (those being written).
+    """
+    if keep_last_n < 1:
+        raise ValueError(f"keep_last_n must be >= 1, got {keep_last_n}")
+    if latest is None:
+        return []
+    kept = sorted(i for i in committed if i <= latest)[-keep_last_n:]
+    keep = set(kept) | {latest} | set(protected)
+    return sorted(i for i in set(iterations) if i < latest and i not in keep)
+
+
+def apply_retention(root: Location, keep_last_n: int, *, protected: Collection[int] = ()) -> list[int]:
+    """Delete what :func:`plan_deletions` says; failures are logged, never raised.
+
+    Returns:
+        The iterations deleted. One that failed to delete is retried at the next call.
+    """
+    try:
+        iterations = layout.list_iterations(root)
+        committed = [i for i in iterations if commit.is_committed(root, i)]
+        plan = plan_deletions(
+            iterations, committed, keep_last_n=keep_last_n, latest=commit.read_pointer(root), protected=protected
+        )
+    except (OSError, DcpFsspecError) as e:
+        logger.warning("retention skipped under %s (retried at the next save): %s", root.url, e)
+        return []
+    deleted = []
+    for iteration in plan:
+        try:
+            commit.discard_iteration(root, iteration)
+        except (OSError, DcpFsspecError) as e:
+            logger.warning("could not delete %s (retried at the next save): %s", layout.format_iteration(iteration), e)
+            continue
+        deleted.append(iteration)
+    if deleted:
+        logger.info("deleted %s under %s (keep_last_n=%d)", [layout.format_iteration(i) for i in deleted], root.url, keep_last_n)
+    return deleted
