@@ -105,6 +105,25 @@ def key_is_committed(root: Location, iteration: int, key: str) -> bool:
     return exists(root, posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME))
 
 
+def unfinished_keys(root: Location, iteration: int, keys: tuple[str, ...]) -> list[str]:
+    """The ``keys`` of ``iteration`` that have no ``.metadata``, in one listing where possible.
+
+    One recursive listing is one request on object stores, against one per key. fsspec's
+    generic listing skips folders it fails to read, though, so each absence it reports is
+    confirmed with a check that raises on failure: an error never reads as "missing".
+    """
+    folder = layout.iteration_path(root, iteration)
+    root.fs.invalidate_cache(folder)
+    try:
+        listed = set(root.fs.find(folder))
+    except FileNotFoundError:
+        listed = set()
+    except OSError as e:
+        raise StorageError(f"cannot list {root.url_of(folder)}: {e}") from e
+    absent = [k for k in keys if posixpath.join(folder, k, METADATA_NAME) not in listed]
+    return [k for k in absent if not key_is_committed(root, iteration, k)]
+
+
 def inspect_iteration(root: Location, iteration: int) -> tuple[CommitRecord | None, str | None]:
     """``(record, None)`` if ``iteration`` is committed, else ``(None, why not)`` in words."""
     record = read_commit_record(root, iteration)
@@ -113,9 +132,9 @@ def inspect_iteration(root: Location, iteration: int) -> tuple[CommitRecord | No
         if not exists(root, folder):
             return None, "does not exist"
         return None, f"has no {COMMIT_RECORD_NAME} (its save never finished)"
-    for key in record.keys:
-        if not key_is_committed(root, iteration, key):
-            return None, f"lacks {root.url_of(posixpath.join(folder, key, METADATA_NAME))}"
+    unfinished = unfinished_keys(root, iteration, record.keys)
+    if unfinished:
+        return None, f"lacks {root.url_of(posixpath.join(folder, unfinished[0], METADATA_NAME))}"
     return record, None
 
 
@@ -157,13 +176,12 @@ def commit_iteration(root: Location, iteration: int, keys: tuple[str, ...], worl
     Raises:
         CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
     """
-    for key in keys:
-        if not key_is_committed(root, iteration, key):
-            url = root.url_of(layout.key_path(root, iteration, key))
-            raise CheckpointNotFoundError(
-                f"cannot commit {root.url_of(layout.iteration_path(root, iteration))}: key {key!r} at "
-                f"{url} has no {METADATA_NAME}, so its save did not finish; save the iteration again"
-            )
+    for key in unfinished_keys(root, iteration, keys):
+        url = root.url_of(layout.key_path(root, iteration, key))
+        raise CheckpointNotFoundError(
+            f"cannot commit {root.url_of(layout.iteration_path(root, iteration))}: key {key!r} at "
+            f"{url} has no {METADATA_NAME}, so its save did not finish; save the iteration again"
+        )
     record = CommitRecord(iteration, tuple(keys), world_size, time.time())
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
     write_atomically(root, path, record.to_json())
@@ -182,8 +200,12 @@ def discard_iteration(root: Location, iteration: int) -> None:
     try:
         if exists(root, record):
             root.fs.rm_file(record)
-        if exists(root, folder):
+        try:
             root.fs.rm(folder, recursive=True)
+        except FileNotFoundError:
+            pass  # already gone
+    except StorageError:
+        raise
     except OSError as e:
         raise StorageError(f"cannot delete {root.url_of(folder)}: {e}") from e
     root.fs.invalidate_cache(folder)

@@ -53,11 +53,16 @@ def apply_retention(root: Location, keep_last_n: int, *, protected: Collection[i
         The iterations deleted. One that failed to delete is retried at the next call.
     """
     try:
+        latest = commit.read_pointer(root)
         iterations = layout.list_iterations(root)
-        committed = [i for i in iterations if commit.is_committed(root, i)]
-        plan = plan_deletions(
-            iterations, committed, keep_last_n=keep_last_n, latest=commit.read_pointer(root), protected=protected
-        )
+        # Only the newest N committed ones matter, and each check costs requests: stop there.
+        committed: list[int] = []
+        for iteration in sorted((i for i in iterations if latest is not None and i <= latest), reverse=True):
+            if len(committed) == keep_last_n:
+                break
+            if commit.is_committed(root, iteration):
+                committed.append(iteration)
+        plan = plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
     except (OSError, DcpFsspecError) as e:
         logger.warning("retention skipped under %s (retried at the next save): %s", root.url, e)
         return []
