@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dcp-fsspec", description="torch.distributed.checkpoint on any fsspec URL, and a training checkpointer."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the checkpointer does")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser(
         "demo",
         help="train a small model, checkpoint to an embedded S3, resume in a fresh process, compare bitwise",

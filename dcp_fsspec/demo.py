@@ -64,7 +64,7 @@ class Trainer:
         self.teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(seed + 1))
         self.data = torch.Generator().manual_seed(seed + 2)
         # What the model's state does not cover: the step and the data stream's position.
-        self.state = {"step": 0, "data_rng": self.data.get_state()}
+        self.state: dict[str, Any] = {"step": 0, "data_rng": self.data.get_state()}
 
     def keys(self) -> dict[str, Any]:
         """The keywords for Checkpointer.save/load."""

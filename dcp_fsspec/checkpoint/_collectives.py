@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -54,7 +54,7 @@ class Collectives:
             dist.broadcast_object_list(outcome, group=self.group, group_src=0)
         if outcome[1] is not None:
             raise outcome[1]
-        return outcome[0]  # type: ignore[no-any-return]
+        return cast(T, outcome[0])
 
     def raise_if_any_failed(self, error: Exception | None) -> None:
         """Agree on success: if any rank passes an error, every rank raises one.

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import (
@@ -48,7 +48,8 @@ class _ResumePlan:
 
     source: str  # the iteration folder's URL, for messages
     iteration: int
-    key_urls: dict[str, str]  # key → DCP checkpoint URL, in load order
+    key_urls: dict[str, str]  # key → DCP checkpoint URL
+    from_load_path: bool  # read with load_storage_options rather than storage_options
 
 
 class Checkpointer:
@@ -256,8 +257,9 @@ class Checkpointer:
                 logger.info("no checkpoint under %s and no load_path: training from scratch", self.url)
             return 0
         # The model first: optimizers are restored by the names of its parameters.
+        options = self._load_storage_options if plan.from_load_path else self._storage_options
         for key in sorted(plan.key_urls, key=lambda k: k != MODEL_KEY):
-            self._load_key(key, plan.key_urls[key], state[key], model=state.get(MODEL_KEY))
+            self._load_key(key, plan.key_urls[key], options, state[key], model=state.get(MODEL_KEY))
         if self._collectives.rank == 0:
             logger.info("resumed %s from %s", sorted(plan.key_urls), plan.source)
         return plan.iteration
@@ -268,7 +270,7 @@ class Checkpointer:
         latest = commit.read_pointer(root)
         if latest is not None:
             record = commit.require_committed(root, latest, named_by=commit.pointer_url(root))
-            return self._select_keys(root, latest, latest, wanted, record.keys)
+            return self._select_keys(root, latest, latest, wanted, record.keys, from_load_path=False)
         if self._load_root is None:
             return None
         return self._plan_from_load_path(self._load_root, wanted)
@@ -276,19 +278,19 @@ class Checkpointer:
     def _plan_from_load_path(self, source: Location, wanted: list[str]) -> _ResumePlan:
         keys = wanted if self._load_training_state else [k for k in wanted if k == MODEL_KEY]
         if commit.exists(source, source.join(commit.METADATA_NAME)):
-            # A single DCP checkpoint: the model's weights, nothing else.
-            extra = [k for k in keys if k != MODEL_KEY]
-            if extra and self._strict_resume:
-                raise CheckpointNotFoundError(
-                    f"load_path {source.url} is a single DCP checkpoint (the model only), so it has no "
-                    f"{extra}; set load_training_state=False, or point load_path at an iteration folder"
-                )
-            return _ResumePlan(source.url, 0, {MODEL_KEY: source.url} if MODEL_KEY in keys else {})
+            # A single DCP checkpoint: taken to be the model's weights, and nothing else.
+            self._report_missing(
+                [k for k in keys if k != MODEL_KEY],
+                f"load_path {source.url}, a single DCP checkpoint taken as the model,",
+                (MODEL_KEY,),
+                fix="set load_training_state=False, or point load_path at an iteration folder",
+            )
+            return _ResumePlan(source.url, 0, {MODEL_KEY: source.url} if MODEL_KEY in keys else {}, True)
         pointed = commit.read_pointer(source)
         if pointed is not None:
             record = commit.require_committed(source, pointed, named_by=commit.pointer_url(source))
             iteration = pointed if self._load_training_state else 0
-            return self._select_keys(source, pointed, iteration, keys, record.keys)
+            return self._select_keys(source, pointed, iteration, keys, record.keys, from_load_path=True)
         # An iteration folder: its keys are the subfolders with .metadata.
         saved = tuple(k for k in keys if commit.exists(source, posixpath.join(source.join(k), commit.METADATA_NAME)))
         if not saved:
@@ -305,29 +307,37 @@ class Checkpointer:
         urls = {k: source.url_of(source.join(k)) for k in saved}
         missing = [k for k in keys if k not in saved]
         self._report_missing(missing, source.url, saved)
-        return _ResumePlan(source.url, iteration, urls)
+        return _ResumePlan(source.url, iteration, urls, True)
 
     def _select_keys(
-        self, root: Location, folder_iteration: int, iteration: int, wanted: list[str], saved: tuple[str, ...]
+        self,
+        root: Location,
+        folder_iteration: int,
+        iteration: int,
+        wanted: list[str],
+        saved: tuple[str, ...],
+        *,
+        from_load_path: bool,
     ) -> _ResumePlan:
         folder = root.url_of(layout.iteration_path(root, folder_iteration))
         self._report_missing([k for k in wanted if k not in saved], folder, saved)
         urls = {k: root.url_of(layout.key_path(root, folder_iteration, k)) for k in wanted if k in saved}
-        return _ResumePlan(folder, iteration, urls)
+        return _ResumePlan(folder, iteration, urls, from_load_path)
 
-    def _report_missing(self, missing: list[str], folder: str, saved: tuple[str, ...]) -> None:
+    def _report_missing(self, missing: list[str], where: str, saved: tuple[str, ...], *, fix: str = "") -> None:
+        """Keys given to load() that the checkpoint lacks: an error if strict, else a log line."""
         if not missing:
             return
         if self._strict_resume:
             raise CheckpointNotFoundError(
-                f"checkpoint {folder} has no key(s) {missing} (it holds {sorted(saved)}); pass "
-                "strict_resume=False to skip them, or list them in keys_not_to_resume"
+                f"checkpoint {where} has no key(s) {missing} (it holds {sorted(saved)}); "
+                f"{fix or 'pass strict_resume=False to skip them, or list them in keys_not_to_resume'}"
             )
-        logger.info("checkpoint %s has no key(s) %s; they keep their current values", folder, missing)
+        logger.info("checkpoint %s has no key(s) %s; they keep their current values", where, missing)
 
-    def _load_key(self, key: str, url: str, value: Any, *, model: Any) -> None:
+    def _load_key(self, key: str, url: str, storage_options: dict[str, Any], value: Any, *, model: Any) -> None:
         state_dict = state_mod.state_dict_for(key, value, model=model)
-        reader = FsspecStorageReader(url, storage_options=self._load_options_for(url))
+        reader = FsspecStorageReader(url, storage_options=storage_options)
         try:
             dcp.load(
                 state_dict,
@@ -339,10 +349,6 @@ class Checkpointer:
         except CheckpointException as e:
             raise _unwrap(e, f"loading key {key!r} from {url}", mismatch=True) from e
         state_mod.restore(key, value, state_dict, model=model, strict=self._strict_resume)
-
-    def _load_options_for(self, url: str) -> dict[str, Any]:
-        under_save_dir = url == self._root.url or url.startswith(self._root.url.rstrip("/") + "/")
-        return self._storage_options if under_save_dir else self._load_storage_options
 
     # -- inspection and lifetime --------------------------------------------------------------
 

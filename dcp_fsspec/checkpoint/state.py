@@ -45,7 +45,7 @@ def _all_of(value: Any, kind: type) -> list[Any] | None:
 def _statefuls(value: Any) -> list[Any] | None:
     # Modules and optimizers are Stateful too (they have state_dict/load_state_dict); callers
     # test for them first, because their plain state_dict() does not reshard.
-    return _all_of(value, Stateful)  # type: ignore[type-abstract]
+    return _all_of(value, Stateful)
 
 
 def is_optimizer(value: Any) -> bool:
