@@ -167,7 +167,7 @@ def render(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
     out = [
         "# dcp_fsspec benchmarks",
         "",
-        f"{meta.get('date', '?')} · {m.get('cpu')} · {m.get('cores')} cores · {m.get('ram')} RAM"
+        f"{meta.get('date', '?')} · commit {meta.get('commit')} · {m.get('cpu')} · {m.get('cores')} cores · {m.get('ram')} RAM"
         f" · {m.get('os')} · Python {m.get('python')} · torch {m.get('torch')} · fsspec "
         f"{m.get('fsspec')} · s3fs {m.get('s3fs')} · moto {m.get('moto')} · s3torchconnector "
         f"{m.get('s3torchconnector')}",

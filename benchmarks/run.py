@@ -197,6 +197,18 @@ def drop_page_cache(root: str) -> None:
                 os.close(fd)
 
 
+def git_revision() -> str | None:
+    """The commit the run measured, ``+dirty`` with uncommitted changes; None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty.strip() else "")
+
+
 def _text(b: bytes | str | None) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
@@ -262,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: {n}", file=sys.stderr, flush=True)
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    revision = git_revision()
     server = CountingS3Server(lean_complete=args.moto_complete == "lean").start()
     local_root = tempfile.mkdtemp(prefix="dcp-fsspec-bench-", dir=args.local_dir)
     runner = Runner(args, server, local_root)
@@ -286,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
 
     meta = {
         "date": started.isoformat(timespec="seconds"),
+        "commit": revision,
         "machine": report.machine(),
         "args": vars(args),
         "impls": {i: IMPLS[i].label for i in impls},

@@ -104,11 +104,18 @@ class _CountingInput:
 class CountingApp:
     """WSGI middleware around moto: counters per operation, and the fast range path."""
 
+    # Stock moto reads the whole object into memory for every GET, before it answers; this
+    # many may do so at once, so that clients splitting a read into many concurrent ranged
+    # GETs (s3torchconnector's CRT client) cannot hold one object copy per connection. The
+    # work is under the GIL either way.
+    WHOLE_OBJECT_GETS = 2
+
     def __init__(self, app: Callable[..., Iterable[bytes]], fast_ranges: bool = True) -> None:
         self.app = app
         self.fast_ranges = fast_ranges
         self._lock = threading.Lock()
         self._ops: dict[str, dict[str, float]] = {}
+        self._whole_object_gets = threading.BoundedSemaphore(self.WHOLE_OBJECT_GETS)
 
     def counters(self) -> dict[str, dict[str, float]]:
         with self._lock:
@@ -135,7 +142,14 @@ class CountingApp:
             environ["wsgi.input"], lambda n: self._add(op, "bytes_in", n)
         )
         ranged = self._serve_range(environ, start_response) if self.fast_ranges else None
-        body = self.app(environ, start_response) if ranged is None else ranged
+        if ranged is not None:
+            body: Iterable[bytes] = ranged
+        elif op.startswith("GetObject"):
+            # moto builds the whole answer inside this call; the body left is the bytes to send.
+            with self._whole_object_gets:
+                body = self.app(environ, start_response)
+        else:
+            body = self.app(environ, start_response)
         return self._count_out(op, started, body)
 
     def _count_out(self, op: str, started: float, body: Iterable[bytes]) -> Iterator[bytes]:
