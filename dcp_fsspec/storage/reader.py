@@ -34,9 +34,9 @@ from ..errors import (
     DcpFsspecError,
     StorageError,
 )
-from .fetch import Span, fetch_in_order, plan_spans
+from .fetch import fetch_in_order, plan_spans
 from .records import RecordFormatError, RecordLayout, descriptor_crc, parse_layout, tensor_bytes, tensor_from_record
-from .urls import Location, is_known_scheme, normalize_url, resolve
+from .urls import Location, is_checkpoint_url, resolve
 from .writer import metadata_file_name
 
 MiB = 1024 * 1024
@@ -193,10 +193,7 @@ class FsspecStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a local path or a URL whose scheme fsspec knows."""
-        try:
-            return is_known_scheme(normalize_url(checkpoint_id))
-        except (DcpFsspecError, TypeError):
-            return False
+        return is_checkpoint_url(checkpoint_id)
 
     # --- internals --------------------------------------------------------------------------
 

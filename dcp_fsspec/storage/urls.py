@@ -90,6 +90,14 @@ def is_known_scheme(url: str) -> bool:
     return True
 
 
+def is_checkpoint_url(url: object) -> bool:
+    """Whether ``url`` is a local path or a URL whose every scheme fsspec knows (DCP's check)."""
+    try:
+        return is_known_scheme(normalize_url(url))  # type: ignore[arg-type]
+    except (InvalidURLError, TypeError):
+        return False
+
+
 def resolve(
     url: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from .records import encode_tensor
 from .uploads import ByteBudget, FileUpload, fsync_dir, upload_factory, write_whole_file
-from .urls import Location, is_known_scheme, normalize_url, resolve
+from .urls import Location, is_checkpoint_url, resolve
 
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -199,10 +199,7 @@ class FsspecStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` is a local path or a URL whose scheme fsspec knows."""
-        try:
-            return is_known_scheme(normalize_url(checkpoint_id))
-        except (DcpFsspecError, TypeError):
-            return False
+        return is_checkpoint_url(checkpoint_id)
 
     # --- internals --------------------------------------------------------------------------
 
