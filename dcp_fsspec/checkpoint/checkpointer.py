@@ -74,7 +74,8 @@ class Checkpointer:
             False it is skipped (logged), and so are entries missing inside a key.
         load_optimizer: False skips the ``optim`` key (and any other optimizer) on load.
         keys_not_to_resume: keys :meth:`load` leaves as they are.
-        overwrite: allow saving an iteration that is already committed (it is deleted first).
+        overwrite: allow saving an iteration that is already committed. It is deleted first, so
+            if that save then dies, the pointer may name a missing folder and :meth:`load` says so.
         process_group: the group the checkpoint spans; default: every rank.
 
     Raises:
@@ -139,6 +140,8 @@ class Checkpointer:
             CheckpointExistsError: the iteration is committed already, or the pointer names a
                 newer one, and ``overwrite`` is False.
             StorageError: the backend failed; nothing was committed.
+            ValueError, TypeError: a bad iteration, key name or value (on every rank, before
+                anything is written).
         """
         self._check_open("save")
         layout.format_iteration(iteration)
