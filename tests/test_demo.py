@@ -57,10 +57,16 @@ def test_demo_refuses_a_url_that_already_holds_checkpoints(tmp_path: Path) -> No
     assert str(tmp_path / "ckpt") in str(info.value.code)
 
 
+def test_demo_refuses_memory_urls_which_a_fresh_process_cannot_see() -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["demo", "--url", "memory://demo/ckpt"])
+    assert "memory://demo/ckpt" in str(info.value.code)
+
+
 @pytest.mark.parametrize("options", ["[1, 2]", "{not json"])
 def test_demo_rejects_storage_options_that_are_not_a_json_object(options: str) -> None:
     with pytest.raises(SystemExit) as info:
-        cli.main(["demo", "--url", "memory://x", "--storage-options", options])
+        cli.main(["demo", "--url", "s3://bucket/x", "--storage-options", options])
     assert "--storage-options" in str(info.value.code)
 
 
