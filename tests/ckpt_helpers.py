@@ -10,12 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  (see below)
 from torch import nn
-
-# torch puts TORCHINDUCTOR_CACHE_DIR into os.environ the first time torch._dynamo is imported,
-# which the first optimizer.step() of a process does; importing it here, at collection, keeps
-# conftest's os.environ guard from blaming whichever test happens to run first.
 
 
 class Training:

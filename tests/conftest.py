@@ -17,6 +17,11 @@ from typing import Any
 import fsspec
 import pytest
 
+# torch sets TORCHINDUCTOR_CACHE_DIR in os.environ the first time torch._dynamo is imported
+# (the first optimizer.step() of a process does it); importing it before any test keeps the
+# os.environ guard below from blaming whichever test happens to run first.
+import torch._dynamo  # noqa: F401
+
 from dcp_fsspec.local_s3 import LocalS3Server
 
 
