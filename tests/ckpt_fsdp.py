@@ -36,6 +36,7 @@ class Phase:
     save_every: int
     seed: int = 0
     reference_steps: int = 0  # > 0: first train this far without checkpoints, dump to out_file + ".ref"
+    async_mode: str = "disabled"
 
 
 class FsdpTraining:
@@ -98,7 +99,7 @@ def run_phase(rank: int, phase: Phase) -> None:
                 torch.save(state, phase.out_file + ".ref")
         # Other initial weights than the reference's, so a resumed run gets all of it from storage.
         training = FsdpTraining(mesh, phase.seed if phase.expect_resume == 0 else phase.seed + 1)
-        with Checkpointer(phase.url, phase.storage_options) as ckpt:
+        with Checkpointer(phase.url, phase.storage_options, async_mode=phase.async_mode) as ckpt:
             resumed = ckpt.load(**training.keys())
             assert resumed == phase.expect_resume, f"rank {rank} resumed from {resumed}, not {phase.expect_resume}"
             training.after_load()
@@ -106,6 +107,7 @@ def run_phase(rank: int, phase: Phase) -> None:
                 training.step()
                 if training.trainer["step"] % phase.save_every == 0:
                     ckpt.save(training.trainer["step"], **training.keys())
+            ckpt.wait()  # an asynchronous save in flight is not committed yet
             latest = ckpt.latest_checkpoint()
         state = training.full_state()
         if rank == 0:

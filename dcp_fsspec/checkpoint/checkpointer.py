@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -26,6 +27,7 @@ from ..errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     DcpFsspecError,
+    InvalidURLError,
     StorageError,
 )
 from ..storage.reader import FsspecStorageReader
@@ -34,10 +36,14 @@ from ..storage.writer import FsspecStorageWriter
 from . import commit, layout, retention
 from . import state as state_mod
 from ._collectives import Collectives
+from .background import BackgroundSaveError, BackgroundSaver, SaverSettings, ThreadSaver
+from .staging import Stager
 
 logger = logging.getLogger(__name__)
 
-ASYNC_MODES = ("disabled",)
+ASYNC_DISABLED = "disabled"
+ASYNC_PINNED = "async_with_pinned_mem"
+ASYNC_MODES = (ASYNC_DISABLED, ASYNC_PINNED)
 OPTIMIZER_KEY = "optim"
 MODEL_KEY = "model"
 
@@ -62,6 +68,11 @@ class Checkpointer:
         save_dirname: where iterations go: any fsspec URL (``s3://bucket/run/ckpt``) or local path.
         storage_options: fsspec options for ``save_dirname`` (credentials, endpoint).
         async_mode: ``"disabled"``: :meth:`save` returns once the checkpoint is committed.
+            ``"async_with_pinned_mem"``: :meth:`save` copies the state into reusable staging
+            buffers (shared memory, pinned for CUDA tensors) and returns; a background process
+            writes every key, commits and applies retention. At most one save is in flight: a
+            :meth:`save` waits for the previous one first. Errors from the background surface at
+            the next :meth:`save`, :meth:`wait` or :meth:`finalize`.
         keep_last_n: keep this many newest committed iterations, delete older ones after each
             save; ``None`` keeps everything.
         load_path: initial weights for a run with nothing under ``save_dirname`` yet: an
@@ -118,6 +129,8 @@ class Checkpointer:
         self._overwrite = overwrite
         self._collectives = Collectives(process_group)
         self._closed = False
+        self._stager: Stager | None = None
+        self._background: BackgroundSaver | ThreadSaver | None = None
 
     @property
     def url(self) -> str:
@@ -147,8 +160,53 @@ class Checkpointer:
         layout.format_iteration(iteration)
         if not state:
             raise ValueError("save() needs at least one key, e.g. save(iteration, model=model)")
-        keys = tuple(layout.check_key(k) for k in state)
-        staged = self._stage(state)
+        for key in state:
+            layout.check_key(key)
+        if self._async_mode == ASYNC_DISABLED:
+            self._save_staged(iteration, self._stage(state))
+            return
+        # Asynchronous: the previous save must be done before its buffers are overwritten.
+        background = self._background_saver()
+        self._surviving(background.wait)
+        state_dicts = self._stage(state)
+        if self._stager is None:
+            self._stager = Stager()
+        staged = {k: self._stager.stage(v) for k, v in state_dicts.items()}
+        self._surviving(lambda: background.submit(iteration, staged))
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is committed; raise its error."""
+        if self._background is not None:
+            self._surviving(self._background.wait)
+
+    def _surviving(self, call: Callable[[], None]) -> None:
+        """Run ``call``; if the background process died, forget it so the next save starts another."""
+        try:
+            call()
+        except BackgroundSaveError:
+            dead, self._background = self._background, None
+            if dead is not None:
+                dead.close()
+            raise
+
+    def _background_saver(self) -> BackgroundSaver | ThreadSaver:
+        if self._background is None:
+            if self._root.fs.protocol in ("memory", ("memory",)):
+                # Another process cannot see this process's memory:// store.
+                if self._collectives.distributed:
+                    raise InvalidURLError(
+                        f"async_mode={self._async_mode!r} with several ranks cannot save to {self.url}: "
+                        "memory:// lives in one process; use a local path or an object store"
+                    )
+                self._background = ThreadSaver(self)
+            else:
+                settings = SaverSettings(self.url, self._storage_options, self._keep_last_n, self._overwrite)
+                self._background = BackgroundSaver(settings, self._collectives)
+        return self._background
+
+    def _save_staged(self, iteration: int, staged: dict[str, dict[str, Any]]) -> None:
+        """The save pipeline after staging: prepare the folder, write every key, commit, retention."""
+        keys = tuple(staged)
         self._collectives.run_on_rank0(lambda: self._prepare_folder(iteration))
         for key in keys:
             self._write_key(iteration, key, staged[key])
@@ -241,6 +299,7 @@ class Checkpointer:
             CheckpointMismatchError: a key's tensors do not fit the live objects.
         """
         self._check_open("load")
+        self.wait()  # an asynchronous save in flight lands first
         for key in state:
             layout.check_key(key)
         unknown = sorted(set(self._keys_not_to_resume) - set(state))
@@ -377,7 +436,14 @@ class Checkpointer:
         """
         if not self._closed:
             self._closed = True
-            self._collectives.close()
+            try:
+                if self._background is not None:
+                    self._background.close()
+            finally:
+                self._background = None
+                if self._stager is not None:
+                    self._stager.close()
+                self._collectives.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,0 +1,261 @@
+"""The background process that writes asynchronous saves: every key, the commit, retention.
+
+One process per checkpointer and rank, started with ``spawn`` at the first asynchronous save and
+kept until ``finalize``. It receives staged state dicts (their tensors in shared memory, so only
+handles cross the pipe) and runs the same save pipeline as a synchronous save, on a process
+group of its own (gloo, over a TCP store that rank 0's background process hosts): its
+collectives can never interleave with training's.
+
+Failure rules: an exception in the background is sent back and raised in the training process
+at its next ``save``/``wait``/``finalize``; a background process that dies is reported as such
+(never a hang); and a background process whose training process dies exits at once (it watches
+its parent), leaving the previous checkpoint and pointer untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, NoReturn
+
+import torch.distributed as dist
+
+from ..errors import DcpFsspecError
+from ._collectives import Collectives, _picklable
+
+logger = logging.getLogger(__name__)
+
+# How often each side checks that the other is still alive.
+_POLL_SECONDS = 0.2
+_STORE_TIMEOUT_SECONDS = 300
+
+
+@dataclass(frozen=True)
+class SaverSettings:
+    """What the background process needs to build its own synchronous checkpointer."""
+
+    save_dirname: str
+    storage_options: dict[str, Any]
+    keep_last_n: int | None
+    overwrite: bool
+
+
+class BackgroundSaveError(DcpFsspecError, RuntimeError):
+    """The background save process died or could not start."""
+
+
+class BackgroundSaver:
+    """The training side of the background process: submit one save at a time, wait, close."""
+
+    def __init__(self, settings: SaverSettings, collectives: Collectives) -> None:
+        self._url = settings.save_dirname
+        ctx = mp.get_context("spawn")
+        self._conn, child_end = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_serve,
+            args=(child_end, settings, collectives.rank, collectives.world_size, collectives.distributed, os.getpid()),
+            name=f"dcp-fsspec-saver-{collectives.rank}",
+            daemon=True,
+        )
+        self._process.start()
+        child_end.close()  # so recv() here fails fast if the child dies
+        self._inflight: int | None = None
+        if collectives.distributed:
+            # Rank 0's background process hosts the store; everyone learns its port from rank 0.
+            port = collectives.run_on_rank0(lambda: self._receive("port"))
+            self._conn.send(("connect", os.environ.get("MASTER_ADDR", "127.0.0.1"), port))
+        self._receive("ready")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def in_flight(self) -> int | None:
+        """The iteration being written, if any."""
+        return self._inflight
+
+    def submit(self, iteration: int, staged: dict[str, dict[str, Any]]) -> None:
+        """Hand a staged save to the background process; the caller must :meth:`wait` first."""
+        assert self._inflight is None, "one save at a time: wait() before submit()"
+        self._inflight = iteration
+        try:
+            self._conn.send(("save", iteration, staged))
+        except OSError:  # the pipe broke: the process is gone
+            self._process.join(timeout=5)
+            self._died()
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error if it failed."""
+        if self._inflight is None:
+            return
+        try:
+            self._receive("done")
+        finally:
+            self._inflight = None
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the process; raise the save's error if any."""
+        try:
+            self.wait()
+        finally:
+            if self._process.is_alive():
+                try:
+                    self._conn.send(("stop",))
+                except OSError:
+                    pass
+                self._process.join(timeout=30)
+            if self._process.is_alive():  # pragma: no cover - only if the child is wedged
+                self._process.kill()
+                self._process.join()
+            self._conn.close()
+
+    def _receive(self, expected: str) -> Any:
+        while not self._conn.poll(_POLL_SECONDS):
+            if not self._process.is_alive():
+                self._died()
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=5)
+            self._died()
+        kind, payload = message[0], message[1:]
+        if kind == "error":
+            error, trace = payload
+            error.add_note(f"(raised in the background save process for {self._url})\n{trace}")
+            raise error
+        if kind != expected:  # pragma: no cover - a protocol bug
+            raise BackgroundSaveError(f"background saver for {self._url} sent {kind!r}, expected {expected!r}")
+        return payload[0] if payload else None
+
+    def _died(self) -> NoReturn:
+        what = f"saving iteration {self._inflight}" if self._inflight is not None else "idle"
+        self._inflight = None
+        raise BackgroundSaveError(
+            f"the background save process for {self._url} died (exit code {self._process.exitcode}) "
+            f"while {what}; that save did not commit and the pointer did not move. The next save() "
+            "starts a new background process"
+        )
+
+
+class ThreadSaver:
+    """The same contract in a thread, for ``memory://`` (which another process cannot see).
+
+    Only for a single process: with several ranks the saves' collectives would share training's
+    process group.
+    """
+
+    def __init__(self, saver: Any) -> None:
+        self._saver = saver
+        self._inflight: int | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> int | None:
+        return self._inflight
+
+    def submit(self, iteration: int, staged: dict[str, dict[str, Any]]) -> None:
+        assert self._inflight is None, "one save at a time: wait() before submit()"
+
+        def run() -> None:
+            try:
+                self._saver._save_staged(iteration, staged)
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                self._error = e
+
+        self._inflight = iteration
+        self._thread = threading.Thread(target=run, name="dcp-fsspec-saver", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self._thread, self._inflight = None, None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self.wait()
+
+
+# --- the background process ------------------------------------------------------------------
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit at once when the training process is gone (so no orphan keeps writing)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(_POLL_SECONDS)
+
+
+def _serve(
+    conn: Connection, settings: SaverSettings, rank: int, world_size: int, distributed: bool, parent_pid: int
+) -> None:
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    try:
+        if distributed:
+            _join_group(conn, rank, world_size)
+        # Imported here: the checkpointer module imports this one.
+        from .checkpointer import Checkpointer
+
+        saver = Checkpointer(
+            settings.save_dirname,
+            settings.storage_options,
+            keep_last_n=settings.keep_last_n,
+            overwrite=settings.overwrite,
+        )
+        conn.send(("ready",))
+    except BaseException as e:  # noqa: BLE001 - reported to the training process
+        conn.send(("error", _picklable(e if isinstance(e, Exception) else RuntimeError(repr(e)), rank), traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return  # the training process closed its end
+            if message[0] == "stop":
+                return
+            _, iteration, staged = message
+            try:
+                saver._save_staged(iteration, staged)
+                conn.send(("done",))
+            except Exception as e:  # noqa: BLE001 - reported, then the next request is served
+                conn.send(("error", _picklable(e, rank), traceback.format_exc()))
+            del staged
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join_group(conn: Connection, rank: int, world_size: int) -> None:
+    """Form this background process's own gloo group with the other ranks' background processes."""
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=_STORE_TIMEOUT_SECONDS)
+    store = None
+    if rank == 0:
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            0,  # the OS picks the port; the training ranks pass it on
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        conn.send(("port", store.port))
+    kind, host, port = conn.recv()
+    if kind != "connect":  # pragma: no cover - a protocol bug
+        raise RuntimeError(f"expected the store address, got {kind!r}")
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)

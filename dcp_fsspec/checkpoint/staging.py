@@ -1,0 +1,108 @@
+"""Staging: copying the state to be saved into CPU buffers a background process can read.
+
+Asynchronous saves block training only while this copy runs. The buffers live in shared
+memory (so the background process maps them instead of receiving another copy), are pinned
+when the source is on CUDA (the device-to-host copies run on a side stream and overlap), and
+are allocated once and reused while the state keeps the same structure, shapes and dtypes —
+so steady-state staging allocates nothing and holds exactly one staged copy of the state.
+
+The caller must not stage again while a background save still reads the buffers; the
+checkpointer waits for the previous save first.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class Stager:
+    """Copies nested state dicts into reusable shared-memory CPU buffers."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._pinned: set[int] = set()  # data_ptr of buffers registered with CUDA
+        self._stream: Any = None
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state`` whose tensors live in this stager's buffers.
+
+        DTensors keep their mesh and placements around a staged local shard; other values are
+        deep-copied, so training may change the originals as soon as this returns.
+        """
+        used: set[tuple[Any, ...]] = set()
+        staged = self._copy(state, (), used)
+        # Drop buffers of entries that disappeared, so memory follows the state.
+        for path in set(self._buffers) - used:
+            self._release(self._buffers.pop(path))
+        if self._stream is not None:
+            self._stream.synchronize()
+        return staged
+
+    def close(self) -> None:
+        """Free every buffer (and unpin what was pinned)."""
+        for buffer in self._buffers.values():
+            self._release(buffer)
+        self._buffers.clear()
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def _copy(self, value: Any, path: tuple[Any, ...], used: set[tuple[Any, ...]]) -> Any:
+        if isinstance(value, DTensor):
+            local = self._tensor(value.to_local(), path, used)
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path, used)
+        if isinstance(value, dict):
+            return {k: self._copy(v, (*path, k), used) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [self._copy(v, (*path, i), used) for i, v in enumerate(value)]
+            return type(value)(items) if isinstance(value, list) else tuple(items)
+        return copy.deepcopy(value)
+
+    def _tensor(self, tensor: torch.Tensor, path: tuple[Any, ...], used: set[tuple[Any, ...]]) -> torch.Tensor:
+        tensor = tensor.detach()
+        on_cuda = tensor.device.type == "cuda"
+        key = (*path, tensor.dtype, tuple(tensor.shape), on_cuda)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+            if on_cuda and buffer.numel():
+                _pin(buffer)
+                self._pinned.add(buffer.data_ptr())
+            self._buffers[key] = buffer
+        used.add(key)
+        if on_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            # The side stream must see the tensor's latest value, then copies without blocking.
+            self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(self._stream):
+                buffer.copy_(tensor, non_blocking=True)
+        else:
+            buffer.copy_(tensor)
+        return buffer
+
+    def _release(self, buffer: torch.Tensor) -> None:
+        if buffer.data_ptr() in self._pinned:
+            self._pinned.discard(buffer.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _pin(buffer: torch.Tensor) -> None:
+    """Page-lock a shared-memory buffer so device-to-host copies into it are asynchronous."""
+    result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    if int(result) != 0:  # pragma: no cover - needs a GPU
+        raise RuntimeError(f"cudaHostRegister failed with error {int(result)} for a staging buffer")

@@ -1,0 +1,213 @@
+"""Asynchronous saves: training blocks only while state is staged; a background process writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from dcp_fsspec import Checkpointer, FsspecStorageReader, StorageError
+from dcp_fsspec.checkpoint.background import BackgroundSaveError
+from dcp_fsspec.checkpoint.staging import Stager
+
+from .async_child import STEP1
+from .ckpt_fsdp import Phase, run_phase
+from .ckpt_helpers import Training, assert_equal, assert_same_training
+from .conftest import Backend
+
+ASYNC = "async_with_pinned_mem"
+pytestmark = pytest.mark.timeout(240)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_until_gone(pid: int, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_async_save_and_resume_match_uninterrupted_training(backend: Backend) -> None:
+    reference = Training(seed=3)
+    reference.run(6)
+
+    training = Training(seed=3)
+    with Checkpointer(backend.url, backend.storage_options, async_mode=ASYNC) as ckpt:
+        for _ in range(2):
+            training.run(2)
+            ckpt.save(training.trainer["step"], **training.keys())
+    resumed = Training(seed=99)
+    with Checkpointer(backend.url, backend.storage_options) as ckpt:
+        assert ckpt.load(**resumed.keys()) == 4
+        assert ckpt.latest_checkpoint() == "iter_000000004"
+    resumed.after_load()
+    resumed.run(2)
+    assert_same_training(resumed, reference)
+
+
+def test_back_to_back_saves_both_land_and_the_pointer_ends_on_the_newest(backend: Backend) -> None:
+    with Checkpointer(backend.url, backend.storage_options, async_mode=ASYNC) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, trainer={"w": torch.full((50_000,), float(step))})
+        ckpt.wait()
+        assert ckpt.committed_iterations() == [1, 2, 3]
+        assert ckpt.latest_checkpoint() == "iter_000000003"
+    for step in (1, 2, 3):
+        target = {"w": torch.zeros(50_000)}
+        reader = FsspecStorageReader(f"{backend.url}/iter_{step:09d}/trainer", storage_options=backend.storage_options)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        assert torch.equal(target["w"], torch.full((50_000,), float(step)))
+
+
+def test_save_returns_before_the_write_and_the_staged_copy_is_isolated(local_backend: Backend) -> None:
+    state = {"w": torch.arange(10.0)}
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        ckpt.save(1, trainer=state)
+        state["w"].add_(100)  # training goes on right away; the save must keep the staged values
+        ckpt.wait()
+    target = {"w": torch.zeros(10)}
+    with Checkpointer(local_backend.url) as ckpt:
+        assert ckpt.load(trainer=target) == 1
+    assert torch.equal(target["w"], torch.arange(10.0))
+
+
+def test_an_error_in_the_background_surfaces_at_the_next_call(s3_backend: Backend) -> None:
+    url = "s3://no-such-bucket-for-async/run"
+    ckpt = Checkpointer(url, s3_backend.storage_options, async_mode=ASYNC)
+    ckpt.save(1, trainer={"w": torch.ones(4)})  # returns: the failure happens in the background
+    with pytest.raises(StorageError) as info:
+        ckpt.wait()
+    assert "no-such-bucket-for-async" in str(info.value)
+    ckpt.save(2, trainer={"w": torch.ones(4)})  # accepted again; its failure surfaces at the next save
+    with pytest.raises(StorageError):
+        ckpt.save(3, trainer={"w": torch.ones(4)})
+    ckpt.save(4, trainer={"w": torch.ones(4)})  # ... or at finalize
+    with pytest.raises(StorageError):
+        ckpt.finalize()
+    assert ckpt._background is None  # stopped even though the last save failed
+
+
+def test_a_dead_background_process_is_reported_not_waited_for(local_backend: Backend) -> None:
+    ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
+    ckpt.save(1, trainer={"w": torch.ones(4)})
+    ckpt.wait()
+    pid = ckpt._background.pid  # type: ignore[union-attr]
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_until_gone(pid)
+    with pytest.raises(BackgroundSaveError, match="died") as info:
+        ckpt.save(2, trainer={"w": torch.ones(4)})
+        ckpt.wait()
+    assert local_backend.url in str(info.value)
+    ckpt.save(3, trainer={"w": torch.ones(4)})  # a new background process takes over
+    ckpt.finalize()
+    assert Checkpointer(local_backend.url).latest_checkpoint() == "iter_000000003"
+
+
+def test_finalize_waits_and_leaves_no_process_behind(local_backend: Backend) -> None:
+    ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
+    ckpt.save(7, trainer={"w": torch.randn(100_000)})
+    pid = ckpt._background.pid  # type: ignore[union-attr]
+    ckpt.finalize()
+    assert _gone(pid)
+    assert Checkpointer(local_backend.url).latest_checkpoint() == "iter_000000007"
+
+
+def test_a_killed_training_process_leaves_the_previous_checkpoint_and_no_orphan(shared_backend: Backend) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.async_child", shared_backend.url, json.dumps(shared_backend.storage_options)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line.startswith("SAVING"), line
+        background_pid = int(line.split()[1])
+    finally:
+        child.kill()
+        child.wait()
+    assert _wait_until_gone(background_pid), "the background process outlived its training process"
+
+    with Checkpointer(shared_backend.url, shared_backend.storage_options) as ckpt:
+        latest = ckpt.latest_checkpoint()
+        assert latest in ("iter_000000001", "iter_000000002")  # killed before or after the commit
+        if latest == "iter_000000001":
+            target = {"w": torch.zeros(1000)}
+            assert ckpt.load(trainer=target) == 1
+            assert torch.equal(target["w"], STEP1["w"])
+        # The next run saves on, clearing what the killed save left half-written.
+        ckpt.save(3, trainer={"w": torch.ones(2)})
+        assert ckpt.committed_iterations()[-1] == 3
+        assert ckpt.latest_checkpoint() == "iter_000000003"
+
+
+def test_staging_reuses_its_buffers_while_shapes_stay_the_same() -> None:
+    stager = Stager()
+    state = {"a": torch.randn(100), "nested": {"b": torch.randn(3, 4)}, "step": 1}
+    first = stager.stage(state)
+    second = stager.stage({"a": torch.randn(100), "nested": {"b": torch.randn(3, 4)}, "step": 2})
+    assert first["a"].data_ptr() == second["a"].data_ptr()
+    assert first["nested"]["b"].data_ptr() == second["nested"]["b"].data_ptr()
+    assert second["a"].is_shared() and second["step"] == 2
+    assert stager.staged_bytes == (100 + 12) * 4
+    third = stager.stage({"a": torch.randn(200), "nested": {"b": torch.randn(3, 4)}, "step": 3})
+    assert third["a"].data_ptr() != first["a"].data_ptr()
+    assert stager.staged_bytes == (200 + 12) * 4  # the old buffer was dropped, not kept beside
+    stager.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_staged_into_pinned_shared_memory() -> None:
+    stager = Stager()
+    source = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda")}
+    staged = stager.stage(source)
+    assert staged["w"].device.type == "cpu" and staged["w"].is_shared() and staged["w"].is_pinned()
+    assert torch.equal(staged["w"], source["w"].cpu()) and torch.equal(staged["b"], source["b"].cpu())
+    source["w"].add_(1)
+    again = stager.stage(source)
+    assert again["w"].data_ptr() == staged["w"].data_ptr()
+    assert torch.equal(again["w"], source["w"].cpu())
+    stager.close()
+
+
+def test_two_rank_fsdp2_async_saves_resume_bitwise(shared_backend: Backend, tmp_path: Path) -> None:
+    def run(name: str, **kwargs: Any) -> dict[str, Any]:
+        phase = Phase(
+            url=shared_backend.url,
+            storage_options=shared_backend.storage_options,
+            world_size=2,
+            init_file=str(tmp_path / f"init-{name}"),
+            out_file=str(tmp_path / f"{name}.pt"),
+            **kwargs,
+        )
+        mp.spawn(run_phase, args=(phase,), nprocs=2, join=True)
+        return torch.load(phase.out_file, weights_only=False)
+
+    first = run("first", expect_resume=0, stop_at=5, save_every=2, reference_steps=8, async_mode=ASYNC)
+    assert first["latest"] == "iter_000000004"
+    resumed = run("resumed", expect_resume=4, stop_at=8, save_every=2, async_mode=ASYNC)
+    reference = torch.load(str(tmp_path / "first.pt.ref"), weights_only=False)
+    for part in ("model", "optim", "scheduler", "step", "data_rng"):
+        assert_equal(resumed[part], reference[part], part)
+    assert resumed["losses"] == {s: reference["losses"][s] for s in (5, 6, 7, 8)}
