@@ -117,12 +117,17 @@ class BackgroundSaver:
             self._conn.close()
 
     def _receive(self, expected: str) -> Any:
-        while not self._conn.poll(_POLL_SECONDS):
+        while True:
+            try:
+                if self._conn.poll(_POLL_SECONDS):
+                    break
+            except (EOFError, OSError):
+                break  # recv() below reports it
             if not self._process.is_alive():
                 self._died()
         try:
             message = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the other end is gone
             self._process.join(timeout=5)
             self._died()
         kind, payload = message[0], message[1:]

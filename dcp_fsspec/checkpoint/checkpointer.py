@@ -131,6 +131,10 @@ class Checkpointer:
         self._closed = False
         self._stager: Stager | None = None
         self._background: BackgroundSaver | ThreadSaver | None = None
+        if async_mode == ASYNC_PINNED:
+            # Start the background process now (a collective, like construction itself), so the
+            # first save() does not pay for spawning it.
+            self._background_saver()
 
     @property
     def url(self) -> str:
