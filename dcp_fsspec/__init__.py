@@ -19,6 +19,7 @@ from .errors import (
     StorageError,
 )
 from .storage.reader import FsspecStorageReader
+from .storage.retry import RetryPolicy
 from .storage.writer import FsspecStorageWriter
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "FsspecStorageWriter",
     "InvalidURLError",
     "MissingDriverError",
+    "RetryPolicy",
     "StorageError",
 ]

@@ -5,7 +5,8 @@ offset and already coalesced. :func:`fetch_in_order` downloads them concurrently
 event loop for async filesystems (s3fs, gcsfs, adlfs), on a thread pool otherwise — and yields
 their bytes *in plan order*, never holding more than ``window_bytes`` of downloaded or
 downloading data. Yielding in order is what lets the decoder stream a record's header before its
-data and copy each piece straight into its tensor.
+data and copy each piece straight into its tensor. Each read is retried by the load's
+:class:`~.retry.RetryPolicy` (throttling, 5xx, dropped connections) within its deadline.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from .retry import NO_RETRY, RetryPolicy
 
 # Backends whose cat_file(path, start, end) returns the whole file rather than the range.
 _NO_RANGED_CAT = {"sftp", "ssh"}
@@ -69,8 +72,9 @@ def _cut(span: Span, max_span: int) -> list[Span]:
 class _Fetcher:
     """Starts one span's download and returns a future of its bytes."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, threads: int) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, threads: int, retry: RetryPolicy) -> None:
         self.fs = fs
+        self.retry = retry
         self._async = bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
         self._pool = None if self._async else ThreadPoolExecutor(threads, thread_name_prefix="dcp-fsspec-read")
         self._local_fds: dict[str, int] = {}
@@ -79,11 +83,12 @@ class _Fetcher:
         self._ranged_cat = protocol not in _NO_RANGED_CAT
 
     def start(self, span: Span) -> Future[bytes]:
+        url = self.fs.unstrip_protocol(span.path)
         if self._async:
-            coro = self.fs._cat_file(span.path, start=span.start, end=span.end)
+            coro = self.retry.call_async(lambda: self.fs._cat_file(span.path, start=span.start, end=span.end), url=url)
             return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
         assert self._pool is not None
-        return self._pool.submit(self._read_sync, span)
+        return self._pool.submit(self.retry.call, lambda: self._read_sync(span), url=url)
 
     def _read_sync(self, span: Span) -> bytes:
         if isinstance(self.fs, LocalFileSystem):
@@ -112,13 +117,14 @@ def fetch_in_order(
     *,
     window_bytes: int,
     threads: int = 16,
+    retry: RetryPolicy = NO_RETRY,
 ) -> Iterator[tuple[Span, bytes]]:
     """Yield ``(span, data)`` for every span, in order, downloading ahead within ``window_bytes``.
 
     Raises whatever the backend raised for the first span that failed; downloads still in flight
     are cancelled (or drained) before this returns.
     """
-    fetcher = _Fetcher(fs, threads)
+    fetcher = _Fetcher(fs, threads, retry)
     inflight: deque[tuple[Span, Future[bytes]]] = deque()
     inflight_bytes = 0
     queue = iter(spans)

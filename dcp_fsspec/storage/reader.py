@@ -36,6 +36,7 @@ from ..errors import (
 )
 from .fetch import fetch_in_order, plan_spans
 from .records import RecordFormatError, RecordLayout, descriptor_crc, parse_layout, tensor_bytes, tensor_from_record
+from .retry import DEFAULT_RETRY, RetryPolicy
 from .urls import Location, is_checkpoint_url, resolve
 from .writer import metadata_file_name
 
@@ -64,6 +65,9 @@ class FsspecStorageReader(StorageReader):
         max_request_bytes: the largest single ranged read; bigger records are split.
         max_gap_bytes: neighbouring ranges closer than this are fetched in one request.
         threads: concurrent reads on filesystems without an async API.
+        retry: how reads are retried on throttling, 5xx and dropped connections, and the
+            deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`); ``None``:
+            only the driver's own retries.
     """
 
     def __init__(
@@ -77,9 +81,10 @@ class FsspecStorageReader(StorageReader):
         max_request_bytes: int = 16 * MiB,
         max_gap_bytes: int = 64 * 1024,
         threads: int = 16,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
         super().__init__()
-        self.location: Location = resolve(path, storage_options, fs)
+        self.location: Location = resolve(path, storage_options, fs, retry=retry)
         self.storage_options = dict(storage_options or {})
         self._fs_override = fs
         self.verify_checksums = verify_checksums
@@ -95,7 +100,7 @@ class FsspecStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
-            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override)
+            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override, retry=self.location.retry)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -103,12 +108,14 @@ class FsspecStorageReader(StorageReader):
         path = self.location.join(metadata_file_name(kwargs.get("rank")))
         url = self.location.url_of(path)
         try:
-            raw = self.location.fs.cat_file(path)
+            raw = self.location.retry.run(self.location.fs, "cat_file", path, url=url)
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(
                 f"no checkpoint at {self.location.url!r}: {url!r} does not exist "
                 "(the save never finished, or the URL is wrong)"
             ) from e
+        except DcpFsspecError:
+            raise
         except OSError as e:
             raise StorageError(f"cannot read {url!r}: {e}") from e
         try:
@@ -149,7 +156,7 @@ class FsspecStorageReader(StorageReader):
         active: dict[int, _RecordDecoder] = {}
         try:
             for span, data in fetch_in_order(
-                self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads
+                self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
             ):
                 if len(data) != span.size:
                     raise CorruptCheckpointError(

@@ -6,7 +6,8 @@ appear only when :meth:`FileUpload.commit` succeeds:
 * local disk: a temporary name in the same folder, ``fsync``, ``rename`` (the folder is fsynced
   by the caller once per batch of files);
 * S3 (s3fs): a single PUT for small files, else a multipart upload whose parts go up
-  concurrently, bounded by a byte budget shared by every upload of the save;
+  concurrently, bounded by a byte budget shared by every upload of the save; each request is
+  retried by the save's :class:`~.retry.RetryPolicy`, and a failed part stops the upload;
 * anything else: fsspec's own buffered file (``fs.open(path, "wb")``), which object stores
   publish atomically on close.
 
@@ -30,6 +31,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StorageError
+from .retry import NO_RETRY, RetryPolicy
 
 # S3 rejects multipart parts under 5 MiB (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -136,23 +138,33 @@ class BufferedUpload(FileUpload):
 class S3MultipartUpload(FileUpload):
     """s3fs multipart upload with concurrent parts; a single PUT when the file is small."""
 
-    def __init__(self, fs: Any, path: str, *, part_size: int, budget: ByteBudget) -> None:
+    def __init__(self, fs: Any, path: str, *, part_size: int, budget: ByteBudget, retry: RetryPolicy = NO_RETRY) -> None:
         super().__init__(fs, path)
         self._bucket, self._key, _ = fs.split_path(path)
         self._part_size = max(part_size, MIN_PART_SIZE)
         self._budget = budget
+        self._retry = retry
+        self._url = fs.unstrip_protocol(path)
         # Views into the caller's buffers (tensor memory stays alive for the whole save), joined
         # into one bytes object per part: the only copy the upload makes.
         self._pending: list[memoryview] = []
         self._pending_size = 0
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
+        # The first part that failed: later parts are not sent, so the error surfaces in the
+        # time of one part's retries rather than after every remaining part failed too.
+        self._failed: BaseException | None = None
 
     def _run(self, coro: Any) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
+    async def _request(self, method: str, **kwargs: Any) -> Any:
+        return await self._retry.call_async(
+            lambda: self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs), url=self._url
+        )
+
     def _call(self, method: str, **kwargs: Any) -> Any:
-        return self._run(self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)).result()
+        return self._run(self._request(method, **kwargs)).result()
 
     def write(self, buffers: Iterable[bytes | memoryview]) -> None:
         for buf in buffers:
@@ -172,6 +184,8 @@ class S3MultipartUpload(FileUpload):
         return body
 
     def _send_part(self, body: bytes) -> None:
+        if self._failed is not None:
+            raise self._failed
         if self._upload_id is None:
             self._upload_id = self._call("create_multipart_upload")["UploadId"]
         number = len(self._parts) + 1
@@ -179,15 +193,11 @@ class S3MultipartUpload(FileUpload):
 
         async def upload() -> dict[str, Any]:
             try:
-                out = await self.fs._call_s3(
-                    "upload_part",
-                    Bucket=self._bucket,
-                    Key=self._key,
-                    UploadId=self._upload_id,
-                    PartNumber=number,
-                    Body=body,
-                )
+                out = await self._request("upload_part", UploadId=self._upload_id, PartNumber=number, Body=body)
                 return {"PartNumber": number, "ETag": out["ETag"]}
+            except BaseException as e:
+                self._failed = self._failed or e
+                raise
             finally:
                 self._budget.release(len(body))
 
@@ -217,25 +227,35 @@ class S3MultipartUpload(FileUpload):
                 pass
 
 
-def _is_s3fs(fs: fsspec.AbstractFileSystem) -> bool:
+def is_s3fs(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is s3fs (we then call its S3 API directly: multipart, conditional writes)."""
     return type(fs).__module__.startswith("s3fs") and hasattr(fs, "_call_s3")
 
 
 def upload_factory(
-    fs: fsspec.AbstractFileSystem, *, part_size: int, budget: ByteBudget, fsync: bool = True
+    fs: fsspec.AbstractFileSystem,
+    *,
+    part_size: int,
+    budget: ByteBudget,
+    fsync: bool = True,
+    retry: RetryPolicy = NO_RETRY,
 ) -> Callable[[str], FileUpload]:
-    """The way this backend writes whole files, as a function from path to :class:`FileUpload`."""
+    """The way this backend writes whole files, as a function from path to :class:`FileUpload`.
+
+    ``retry`` applies to S3's requests; other object stores' buffered files rely on their
+    driver's retries (a file streamed from tensor memory cannot be replayed part by part).
+    """
     if isinstance(fs, LocalFileSystem):
         return lambda path: LocalUpload(fs, path, fsync=fsync)
-    if _is_s3fs(fs):
-        return lambda path: S3MultipartUpload(fs, path, part_size=part_size, budget=budget)
+    if is_s3fs(fs):
+        return lambda path: S3MultipartUpload(fs, path, part_size=part_size, budget=budget, retry=retry)
     return lambda path: BufferedUpload(fs, path, block_size=max(part_size, MIN_PART_SIZE))
 
 
 def write_whole_file(
-    fs: fsspec.AbstractFileSystem, path: str, data: bytes, *, fsync: bool = True
+    fs: fsspec.AbstractFileSystem, path: str, data: bytes, *, fsync: bool = True, retry: RetryPolicy = NO_RETRY
 ) -> None:
-    """Write a small file atomically: local temp+fsync+rename, else one PUT/``pipe_file``."""
+    """Write a small file atomically: local temp+fsync+rename, else one PUT/``pipe_file`` (retried)."""
     if isinstance(fs, LocalFileSystem):
         upload = LocalUpload(fs, path, fsync=fsync)
         try:
@@ -247,7 +267,7 @@ def write_whole_file(
         if fsync:
             fsync_dir(os.path.dirname(path))
         return
-    fs.pipe_file(path, data)
+    retry.run(fs, "pipe_file", path, data, url=fs.unstrip_protocol(path))
 
 
 def fsync_dir(path: str) -> None:

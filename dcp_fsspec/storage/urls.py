@@ -17,6 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
 from ..errors import InvalidURLError, MissingDriverError
+from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 
 # Which pip package provides each scheme's driver, for the ImportError users see.
 _DRIVER_PACKAGES = {
@@ -38,11 +39,12 @@ _DRIVER_PACKAGES = {
 
 @dataclass(frozen=True)
 class Location:
-    """A filesystem and a scheme-less root path on it, plus the URL the user gave."""
+    """A filesystem and a scheme-less root path on it, the URL the user gave, and how calls retry."""
 
     fs: fsspec.AbstractFileSystem
     path: str
     url: str
+    retry: RetryPolicy = DEFAULT_RETRY
 
     def join(self, *names: str) -> str:
         """The path of ``names`` below the root (always ``/``-separated)."""
@@ -102,6 +104,8 @@ def resolve(
     url: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,
     fs: fsspec.AbstractFileSystem | None = None,
+    *,
+    retry: RetryPolicy | None = DEFAULT_RETRY,
 ) -> Location:
     """Resolve ``url`` to a :class:`Location`.
 
@@ -110,6 +114,8 @@ def resolve(
             local path (relative paths and ``~`` are resolved against this process).
         storage_options: passed to the fsspec filesystem's constructor (credentials, endpoint).
         fs: a ready filesystem to use instead of building one from the URL's scheme.
+        retry: how storage calls on it are retried (:mod:`.retry`); ``None``: not at all beyond
+            the driver's own retries.
 
     Raises:
         InvalidURLError: the scheme is unknown to fsspec, or the URL is empty.
@@ -120,8 +126,9 @@ def resolve(
             f"storage_options for {url!r} must be a dict, got {type(storage_options).__name__}"
         )
     text = normalize_url(url)
+    retry = retry or NO_RETRY
     if fs is not None:
-        return Location(fs=fs, path=fs._strip_protocol(text).rstrip("/") or "/", url=text)
+        return Location(fs=fs, path=fs._strip_protocol(text).rstrip("/") or "/", url=text, retry=retry)
     if not is_known_scheme(text):
         raise InvalidURLError(
             f"checkpoint URL {text!r} has scheme {scheme_of(text)!r}, which fsspec does not know; "
@@ -137,4 +144,4 @@ def resolve(
         ) from e
     except (TypeError, ValueError) as e:
         raise InvalidURLError(f"cannot open {text!r} with storage_options {sorted(storage_options or {})}: {e}") from e
-    return Location(fs=filesystem, path=path.rstrip("/") or "/", url=text)
+    return Location(fs=filesystem, path=path.rstrip("/") or "/", url=text, retry=retry)

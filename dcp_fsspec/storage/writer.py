@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from .records import encode_tensor
+from .retry import DEFAULT_RETRY, RetryPolicy
 from .uploads import ByteBudget, FileUpload, fsync_dir, upload_factory, write_whole_file
 from .urls import Location, is_checkpoint_url, resolve
 
@@ -75,6 +76,9 @@ class FsspecStorageWriter(StorageWriter):
         sync_files: fsync local files and folders (durability across power loss).
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
             :class:`FsspecStorageReader` verifies.
+        retry: how storage requests are retried on throttling, 5xx and dropped connections,
+            and the deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`);
+            ``None``: only the driver's own retries.
     """
 
     def __init__(
@@ -89,11 +93,12 @@ class FsspecStorageWriter(StorageWriter):
         max_inflight_bytes: int = 256 * MiB,
         sync_files: bool = True,
         checksums: bool = True,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
         super().__init__()
         if files_per_rank < 1:
             raise ValueError(f"files_per_rank must be at least 1, got {files_per_rank}")
-        self.location: Location = resolve(path, storage_options, fs)
+        self.location: Location = resolve(path, storage_options, fs, retry=retry)
         self.storage_options = dict(storage_options or {})
         self._fs_override = fs
         self.overwrite = overwrite
@@ -112,7 +117,7 @@ class FsspecStorageWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, at ``checkpoint_id`` when given (so ``dcp.save(checkpoint_id=…)`` works)."""
         if checkpoint_id:
-            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override)
+            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override, retry=self.location.retry)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -126,10 +131,13 @@ class FsspecStorageWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Create the folder where needed and refuse to clobber a checkpoint unless ``overwrite``."""
         fs, path = self.location.fs, self.location.path
+        metadata_path = self._metadata_path()
         try:
             if self.location.is_local:
                 fs.makedirs(path, exist_ok=True)
-            exists = fs.exists(self._metadata_path())
+            exists = self.location.retry.run(fs, "exists", metadata_path, url=self.location.url_of(metadata_path))
+        except DcpFsspecError:
+            raise
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot prepare checkpoint folder {self.location.url!r}: {e}") from e
         if exists and not self.overwrite:
@@ -145,9 +153,12 @@ class FsspecStorageWriter(StorageWriter):
         """Name each rank's files; when overwriting, un-commit the old checkpoint first."""
         if self.overwrite:
             metadata_path = self._metadata_path()
+            retry, url = self.location.retry, self.location.url_of(metadata_path)
             try:
-                if self.location.fs.exists(metadata_path):
-                    self.location.fs.rm_file(metadata_path)
+                if retry.run(self.location.fs, "exists", metadata_path, url=url):
+                    retry.run(self.location.fs, "rm_file", metadata_path, url=url)
+            except DcpFsspecError:
+                raise
             except OSError as e:
                 raise StorageError(f"cannot remove the old {self.location.url_of(metadata_path)!r}: {e}") from e
         return [
@@ -161,7 +172,7 @@ class FsspecStorageWriter(StorageWriter):
         bins = _split_into_files(plan.items, self.files_per_rank)
         budget = ByteBudget(self.max_inflight_bytes)
         new_upload = upload_factory(
-            self.location.fs, part_size=self.part_size, budget=budget, fsync=self.sync_files
+            self.location.fs, part_size=self.part_size, budget=budget, fsync=self.sync_files, retry=self.location.retry
         )
         jobs = [(f"{prefix.prefix}{n}{DATA_SUFFIX}", items) for n, items in enumerate(bins)]
         results: list[WriteResult] = []
@@ -188,7 +199,11 @@ class FsspecStorageWriter(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         path = self._metadata_path()
         try:
-            write_whole_file(self.location.fs, path, pickle.dumps(metadata), fsync=self.sync_files)
+            write_whole_file(
+                self.location.fs, path, pickle.dumps(metadata), fsync=self.sync_files, retry=self.location.retry
+            )
+        except DcpFsspecError:
+            raise
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
 
