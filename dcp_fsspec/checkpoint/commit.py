@@ -6,8 +6,11 @@ record is written by rank 0 only after every rank finished every key, so a folde
 crash at any point, even one whose keys all happen to be finished, is never taken for a
 checkpoint. The pointer names the newest committed iteration; it is written atomically (a temp
 file renamed over it on local disk, a single PUT on object stores and ``memory://``), only after
-the commit record, and never moves backwards. Deleting an iteration removes the record first,
-so a half-deleted folder is uncommitted rather than a damaged checkpoint.
+the commit record, and never moves backwards, even with two writers: each update is a
+compare-and-swap (S3: a PUT conditional on the ETag read, ``If-Match``/``If-None-Match``; local
+disk: read and replace under a lock on the folder; elsewhere: under a lock in this process).
+Deleting an iteration removes the record first, so a half-deleted folder is uncommitted rather
+than a damaged checkpoint. Every storage call is retried by the location's ``RetryPolicy``.
 """
 
 from __future__ import annotations
@@ -17,12 +20,25 @@ import logging
 import os
 import posixpath
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+import fsspec.asyn
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpFsspecError, StorageError
+from ..storage.retry import http_status
+from ..storage.uploads import is_s3fs
 from ..storage.urls import Location
 from . import layout
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: pointer updates are locked within a process only
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +46,11 @@ POINTER_NAME = "latest_checkpoint.txt"
 COMMIT_RECORD_NAME = ".commit.json"
 METADATA_NAME = ".metadata"  # written by DCP's StorageWriter.finish, last, on the coordinator
 _RECORD_FORMAT = 1
+# How often a pointer update re-reads and tries again after losing a race to another writer.
+_POINTER_ROUNDS = 20
+_VERBS = {"info": "check", "cat_file": "read", "find": "list", "rm": "delete", "pipe_file": "write"}
+# Pointer updates on stores without conditional writes, serialized within this process.
+_PROCESS_POINTER_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,20 @@ def pointer_url(root: Location) -> str:
     return root.url_of(root.join(POINTER_NAME))
 
 
+def _call(root: Location, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+    """``root.fs.<method>(path, …)``, retried; failures other than absence become StorageError.
+
+    ``FileNotFoundError`` passes through unchanged: what absence means is the caller's call.
+    """
+    url = root.url_of(path)
+    try:
+        return root.retry.run(root.fs, method, path, *args, url=url, **kwargs)
+    except (FileNotFoundError, DcpFsspecError):
+        raise
+    except OSError as e:
+        raise StorageError(f"cannot {_VERBS.get(method, method)} {url}: {e}") from e
+
+
 def exists(root: Location, path: str) -> bool:
     """Whether ``path`` exists; unlike ``fs.exists``, a backend failure is an error, not False.
 
@@ -66,11 +101,9 @@ def exists(root: Location, path: str) -> bool:
     """
     root.fs.invalidate_cache(posixpath.dirname(path))
     try:
-        root.fs.info(path)
+        _call(root, "info", path)
     except FileNotFoundError:
         return False
-    except OSError as e:
-        raise StorageError(f"cannot check {root.url_of(path)}: {e}") from e
     return True
 
 
@@ -84,11 +117,9 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
     root.fs.invalidate_cache(posixpath.dirname(path))
     try:
-        raw = root.fs.cat_file(path)
+        raw = _call(root, "cat_file", path)
     except FileNotFoundError:
         return None
-    except OSError as e:
-        raise StorageError(f"cannot read {root.url_of(path)}: {e}") from e
     try:
         doc = json.loads(raw)
         keys = tuple(layout.check_key(k) for k in doc["keys"])
@@ -115,11 +146,9 @@ def unfinished_keys(root: Location, iteration: int, keys: tuple[str, ...]) -> li
     folder = layout.iteration_path(root, iteration)
     root.fs.invalidate_cache(folder)
     try:
-        listed = set(root.fs.find(folder))
+        listed = set(_call(root, "find", folder))
     except FileNotFoundError:
         listed = set()
-    except OSError as e:
-        raise StorageError(f"cannot list {root.url_of(folder)}: {e}") from e
     absent = [k for k in keys if posixpath.join(folder, k, METADATA_NAME) not in listed]
     return [k for k in absent if not key_is_committed(root, iteration, k)]
 
@@ -197,17 +226,11 @@ def discard_iteration(root: Location, iteration: int) -> None:
     """
     folder = layout.iteration_path(root, iteration)
     record = posixpath.join(folder, COMMIT_RECORD_NAME)
-    try:
-        if exists(root, record):
-            root.fs.rm_file(record)
+    for path, kwargs in ((record, {}), (folder, {"recursive": True})):
         try:
-            root.fs.rm(folder, recursive=True)
+            _call(root, "rm", path, **kwargs)
         except FileNotFoundError:
             pass  # already gone
-    except StorageError:
-        raise
-    except OSError as e:
-        raise StorageError(f"cannot delete {root.url_of(folder)}: {e}") from e
     root.fs.invalidate_cache(folder)
 
 
@@ -220,14 +243,48 @@ def read_pointer(root: Location) -> int | None:
         CorruptCheckpointError: the pointer is empty or does not hold an iteration folder name.
         StorageError: the backend failed.
     """
-    path = root.join(POINTER_NAME)
-    root.fs.invalidate_cache(root.path)
-    try:
-        raw = root.fs.cat_file(path)
-    except FileNotFoundError:
+    return _parse_pointer(root, _read_pointer_file(root)[0])
+
+
+def write_pointer(root: Location, iteration: int) -> bool:
+    """Point ``latest_checkpoint.txt`` at ``iteration``, atomically; never move it backwards.
+
+    A compare-and-swap: the pointer is read, and replaced only if it still holds what was read
+    (S3: a conditional PUT; local disk: under a lock on the folder; elsewhere: a lock in this
+    process). So a writer racing another one re-reads and backs off rather than overwriting a
+    newer iteration; and a PUT that landed although its response was lost (then retried and
+    refused) is recognised on the re-read.
+
+    Returns:
+        True if the pointer now names ``iteration``; False if it names a newer one and was left
+        alone.
+
+    Raises:
+        CorruptCheckpointError: the pointer holds something other than an iteration name.
+        StorageError: the backend failed, or other writers kept changing the pointer.
+    """
+    data = (layout.format_iteration(iteration) + "\n").encode()
+    with _pointer_lock(root):
+        for _ in range(_POINTER_ROUNDS):
+            raw, etag = _read_pointer_file(root)
+            current = _parse_pointer(root, raw)
+            if current is not None and current > iteration:
+                logger.warning(
+                    "%s names %s, newer than %s; the pointer does not move backwards",
+                    pointer_url(root), layout.format_iteration(current), layout.format_iteration(iteration),
+                )
+                return False
+            if current == iteration or _replace_pointer(root, data, etag, existed=raw is not None):
+                return True
+    raise StorageError(
+        f"cannot move {pointer_url(root)} to {layout.format_iteration(iteration)}: it changed "
+        f"{_POINTER_ROUNDS} times while we tried; is another run saving to {root.url}?"
+    )
+
+
+def _parse_pointer(root: Location, raw: bytes | None) -> int | None:
+    if raw is None:
         return None
-    except OSError as e:
-        raise StorageError(f"cannot read {pointer_url(root)}: {e}") from e
     try:
         text = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -242,23 +299,101 @@ def read_pointer(root: Location) -> int | None:
     return iteration
 
 
-def write_pointer(root: Location, iteration: int) -> bool:
-    """Point ``latest_checkpoint.txt`` at ``iteration``, atomically; never move it backwards.
+def _read_pointer_file(root: Location) -> tuple[bytes | None, str | None]:
+    """The pointer's bytes (``None`` if absent) and, on S3, the ETag of that same version."""
+    path = root.join(POINTER_NAME)
+    root.fs.invalidate_cache(root.path)
+    try:
+        if is_s3fs(root.fs):
+            return fsspec.asyn.sync(root.fs.loop, _s3_get, root, path)
+        return _call(root, "cat_file", path), None
+    except FileNotFoundError:
+        return None, None
+    except DcpFsspecError:
+        raise
+    except OSError as e:
+        raise StorageError(f"cannot read {pointer_url(root)}: {e}") from e
 
-    Returns:
-        True if the pointer now names ``iteration``; False if it names a newer one and was left
-        alone.
-    """
-    current = read_pointer(root)
-    if current is not None and current > iteration:
-        logger.warning(
-            "%s names %s, newer than %s; the pointer does not move backwards",
-            pointer_url(root), layout.format_iteration(current), layout.format_iteration(iteration),
-        )
-        return False
-    if current != iteration:
-        write_atomically(root, root.join(POINTER_NAME), (layout.format_iteration(iteration) + "\n").encode())
+
+async def _s3_get(root: Location, path: str) -> tuple[bytes, str]:
+    """One GET: the body and the ETag of the same version (two requests could mix versions)."""
+    bucket, key, _ = root.fs.split_path(path)
+
+    async def get() -> tuple[bytes, str]:
+        response = await root.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        try:
+            return await response["Body"].read(), response["ETag"]
+        finally:
+            response["Body"].close()
+
+    return await root.retry.call_async(get, url=root.url_of(path))
+
+
+def _replace_pointer(root: Location, data: bytes, etag: str | None, *, existed: bool) -> bool:
+    """Write the pointer if it is still the version read; False if another write came first."""
+    path = root.join(POINTER_NAME)
+    if not is_s3fs(root.fs):
+        write_atomically(root, path, data)  # under _pointer_lock
+        return True
+    condition = {"IfMatch": etag} if existed else {"IfNoneMatch": "*"}
+    try:
+        _call(root, "pipe_file", path, data, **condition)
+    except StorageError as e:
+        if _refused_by_condition(e):
+            return False
+        if not _conditions_unsupported(e):
+            raise
+        logger.warning("%s does not support conditional writes; writing the pointer unconditionally", root.url)
+        write_atomically(root, path, data)
+    root.fs.invalidate_cache(root.path)
     return True
+
+
+def _refused_by_condition(error: BaseException) -> bool:
+    """412 Precondition Failed, or 409 for a conditional write that raced another one."""
+    return any(
+        isinstance(e, FileExistsError) or http_status(e)[0] in (409, 412) or http_status(e)[1] == "PreconditionFailed"
+        for e in _chain(error)
+    )
+
+
+def _conditions_unsupported(error: BaseException) -> bool:
+    return any(http_status(e)[0] == 501 or http_status(e)[1] == "NotImplemented" for e in _chain(error))
+
+
+def _chain(error: BaseException | None) -> Iterator[BaseException]:
+    while error is not None:
+        yield error
+        error = error.__cause__
+
+
+@contextmanager
+def _pointer_lock(root: Location) -> Iterator[None]:
+    """Serialize pointer updates where the store cannot write conditionally.
+
+    On local disk the lock is ``flock`` on the folder itself, so it holds across processes on
+    this machine and adds no file; it is released when the process dies, even by SIGKILL.
+    """
+    if is_s3fs(root.fs):
+        yield  # conditional PUTs settle races on the server
+        return
+    if root.is_local and fcntl is not None:
+        os.makedirs(root.path, exist_ok=True)
+        fd = os.open(root.path, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:  # e.g. some network filesystems
+                logger.debug("cannot lock %s (%s); the pointer update is locked within this process only", root.url, e)
+                with _PROCESS_POINTER_LOCK:
+                    yield
+                return
+            yield
+        finally:
+            os.close(fd)
+        return
+    with _PROCESS_POINTER_LOCK:
+        yield
 
 
 def write_atomically(root: Location, path: str, data: bytes) -> None:
@@ -288,7 +423,9 @@ def write_atomically(root: Location, path: str, data: bytes) -> None:
             finally:
                 os.close(dir_fd)
         else:
-            root.fs.pipe_file(path, data)
+            _call(root, "pipe_file", path, data)
+    except DcpFsspecError:
+        raise
     except OSError as e:
         raise StorageError(f"cannot write {root.url_of(path)}: {e}") from e
     root.fs.invalidate_cache(posixpath.dirname(path))
