@@ -16,7 +16,8 @@ Stock moto's ``CompleteMultipartUpload`` also reads every part twice and copies 
 about five times in memory (≈5× the object in RSS, ~80 MB/s here), where S3 completes from
 part metadata. With ``lean_complete`` on, :func:`lean_complete` replaces moto's
 ``FakeMultipart.complete`` while the server runs: same validation, ETag and checksum, one
-buffer of the object's size, so a 4 GiB object needs ~2× its size in the server, not ~5×.
+buffer of the object's size: a 1 GiB object peaks at ~2.5× its size in the server (with the
+parts in flight), not ~5×.
 """
 
 from __future__ import annotations
