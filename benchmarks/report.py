@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-OURS = "dcp_fsspec"
+from .impls import OURS
+
 PEERS = ("torch_fsspec", "torch_fs", "s3torchconnector")
 SAVE_PHASES = {"save", "memcopy", "local-write", "s3-put"}
 LOAD_PHASES = {"load", "memcopy", "local-read", "s3-get"}
