@@ -231,7 +231,20 @@ def discard_iteration(root: Location, iteration: int) -> None:
             _call(root, "rm", path, **kwargs)
         except FileNotFoundError:
             pass  # already gone
+    if is_s3fs(root.fs):
+        _abort_pending_uploads(root, folder)
     root.fs.invalidate_cache(folder)
+
+
+def _abort_pending_uploads(root: Location, folder: str) -> None:
+    """Abort the multipart uploads a killed save left under ``folder`` (invisible, but billed)."""
+    bucket, prefix, _ = root.fs.split_path(folder.rstrip("/") + "/")
+    listing = root.retry.run(root.fs, "call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, url=root.url_of(folder))
+    for upload in listing.get("Uploads", []):
+        root.retry.run(
+            root.fs, "call_s3", "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"],
+            url=root.url_of(folder),
+        )
 
 
 def read_pointer(root: Location) -> int | None:
@@ -334,6 +347,8 @@ def _replace_pointer(root: Location, data: bytes, etag: str | None, *, existed: 
     path = root.join(POINTER_NAME)
     if not is_s3fs(root.fs):
         write_atomically(root, path, data)  # under _pointer_lock
+        if root.is_local:
+            _remove_stale_temp_files(root)
         return True
     condition = {"IfMatch": etag} if existed else {"IfNoneMatch": "*"}
     try:
@@ -365,6 +380,19 @@ def _chain(error: BaseException | None) -> Iterator[BaseException]:
     while error is not None:
         yield error
         error = error.__cause__
+
+
+def _remove_stale_temp_files(root: Location) -> None:
+    """Delete pointer temp files left by a writer killed before its rename.
+
+    Called under the lock every writer of the pointer holds, so none of them is in use.
+    """
+    for name in os.listdir(root.path):
+        if name.startswith(f".{POINTER_NAME}.") and name.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(root.path, name))
+            except FileNotFoundError:
+                pass
 
 
 @contextmanager
