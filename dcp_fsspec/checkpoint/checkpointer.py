@@ -240,12 +240,17 @@ class Checkpointer:
                 "a new save_dirname, or pass overwrite=True to write it anyway (the pointer stays)"
             )
         record, reason = commit.inspect_iteration(root, iteration)
-        if record is not None and not self._overwrite:
+        # Committed but newer than the pointer: its save died between the commit record and the
+        # pointer, so nothing names it; the resumed run replaces it like any leftover.
+        unpublished = record is not None and (latest is None or latest < iteration)
+        if record is not None and not self._overwrite and not unpublished:
             raise CheckpointExistsError(
                 f"{folder} is already a committed checkpoint; save a different iteration, or pass "
                 "overwrite=True to replace it"
             )
-        if record is not None:
+        if unpublished:
+            logger.info("replacing %s, committed by a save that died before moving the pointer", folder)
+        elif record is not None:
             logger.warning("overwriting the committed checkpoint %s", folder)
         elif reason != "does not exist":
             logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
