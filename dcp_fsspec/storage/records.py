@@ -111,10 +111,42 @@ class EncodedRecord:
         return [self.header, self.data, self.trailer] if len(self.data) else [self.header, self.trailer]
 
 
+@dataclass(frozen=True)
+class _Template:
+    """The archive around a tensor's bytes, for one dtype and shape: all but two CRC fields."""
+
+    header: bytes
+    trailer: bytes
+    crc_offsets: tuple[int, ...]  # where in ``trailer`` the CRC-32 of the data goes
+
+
+# Archives depend only on dtype and shape (and a serialization id torch only logs), so each is
+# built once: torch.save per tensor would otherwise dominate saves of many small tensors.
+_TEMPLATES: dict[tuple[torch.dtype, tuple[int, ...]], _Template] = {}
+_MAX_TEMPLATES = 4096
+
+
 def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedRecord:
     """Encode ``tensor`` as torch's per-tensor record without copying its data."""
     t = storage_ready(tensor)
     data = tensor_bytes(t)
+    key = (t.dtype, tuple(t.shape))
+    template = _TEMPLATES.get(key)
+    if template is None:
+        template = _build_template(t, len(data))
+        if len(_TEMPLATES) >= _MAX_TEMPLATES:
+            _TEMPLATES.clear()
+        _TEMPLATES[key] = template
+    if not template.crc_offsets:
+        return EncodedRecord(template.header, data, template.trailer, 0, t)
+    crc = zlib.crc32(data) if checksum else 0
+    trailer = bytearray(template.trailer)
+    for offset in template.crc_offsets:
+        struct.pack_into("<I", trailer, offset, crc)
+    return EncodedRecord(template.header, data, bytes(trailer), crc, t)
+
+
+def _build_template(t: torch.Tensor, nbytes: int) -> _Template:
     sink = _GapSink()
     with skip_data():
         torch.save(t, cast(IO[bytes], sink))
@@ -123,27 +155,24 @@ def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedReco
     for pos, chunk in sorted(sink.writes, key=lambda w: w[0]):
         if pos == len(head) and not tail:
             head += chunk
-        elif pos == len(head) + len(data) + len(tail):
+        elif pos == len(head) + nbytes + len(tail):
             tail += chunk
         else:
             raise RecordFormatError("torch.save(skip_data) left an unexpected layout")
-    if len(head) + len(data) + len(tail) != sink.end:
+    if len(head) + nbytes + len(tail) != sink.end:
         raise RecordFormatError("torch.save(skip_data) left an unexpected layout")
-    if len(data) == 0:
-        return EncodedRecord(bytes(head), data, bytes(tail), 0, t)
-    crc = zlib.crc32(data) if checksum else 0
-    _patch_data_crc(tail, crc, data_end=len(head) + len(data))
-    return EncodedRecord(bytes(head), data, bytes(tail), crc, t)
+    if nbytes == 0:
+        return _Template(bytes(head), bytes(tail), ())
+    return _Template(bytes(head), bytes(tail), _data_crc_offsets(tail, data_end=len(head) + nbytes))
 
 
-def _patch_data_crc(trailer: bytearray, crc: int, *, data_end: int) -> None:
-    """Write ``crc`` into ``data/0``'s data descriptor and central-directory entry.
+def _data_crc_offsets(trailer: bytearray, *, data_end: int) -> tuple[int, int]:
+    """Where ``data/0``'s CRC-32 sits in its data descriptor and its central-directory entry.
 
     ``trailer`` starts right after the storage bytes, at absolute offset ``data_end``.
     """
     if trailer[:4] != _DESCRIPTOR:
         raise RecordFormatError("no data descriptor after the tensor data")
-    struct.pack_into("<I", trailer, 4, crc)
     eocd = trailer.rfind(_EOCD)
     if eocd < 0:
         raise RecordFormatError("no end of central directory")
@@ -157,8 +186,7 @@ def _patch_data_crc(trailer: bytearray, crc: int, *, data_end: int) -> None:
         name_len, extra_len, comment_len = struct.unpack_from("<HHH", trailer, pos + 28)
         name = bytes(trailer[pos + 46 : pos + 46 + name_len])
         if name.endswith(b"/data/0"):
-            struct.pack_into("<I", trailer, pos + 16, crc)
-            return
+            return (4, pos + 16)
         pos += 46 + name_len + extra_len + comment_len
     raise RecordFormatError("no central directory entry for data/0")
 
@@ -262,6 +290,12 @@ class RecordLayout:
         return self.data_start + self.spec.nbytes
 
 
+# Records of one dtype and shape written by one writer share their header bytes exactly, so a
+# checkpoint of many small tensors parses each distinct header once: header length → bytes → layout.
+_KNOWN_HEADERS: dict[int, dict[bytes, RecordLayout]] = {}
+_MAX_KNOWN_HEADERS = 4096
+
+
 def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
     """Parse a record's leading bytes; ``None`` if ``head`` is too short to say yet.
 
@@ -269,6 +303,21 @@ def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
         RecordFormatError: the bytes are not a torch.save record we can decode directly.
     """
     buf = memoryview(head)
+    for length, known in _KNOWN_HEADERS.items():
+        if len(buf) >= length:
+            layout = known.get(bytes(buf[:length]))
+            if layout is not None:
+                return layout
+    layout = _parse_layout(buf)
+    if layout is not None and layout.crc_in_header is None:
+        # (A CRC in the local header differs per record; such headers are not worth keeping.)
+        if sum(len(k) for k in _KNOWN_HEADERS.values()) >= _MAX_KNOWN_HEADERS:
+            _KNOWN_HEADERS.clear()
+        _KNOWN_HEADERS.setdefault(layout.data_start, {})[bytes(buf[: layout.data_start])] = layout
+    return layout
+
+
+def _parse_layout(buf: memoryview) -> RecordLayout | None:
     pos = 0
     spec: TensorSpec | None = None
     while True:
