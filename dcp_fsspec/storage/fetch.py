@@ -75,12 +75,16 @@ class _Fetcher:
     def __init__(self, fs: fsspec.AbstractFileSystem, threads: int, retry: RetryPolicy) -> None:
         self.fs = fs
         self.retry = retry
-        self._async = bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self._ranged_cat = protocol not in _NO_RANGED_CAT
+        # sshfs is async too, but its _cat_file ignores start/end: it reads through open/seek/read
+        # on the thread pool instead.
+        self._async = (
+            self._ranged_cat and bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
+        )
         self._pool = None if self._async else ThreadPoolExecutor(threads, thread_name_prefix="dcp-fsspec-read")
         self._local_fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        self._ranged_cat = protocol not in _NO_RANGED_CAT
 
     def start(self, span: Span) -> Future[bytes]:
         url = self.fs.unstrip_protocol(span.path)
@@ -99,7 +103,9 @@ class _Fetcher:
             return os.pread(fd, span.size, span.start)
         if self._ranged_cat:
             return bytes(self.fs.cat_file(span.path, start=span.start, end=span.end))
-        with self.fs.open(span.path, "rb", block_size=0) as f:
+        # Not block_size=0: sshfs would then read with one unpipelined request, which the
+        # server answers with at most its packet limit.
+        with self.fs.open(span.path, "rb") as f:
             f.seek(span.start)
             return f.read(span.size)
 
