@@ -21,6 +21,7 @@ from .errors import (
 from .storage.reader import FsspecStorageReader
 from .storage.retry import RetryPolicy
 from .storage.writer import FsspecStorageWriter
+from .tools.verify import VerifyProblem, VerifyReport, verify
 
 __all__ = [
     "CheckpointExistsError",
@@ -36,4 +37,7 @@ __all__ = [
     "MissingDriverError",
     "RetryPolicy",
     "StorageError",
+    "VerifyProblem",
+    "VerifyReport",
+    "verify",
 ]

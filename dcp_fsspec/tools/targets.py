@@ -1,0 +1,103 @@
+"""What a URL given to a tool names: one DCP checkpoint, an iteration folder, or a save_dirname.
+
+Every tool takes any of the three, so the decision is made once, here, from one listing of the
+URL: a folder holding DCP's ``.metadata`` is a checkpoint; a folder named like an iteration
+(``iter_000000005``) is an iteration folder of a Checkpointer; a folder holding
+``latest_checkpoint.txt`` or iteration folders is a ``save_dirname`` (a "run"). Anything else
+is a :class:`CheckpointNotFoundError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Literal
+
+from ..checkpoint import commit, layout
+from ..errors import CheckpointNotFoundError, StorageError
+from ..storage.urls import Location
+
+Kind = Literal["checkpoint", "iteration", "run"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A URL and what it names.
+
+    For an iteration folder, ``run`` is its parent (the ``save_dirname``) and ``iteration`` its
+    number, which is how :mod:`dcp_fsspec.checkpoint.commit` addresses it.
+    """
+
+    kind: Kind
+    location: Location
+    run: Location | None = None
+    iteration: int | None = None
+
+
+def parent_of(location: Location) -> Location:
+    """The folder holding ``location`` (same filesystem; the URL cut at its last ``/``)."""
+    url = location.url.rstrip("/")
+    return Location(location.fs, posixpath.dirname(location.path), url.rsplit("/", 1)[0])
+
+
+def classify(location: Location) -> Target:
+    """Decide what ``location`` names, from one listing.
+
+    Raises:
+        CheckpointNotFoundError: it is none of the three (or does not exist).
+        StorageError: the listing failed.
+    """
+    fs = location.fs
+    fs.invalidate_cache(location.path)
+    try:
+        entries = fs.ls(location.path, detail=True)
+    except FileNotFoundError:
+        entries = []
+    except OSError as e:
+        raise StorageError(f"cannot list {location.url}: {e}") from e
+    names = {posixpath.basename(e["name"].rstrip("/")): e.get("type") for e in entries}
+    if commit.METADATA_NAME in names:
+        return Target("checkpoint", location)
+    iteration = layout.parse_iteration(location.path)
+    if iteration is not None and names:
+        return Target("iteration", location, run=parent_of(location), iteration=iteration)
+    if commit.POINTER_NAME in names or any(
+        layout.parse_iteration(n) is not None and kind == "directory" for n, kind in names.items()
+    ):
+        return Target("run", location)
+    what = "is empty or does not exist" if not names else "holds no .metadata, iteration folders or pointer"
+    raise CheckpointNotFoundError(
+        f"{location.url} {what}: give a DCP checkpoint folder (with .metadata), an iteration "
+        f"folder ({layout.format_iteration(5)}) or a Checkpointer's save_dirname"
+    )
+
+
+def iteration_keys(run: Location, iteration: int) -> tuple[commit.CommitRecord | None, list[str]]:
+    """An iteration's commit record and its keys: the record's, else subfolders with ``.metadata``.
+
+    Raises:
+        CorruptCheckpointError: the commit record exists but cannot be read.
+        StorageError: the backend failed.
+    """
+    record = commit.read_commit_record(run, iteration)
+    if record is not None:
+        return record, list(record.keys)
+    folder = layout.iteration_path(run, iteration)
+    try:
+        found = run.fs.find(folder)
+    except FileNotFoundError:
+        found = []
+    except OSError as e:
+        raise StorageError(f"cannot list {run.url_of(folder)}: {e}") from e
+    keys = sorted(
+        posixpath.basename(posixpath.dirname(p))
+        for p in found
+        if posixpath.basename(p) == commit.METADATA_NAME and posixpath.dirname(posixpath.dirname(p)) == folder
+    )
+    return None, keys
+
+
+def key_location(run: Location, iteration: int, key: str) -> Location:
+    """The :class:`Location` of one key (a DCP checkpoint) of an iteration."""
+    path = layout.key_path(run, iteration, key)
+    return Location(run.fs, path, run.url_of(path))
