@@ -1,0 +1,311 @@
+"""``to-torch`` and ``to-safetensors``: one file from a DCP checkpoint on any URL.
+
+The checkpoint is read with our :class:`~dcp_fsspec.storage.reader.FsspecStorageReader` and
+DCP's ``_EmptyStateDictLoadPlanner`` (what torch's ``dcp_to_torch_save`` does with its local-only
+reader), so any URL works. The whole state dict is held in memory once. A single checkpoint
+becomes its state dict; an iteration folder (or a save_dirname's latest) becomes
+``{key: state_dict}``. The output is written through the storage layer's atomic uploads, so it
+is complete or absent, on any URL too.
+
+safetensors holds only a flat mapping of names to tensors: nested keys are joined with ``.``,
+plain values (numbers, strings, booleans, None) go into the file's metadata as JSON, and
+anything else is left out and listed. The safetensors library builds the file in memory, so that
+conversion needs about twice the state dict's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from ..checkpoint import commit
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpFsspecError,
+    MissingDriverError,
+    StorageError,
+)
+from ..storage.reader import FsspecStorageReader
+from ..storage.uploads import ByteBudget, upload_factory
+from ..storage.urls import Location, resolve
+from . import _cli, targets
+from .progress import Progress, human_bytes
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class ConvertResult:
+    """What a conversion read and wrote."""
+
+    src: str
+    out: str
+    format: str
+    tensors: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    left_out: list[str] = field(default_factory=list)  # safetensors: entries it cannot hold
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _CountingPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's planner that rebuilds the state dict from ``.metadata``, advancing a progress bar."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if self.progress is not None and metadata is not None:
+            for meta in metadata.state_dict_metadata.values():
+                if isinstance(meta, TensorStorageMetadata):
+                    self.progress.add_total(meta.size.numel() * meta.properties.dtype.itemsize)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        if self.progress is not None:
+            self.progress.advance(tensor.numel() * tensor.element_size())
+
+
+def load_state_dict(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, progress: Progress | None = None
+) -> dict[str, Any]:
+    """The whole state dict at ``url``, without a model to load into.
+
+    A DCP checkpoint gives its state dict; an iteration folder or a save_dirname (its latest
+    iteration) gives ``{key: state_dict}`` for every key.
+
+    Raises:
+        CheckpointNotFoundError: nothing there, or a save_dirname without a pointer.
+        CorruptCheckpointError: damaged data (a checksum mismatch, an unreadable record).
+        StorageError: the backend failed.
+    """
+    location = resolve(url, storage_options)
+    target = targets.classify(location)
+    if target.kind == "checkpoint":
+        return _load_one(location, progress)
+    if target.kind == "iteration":
+        assert target.run is not None and target.iteration is not None
+        run, iteration = target.run, target.iteration
+    else:
+        run, latest = location, commit.read_pointer(location)
+        if latest is None:
+            raise CheckpointNotFoundError(
+                f"{commit.pointer_url(location)} does not exist, so {location.url} has no latest checkpoint; "
+                "convert one of its iteration folders instead (see `dcp-fsspec ls`)"
+            )
+        iteration = latest
+    _, keys = targets.iteration_keys(run, iteration)
+    return {key: _load_one(targets.key_location(run, iteration, key), progress) for key in keys}
+
+
+def _load_one(location: Location, progress: Progress | None) -> dict[str, Any]:
+    start = time.perf_counter()
+    state_dict: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state_dict,
+            storage_reader=FsspecStorageReader(location.url, fs=location.fs),
+            planner=_CountingPlanner(progress),
+            no_dist=True,
+        )
+    except CheckpointException as e:
+        # DCP wraps what the reader raised; ours already name the file and what to do.
+        first, _traceback = e.failures[min(e.failures)]
+        if isinstance(first, DcpFsspecError):
+            raise first from e
+        cls = StorageError if isinstance(first, OSError) else CorruptCheckpointError
+        raise cls(f"cannot load {location.url}: {type(first).__name__}: {first}") from e
+    logger.info("loaded %s (%.2f s)", location.url, time.perf_counter() - start)
+    return state_dict
+
+
+def to_torch(
+    url: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Write the state dict at ``url`` as one ``torch.save`` file at ``out`` (any URL).
+
+    Raises:
+        CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
+        and what :func:`load_state_dict` raises.
+    """
+    start = time.perf_counter()
+    target = _output(out, out_storage_options, overwrite)
+    state_dict = load_state_dict(url, storage_options, progress=progress)
+    with _Output(target) as stream:
+        torch.save(state_dict, cast(IO[bytes], stream))
+    result = ConvertResult(resolve(url, storage_options).url, target.url, "torch", _count_tensors(state_dict))
+    result.bytes_written, result.seconds = stream.size, time.perf_counter() - start
+    logger.info("wrote %s (%s)", target.url, human_bytes(result.bytes_written))
+    return result
+
+
+def to_safetensors(
+    url: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Write the tensors at ``url`` as one ``.safetensors`` file at ``out`` (any URL).
+
+    Raises:
+        MissingDriverError: the ``safetensors`` package is not installed.
+        CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
+        and what :func:`load_state_dict` raises.
+    """
+    try:
+        from safetensors.torch import save as safetensors_save
+    except ImportError as e:
+        raise MissingDriverError(
+            f"writing {os.fspath(out)!r} as safetensors needs the safetensors package: "
+            "run `pip install safetensors` (or `pip install 'dcp-fsspec[safetensors]'`)"
+        ) from e
+    start = time.perf_counter()
+    target = _output(out, out_storage_options, overwrite)
+    state_dict = load_state_dict(url, storage_options, progress=progress)
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    left_out: list[str] = []
+    for name, value in _flatten(state_dict):
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value.contiguous()
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            metadata[name] = json.dumps(value)
+        else:
+            left_out.append(f"{name} ({type(value).__name__})")
+    data = safetensors_save(tensors, metadata=metadata or None)
+    with _Output(target) as stream:
+        stream.write(data)
+    result = ConvertResult(resolve(url, storage_options).url, target.url, "safetensors", len(tensors), stream.size)
+    result.seconds, result.left_out = time.perf_counter() - start, left_out
+    logger.info("wrote %s (%s)", target.url, human_bytes(result.bytes_written))
+    return result
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict) and value:
+        return [item for k, v in value.items() for item in _flatten(v, f"{prefix}{k}.")]
+    if isinstance(value, (list, tuple)) and value:
+        return [item for i, v in enumerate(value) for item in _flatten(v, f"{prefix}{i}.")]
+    return [(prefix[:-1], value)]
+
+
+def _count_tensors(value: Any) -> int:
+    return sum(isinstance(v, torch.Tensor) for _, v in _flatten(value))
+
+
+def _output(out: str | os.PathLike[str], storage_options: dict[str, Any] | None, overwrite: bool) -> Location:
+    target = resolve(out, storage_options)
+    try:
+        exists = target.fs.exists(target.path)
+    except OSError as e:
+        raise StorageError(f"cannot check {target.url}: {e}") from e
+    if exists and not overwrite:
+        raise CheckpointExistsError(f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)")
+    return target
+
+
+class _Output(io.RawIOBase):
+    """A write-only stream into an atomic upload: the file appears whole on close, or not at all."""
+
+    def __init__(self, target: Location) -> None:
+        super().__init__()
+        self.target = target
+        self.size = 0
+        if target.is_local:
+            os.makedirs(os.path.dirname(target.path) or ".", exist_ok=True)
+        try:
+            self._upload = upload_factory(target.fs, part_size=16 * MiB, budget=ByteBudget(64 * MiB))(target.path)
+        except OSError as e:
+            raise StorageError(f"cannot create {target.url}: {e}") from e
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)  # the caller may reuse its buffer once write returns
+        try:
+            self._upload.write([data])
+        except OSError as e:
+            raise StorageError(f"cannot write {self.target.url}: {e}") from e
+        self.size += len(data)
+        return len(data)
+
+    def __enter__(self) -> _Output:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            self._upload.abort()
+            return
+        try:
+            self._upload.commit()
+        except OSError as e:
+            self._upload.abort()
+            raise StorageError(f"cannot write {self.target.url}: {e}") from e
+
+
+# --- the subcommands -----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
+    parser.add_argument("out", help="the file to write (any fsspec URL or local path)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    _cli.add_storage_options(parser, destination=True)
+    _cli.add_json_flag(parser)
+
+
+def _main(args: argparse.Namespace, convert: Any, label: str) -> int:
+    with Progress(label) as progress:
+        result = convert(
+            args.url, args.out, _cli.storage_options(args.storage_options),
+            _cli.destination_options(args, args.url, args.out), overwrite=args.overwrite, progress=progress,
+        )  # fmt: skip
+    if args.json:
+        _cli.print_json(result.to_dict())
+    else:
+        for entry in result.left_out:
+            print(f"left out {entry}: safetensors holds only tensors and plain values")
+        print(
+            f"wrote {result.out} ({result.format}): {result.tensors} tensors, "
+            f"{human_bytes(result.bytes_written)}, from {result.src} in {result.seconds:.1f} s"
+        )
+    return _cli.EXIT_OK
+
+
+def main_to_torch(args: argparse.Namespace) -> int:
+    return _main(args, to_torch, "converting")
+
+
+def main_to_safetensors(args: argparse.Namespace) -> int:
+    return _main(args, to_safetensors, "converting")

@@ -1,0 +1,150 @@
+"""``inspect``: what a checkpoint holds — keys, entries, dtypes, shapes, bytes — from ``.metadata`` only.
+
+Nothing but the ``.metadata`` files is read. A save_dirname is shown at the iteration its
+pointer names; an iteration folder key by key; a single DCP checkpoint as one unnamed key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from ..checkpoint import commit, layout
+from ..errors import CheckpointNotFoundError
+from ..storage.reader import FsspecStorageReader
+from ..storage.urls import Location, resolve
+from . import _cli, targets
+from .progress import human_bytes
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state-dict entry: a tensor (dtype, shape, bytes) or a pickled object (bytes stored)."""
+
+    fqn: str
+    kind: str  # "tensor" or "object"
+    dtype: str | None
+    shape: list[int] | None
+    nbytes: int  # tensor: elements × element size; object: bytes stored
+    chunks: int  # how many pieces it was saved in (ranks' shards)
+
+
+@dataclass
+class KeySummary:
+    """One DCP checkpoint (a Checkpointer key, or the checkpoint itself)."""
+
+    key: str | None
+    url: str
+    stored_bytes: int  # the sum of the records' lengths in the data files
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries if e.kind == "tensor")
+
+
+@dataclass
+class CheckpointSummary:
+    """What ``inspect`` shows."""
+
+    url: str
+    kind: str
+    iteration: int | None
+    keys: list[KeySummary] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        for key, summary in zip(doc["keys"], self.keys):
+            key["tensor_bytes"] = summary.tensor_bytes
+        return doc
+
+
+def describe(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> CheckpointSummary:
+    """Summarize the checkpoint, iteration folder or save_dirname (its latest) at ``url``.
+
+    Raises:
+        CheckpointNotFoundError: nothing there, or a save_dirname without a pointer.
+        CorruptCheckpointError: a ``.metadata`` cannot be read.
+        StorageError: the backend failed.
+    """
+    location = resolve(url, storage_options)
+    target = targets.classify(location)
+    if target.kind == "checkpoint":
+        return CheckpointSummary(location.url, target.kind, None, [summarize(location, None)])
+    if target.kind == "iteration":
+        assert target.run is not None and target.iteration is not None
+        run, iteration = target.run, target.iteration
+    else:
+        run = location
+        latest = commit.read_pointer(run)
+        if latest is None:
+            raise CheckpointNotFoundError(
+                f"{commit.pointer_url(run)} does not exist, so {run.url} has no latest checkpoint; "
+                "inspect one of its iteration folders instead (see `dcp-fsspec ls`)"
+            )
+        iteration = latest
+    _, keys = targets.iteration_keys(run, iteration)
+    summary = CheckpointSummary(run.url_of(layout.iteration_path(run, iteration)), target.kind, iteration)
+    summary.keys = [summarize(targets.key_location(run, iteration, key), key) for key in keys]
+    return summary
+
+
+def summarize(location: Location, key: str | None) -> KeySummary:
+    """One DCP checkpoint's entries, from its ``.metadata``."""
+    metadata: Metadata = FsspecStorageReader(location.url, fs=location.fs).read_metadata()
+    storage = metadata.storage_data or {}
+    summary = KeySummary(key, location.url, sum(info.length for info in storage.values()))
+    stored_by_fqn: dict[str, int] = {}
+    for index, info in storage.items():
+        stored_by_fqn[index.fqn] = stored_by_fqn.get(index.fqn, 0) + info.length
+    for fqn, meta in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(meta, TensorStorageMetadata):
+            numel = 1
+            for s in meta.size:
+                numel *= s
+            dtype = meta.properties.dtype
+            summary.entries.append(
+                Entry(fqn, "tensor", str(dtype).removeprefix("torch."), list(meta.size), numel * dtype.itemsize, len(meta.chunks))
+            )
+        elif isinstance(meta, BytesStorageMetadata):
+            summary.entries.append(Entry(fqn, "object", None, None, stored_by_fqn.get(fqn, 0), 1))
+    return summary
+
+
+# --- the subcommand ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
+    _cli.add_storage_options(parser)
+    _cli.add_json_flag(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    summary = describe(args.url, _cli.storage_options(args.storage_options))
+    if args.json:
+        _cli.print_json(summary.to_dict())
+        return _cli.EXIT_OK
+    print(summary.url + ("" if summary.iteration is None else f"  (iteration {summary.iteration})"))
+    for key in summary.keys:
+        tensors = sum(e.kind == "tensor" for e in key.entries)
+        print()
+        print(
+            f"{'key ' + repr(key.key) + ': ' if key.key else ''}{key.url}  "
+            f"{tensors} tensors ({human_bytes(key.tensor_bytes)}), "
+            f"{len(key.entries) - tensors} objects, {human_bytes(key.stored_bytes)} stored"
+        )
+        rows = [("entry", "dtype", "shape", "bytes", "chunks")]
+        for e in key.entries:
+            shape = "-" if e.shape is None else "(" + ", ".join(map(str, e.shape)) + ")"
+            rows.append((e.fqn, e.dtype or "object", shape, str(e.nbytes), str(e.chunks)))
+        print(_cli.table(rows))
+    return _cli.EXIT_OK

@@ -1,0 +1,128 @@
+"""``ls``: the iterations under a Checkpointer's save_dirname, committed or not, and the latest.
+
+One row per iteration folder: committed (and if not, why not, in the words of
+:func:`dcp_fsspec.checkpoint.commit.inspect_iteration`), whether the pointer names it, its size
+on storage, and its age (from the commit record's ``saved_at``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..checkpoint import commit, layout
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..storage.urls import Location, resolve
+from . import _cli, targets
+from .progress import human_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IterationInfo:
+    """One iteration folder under a save_dirname."""
+
+    iteration: int
+    name: str
+    url: str
+    committed: bool
+    latest: bool
+    size_bytes: int
+    keys: list[str]
+    saved_at: float | None  # seconds since the epoch, from the commit record
+    why_uncommitted: str | None = None
+
+
+@dataclass
+class RunListing:
+    """Everything ``ls`` shows about a save_dirname."""
+
+    url: str
+    latest: int | None
+    iterations: list[IterationInfo] = field(default_factory=list)
+    pointer_problem: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> RunListing:
+    """Describe every iteration folder under the save_dirname ``url``.
+
+    Raises:
+        CheckpointNotFoundError: ``url`` is not a save_dirname (no pointer, no iteration folders).
+        StorageError: the backend failed.
+    """
+    root = resolve(url, storage_options)
+    target = targets.classify(root)
+    if target.kind != "run":
+        raise CheckpointNotFoundError(
+            f"{root.url} is a {'DCP checkpoint' if target.kind == 'checkpoint' else 'single iteration folder'}, "
+            "not a save_dirname; ls lists the iterations of a save_dirname (use inspect for one checkpoint)"
+        )
+    listing = RunListing(url=root.url, latest=None)
+    try:
+        listing.latest = commit.read_pointer(root)
+    except CorruptCheckpointError as e:
+        listing.pointer_problem = str(e)
+    for iteration in layout.list_iterations(root):
+        listing.iterations.append(_describe(root, iteration, listing.latest))
+    return listing
+
+
+def _describe(root: Location, iteration: int, latest: int | None) -> IterationInfo:
+    folder = layout.iteration_path(root, iteration)
+    try:
+        record, why = commit.inspect_iteration(root, iteration)
+    except CorruptCheckpointError as e:
+        record, why = None, str(e)
+    try:
+        size = int(root.fs.du(folder, total=True))
+    except FileNotFoundError:
+        size = 0
+    except OSError as e:
+        raise StorageError(f"cannot measure {root.url_of(folder)}: {e}") from e
+    return IterationInfo(
+        iteration=iteration, name=layout.format_iteration(iteration), url=root.url_of(folder),
+        committed=record is not None, latest=iteration == latest, size_bytes=size,
+        keys=list(record.keys) if record else [], saved_at=record.saved_at if record else None,
+        why_uncommitted=why,
+    )  # fmt: skip
+
+
+# --- the subcommand ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="a Checkpointer's save_dirname (any fsspec URL or local path)")
+    _cli.add_storage_options(parser)
+    _cli.add_json_flag(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    listing = list_run(args.url, _cli.storage_options(args.storage_options))
+    if args.json:
+        _cli.print_json(listing.to_dict())
+        return _cli.EXIT_OK
+    now = time.time()
+    rows = [("iteration", "latest", "committed", "size", "age", "keys")]
+    for info in listing.iterations:
+        rows.append((
+            info.name, "*" if info.latest else "", "yes" if info.committed else f"no: {info.why_uncommitted}",
+            human_bytes(info.size_bytes), _cli.age(None if info.saved_at is None else now - info.saved_at),
+            ",".join(info.keys),
+        ))  # fmt: skip
+    print(listing.url)
+    print(_cli.table(rows))
+    if listing.pointer_problem:
+        print(f"pointer: {listing.pointer_problem}")
+    elif listing.latest is None:
+        print(f"no {commit.POINTER_NAME}: a Checkpointer would start from scratch")
+    elif not any(i.latest for i in listing.iterations):
+        print(f"{commit.POINTER_NAME} names {layout.format_iteration(listing.latest)}, which has no folder")
+    return _cli.EXIT_OK

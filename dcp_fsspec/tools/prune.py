@@ -1,0 +1,113 @@
+"""``prune``: retention by hand — keep the newest N committed iterations of a run, delete the rest.
+
+The plan is :func:`dcp_fsspec.checkpoint.retention.plan_deletions`, the one the Checkpointer
+applies after each save, so the rules are the same: nothing is deleted without a pointer, the
+iteration the pointer names is never deleted, nor anything newer than it (a save may be writing
+it). Unlike the Checkpointer's own retention, a failed delete is reported (exit code 4), not
+only logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..checkpoint import commit, layout, retention
+from ..errors import CheckpointNotFoundError, DcpFsspecError, StorageError
+from ..storage.urls import resolve
+from . import _cli, targets
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PruneResult:
+    """What :func:`prune` deleted (or, with ``dry_run``, would delete)."""
+
+    url: str
+    keep: int
+    latest: int | None
+    dry_run: bool
+    deleted: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def prune(
+    url: str | os.PathLike[str], keep: int, storage_options: dict[str, Any] | None = None, *, dry_run: bool = False
+) -> PruneResult:
+    """Delete the iterations of the save_dirname ``url`` that ``keep_last_n=keep`` would delete.
+
+    Returns:
+        What was deleted, kept, and what failed to delete (a failed folder stays uncommitted;
+        running prune again retries it).
+
+    Raises:
+        ValueError: ``keep`` is below 1.
+        CheckpointNotFoundError: ``url`` is not a save_dirname.
+        CorruptCheckpointError: the pointer cannot be read (nothing is deleted then).
+        StorageError: listing failed.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    root = resolve(url, storage_options)
+    if targets.classify(root).kind != "run":
+        raise CheckpointNotFoundError(f"{root.url} is not a save_dirname (a folder of iter_* folders); nothing to prune")
+    latest = commit.read_pointer(root)
+    iterations = layout.list_iterations(root)
+    committed = [i for i in iterations if latest is not None and i <= latest and commit.is_committed(root, i)]
+    plan = retention.plan_deletions(iterations, committed, keep_last_n=keep, latest=latest)
+    result = PruneResult(root.url, keep, latest, dry_run, kept=[i for i in iterations if i not in plan])
+    for iteration in plan:
+        if dry_run:
+            result.deleted.append(iteration)
+            continue
+        try:
+            commit.discard_iteration(root, iteration)
+        except (OSError, DcpFsspecError) as e:
+            result.failed[iteration] = str(e)
+            continue
+        result.deleted.append(iteration)
+        logger.info("deleted %s", root.url_of(layout.iteration_path(root, iteration)))
+    return result
+
+
+# --- the subcommand ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="a Checkpointer's save_dirname")
+    parser.add_argument("--keep", type=int, required=True, metavar="N", help="committed iterations to keep (>= 1)")
+    parser.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    _cli.add_storage_options(parser)
+    _cli.add_json_flag(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        raise _cli.UsageError(f"--keep must be at least 1, got {args.keep}")
+    result = prune(args.url, args.keep, _cli.storage_options(args.storage_options), dry_run=args.dry_run)
+    if args.json:
+        _cli.print_json(result.to_dict())
+    else:
+        verb = "would delete" if result.dry_run else "deleted"
+        if result.latest is None:
+            print(f"{result.url}: no {commit.POINTER_NAME}, so nothing is deleted")
+        for iteration in result.deleted:
+            print(f"{verb} {layout.format_iteration(iteration)}")
+        for iteration, error in result.failed.items():
+            print(f"FAILED to delete {layout.format_iteration(iteration)}: {error}")
+        kept = ", ".join(layout.format_iteration(i) for i in result.kept) or "nothing"
+        print(f"{result.url}: kept {kept}")
+    if result.failed:
+        raise StorageError(
+            f"{len(result.failed)} iteration(s) of {result.url} could not be deleted (they are uncommitted now); "
+            "run prune again to retry"
+        )
+    return _cli.EXIT_OK
