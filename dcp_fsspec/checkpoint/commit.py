@@ -29,7 +29,7 @@ from typing import Any
 
 import fsspec.asyn
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, DcpFsspecError, StorageError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DcpFsspecError, StorageError
 from ..storage.retry import http_status
 from ..storage.uploads import is_s3fs
 from ..storage.urls import Location
@@ -197,14 +197,29 @@ def require_committed(root: Location, iteration: int, *, named_by: str) -> Commi
     return record
 
 
-def commit_iteration(root: Location, iteration: int, keys: tuple[str, ...], world_size: int) -> CommitRecord:
+def commit_iteration(
+    root: Location, iteration: int, keys: tuple[str, ...], world_size: int, *, behind_pointer: bool = False
+) -> CommitRecord:
     """Mark ``iteration`` committed once each of ``keys`` is a finished DCP checkpoint.
 
-    Called by rank 0 after every rank reported success, and before the pointer moves.
+    Called by rank 0 after every rank reported success, and before the pointer moves. Unless
+    ``behind_pointer`` (an explicit overwrite of an older iteration), an iteration the pointer
+    has moved past is not committed: another run saving to the same folder moved it while this
+    save was in flight, and that run's retention may already be deleting these files, which
+    is safe only while they are uncommitted.
 
     Raises:
         CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
+        CheckpointExistsError: the pointer names a newer iteration (and not ``behind_pointer``).
     """
+    latest = None if behind_pointer else read_pointer(root)
+    if latest is not None and latest > iteration:
+        raise CheckpointExistsError(
+            f"cannot commit {root.url_of(layout.iteration_path(root, iteration))}: {pointer_url(root)} "
+            f"moved to the newer {layout.format_iteration(latest)} while it was being saved, so another "
+            f"run is saving to {root.url}; the pointer never moves backwards, so this iteration stays "
+            "uncommitted. Give each run its own save_dirname"
+        )
     for key in unfinished_keys(root, iteration, keys):
         url = root.url_of(layout.key_path(root, iteration, key))
         raise CheckpointNotFoundError(
