@@ -275,7 +275,9 @@ class Checkpointer:
         self._collectives.raise_if_any_failed(None)
 
         def on_rank0() -> None:
-            commit.commit_iteration(self._root, iteration, keys, self._collectives.world_size)
+            commit.commit_iteration(
+                self._root, iteration, keys, self._collectives.world_size, behind_pointer=self._overwrite
+            )
             commit.write_pointer(self._root, iteration)
             logger.info("committed %s", self._root.url_of(layout.iteration_path(self._root, iteration)))
 
