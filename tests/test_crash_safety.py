@@ -15,7 +15,9 @@ import multiprocessing
 import os
 import posixpath
 import signal
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +25,9 @@ import fsspec
 import pytest
 import torch
 
-from dcp_fsspec import Checkpointer
+from dcp_fsspec import CheckpointExistsError, Checkpointer, StorageError
 from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.storage.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
 from tests.conftest import Backend
 
@@ -195,3 +198,97 @@ def test_a_save_killed_when_leaves_the_last_checkpoint_loadable_and_the_next_sav
     assert_same_training(final, _trained(following))
     if point.blob:
         assert_equal(target["blob"], _keys(_trained(following), True)["blob"])
+
+
+# -- two writers in one folder -------------------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def any_backend(request: pytest.FixtureRequest) -> Backend:
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+def test_a_writer_that_loses_the_race_for_the_pointer_never_moves_it_back(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = resolve(any_backend.url, any_backend.storage_options)
+    commit.write_pointer(root, 2)
+    conditional = any_backend.name == "s3"
+    real_read = commit._read_pointer_file
+    other: list[Future[bool]] = []
+
+    def read_then_let_the_other_writer_in(location: Any) -> Any:
+        seen = real_read(location)
+        if not other:  # our first read: the other writer now tries to point at 4
+            other.append(ThreadPoolExecutor(1).submit(commit.write_pointer, root, 4))
+            if conditional:
+                assert other[0].result(timeout=60)  # no lock: it goes first; our PUT must then fail
+            else:
+                with pytest.raises(TimeoutError):  # it waits for the lock we hold
+                    other[0].result(timeout=0.5)
+        return seen
+
+    monkeypatch.setattr(commit, "_read_pointer_file", read_then_let_the_other_writer_in)
+    ours = commit.write_pointer(root, 3)
+    assert other[0].result(timeout=60)
+    assert commit.read_pointer(root) == 4
+    # Locked: ours went first, then theirs. Conditional: ours was refused and, re-read, left alone.
+    assert ours is not conditional
+
+
+def _writer(backend: Backend, iterations: list[int], rounds: threading.Barrier) -> dict[int, str]:
+    """Save each iteration as a round starts; return how each went."""
+    outcome = {}
+    try:
+        with Checkpointer(backend.url, backend.storage_options, keep_last_n=2) as ckpt:
+            for iteration in iterations:
+                rounds.wait(timeout=120)
+                try:
+                    ckpt.save(iteration, trainer={"w": torch.full((4096,), float(iteration)), "step": iteration})
+                    outcome[iteration] = "saved"
+                except (CheckpointExistsError, StorageError) as e:
+                    # The other run's pointer got ahead (refused before or at commit), or its
+                    # retention deleted this uncommitted folder under us: an error, never damage.
+                    outcome[iteration] = type(e).__name__
+    finally:
+        rounds.abort()  # the other writer must not wait for a round this one will not start
+    return outcome
+
+
+def _watch_pointer(backend: Backend, stop: threading.Event) -> list[int]:
+    root = resolve(backend.url, backend.storage_options)
+    seen: list[int] = []
+    while not stop.wait(0.005):
+        seen.append(commit.read_pointer(root) or 0)
+    return seen
+
+
+def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(any_backend: Backend) -> None:
+    rounds, stop = threading.Barrier(2), threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        watcher = pool.submit(_watch_pointer, any_backend, stop)
+        odd = pool.submit(_writer, any_backend, [1, 3, 5, 7, 9, 11], rounds)
+        even = pool.submit(_writer, any_backend, [2, 4, 6, 8, 10, 12], rounds)
+        try:
+            outcomes = {**odd.result(timeout=240), **even.result(timeout=240)}
+        finally:
+            stop.set()
+        seen = watcher.result(timeout=60)
+    assert seen == sorted(seen), "the pointer moved backwards"
+    saved = sorted(i for i, how in outcomes.items() if how == "saved")
+    with Checkpointer(any_backend.url, any_backend.storage_options) as ckpt:
+        committed = ckpt.committed_iterations()
+        latest = ckpt.latest_checkpoint()
+    # The pointer ends on the newest save; every iteration still there loads what its writer saved.
+    assert latest == f"iter_{saved[-1]:09d}"
+    assert committed and set(committed) <= set(saved) and committed[-1] == saved[-1]
+    for iteration in committed:
+        target: dict[str, Any] = {"w": torch.zeros(4096), "step": 0}
+        with Checkpointer(
+            any_backend.sub("reader"),
+            any_backend.storage_options,
+            load_path=any_backend.sub(f"iter_{iteration:09d}"),
+            load_training_state=True,
+        ) as reader:
+            assert reader.load(trainer=target) == iteration
+        assert target["step"] == iteration and torch.equal(target["w"], torch.full((4096,), float(iteration)))
