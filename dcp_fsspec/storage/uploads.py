@@ -176,20 +176,31 @@ class S3MultipartUpload(FileUpload):
                 self._pending_size += take
                 view = view[take:]
                 if self._pending_size == self._part_size:
-                    self._send_part(self._take_pending())
+                    self._send_pending()
 
     def _take_pending(self) -> bytes:
         body = b"".join(self._pending)
         self._pending, self._pending_size = [], 0
         return body
 
+    def _send_pending(self) -> None:
+        # The budget is taken before the part is joined: the join is the upload's only copy of
+        # the data, and it must not exist before the budget allows it.
+        size = self._pending_size
+        self._budget.acquire(size)
+        try:
+            self._send_part(self._take_pending())
+        except BaseException:
+            self._budget.release(size)
+            raise
+
     def _send_part(self, body: bytes) -> None:
+        """Start uploading ``body`` as the next part; the caller took its budget, released here."""
         if self._failed is not None:
             raise self._failed
         if self._upload_id is None:
             self._upload_id = self._call("create_multipart_upload")["UploadId"]
         number = len(self._parts) + 1
-        self._budget.acquire(len(body))
 
         async def upload() -> dict[str, Any]:
             try:
@@ -208,7 +219,7 @@ class S3MultipartUpload(FileUpload):
             self._call("put_object", Body=self._take_pending())
         else:
             if self._pending_size:
-                self._send_part(self._take_pending())
+                self._send_pending()
             parts = [f.result() for f in self._parts]
             self._call(
                 "complete_multipart_upload",

@@ -176,7 +176,8 @@ class FsspecStorageWriter(StorageWriter):
         )
         jobs = [(f"{prefix.prefix}{n}{DATA_SUFFIX}", items) for n, items in enumerate(bins)]
         results: list[WriteResult] = []
-        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="dcp-fsspec-write") as pool:
+        # A rank may have nothing to write (DCP gives each replicated item to one rank only).
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="dcp-fsspec-write") as pool:
             futures = [pool.submit(self._write_file, new_upload, name, items, planner) for name, items in jobs]
             errors = []
             for f in futures:
