@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import zlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +21,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from dcp_fsspec import Checkpointer, CheckpointNotFoundError, VerifyReport, verify
 from dcp_fsspec.storage.records import parse_layout
 from tests.conftest import Backend
+from tests.distributed import run_ranks
 from tests.helpers import save
+from tests.test_storage_distributed import _save_sharded_rows
 
 from .ckpt_helpers import Training
 
@@ -197,3 +200,12 @@ def test_a_pointer_naming_an_uncommitted_iteration_is_a_problem(memory_backend: 
     report = verify(memory_backend.url)
     _assert_only_problem_names(report, memory_backend.sub("latest_checkpoint.txt"), None)
     assert "iter_000000002" in report.problems[0].what
+
+
+def test_a_tensor_sharded_by_two_ranks_has_every_chunk_checked(local_backend: Backend, tmp_path: Path) -> None:
+    run_ranks(_save_sharded_rows, 2, tmp_path, local_backend.url, local_backend.storage_options)
+    report = verify(local_backend.url)
+    # Two row shards of "sharded", plus "replicated" and "plain", each written once.
+    assert report.ok and report.tensors_checked == 4, report.problems
+    _flip_tensor_byte(local_backend, "sharded")
+    assert [p.item for p in verify(local_backend.url).problems] == ["sharded"]
