@@ -68,7 +68,7 @@ class Progress:
         filled = percent * _WIDTH // 100
         self.stream.write(
             f"\r{self.label} [{'#' * filled}{'.' * (_WIDTH - filled)}] {percent:3d}%  "
-            f"{human_bytes(self.done)} / {human_bytes(self.total)}"
+            f"{human_bytes(self.done)} / {human_bytes(self.total)}\x1b[K"  # clear what a longer line left
         )
         self.stream.flush()
 
