@@ -76,6 +76,10 @@ class LocalAzurite:
         self.endpoint_url = ""
 
     def start(self) -> LocalAzurite:
+        try:
+            import adlfs  # noqa: F401
+        except ImportError as e:
+            raise ServerUnavailable("az:// tests need adlfs: pip install 'dcp-fsspec[azure]'") from e
         program = find_or_install_azurite()
         self._workspace = tempfile.TemporaryDirectory(prefix="azurite-")
         self._process = subprocess.Popen(
