@@ -8,6 +8,19 @@ message says why and what to install, and the fixture turns that into a skip.
 
 from __future__ import annotations
 
+import shutil
+
+
+def dying_with_parent(command: list[str]) -> list[str]:
+    """``command``, run so that it gets SIGTERM when the test process dies (where possible).
+
+    A session fixture stops its server on teardown; this covers a test process that is killed
+    (a timeout, ^C twice), so no server outlives the run. util-linux's ``setpriv`` sets the
+    parent-death signal and execs the command; without it the command runs as is.
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
+
 
 class ServerUnavailable(RuntimeError):
     """The server's program is not installed here and cannot be installed."""

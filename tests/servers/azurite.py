@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import ServerUnavailable
+from . import ServerUnavailable, dying_with_parent
 
 ACCOUNT_NAME = "devstoreaccount1"
 # Azurite's published development key (the same in every installation; not a secret).
@@ -83,10 +83,10 @@ class LocalAzurite:
         program = find_or_install_azurite()
         self._workspace = tempfile.TemporaryDirectory(prefix="azurite-")
         self._process = subprocess.Popen(
-            [
-                program, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence", "--extentMemoryLimit", "4096", "--skipApiVersionCheck",
-                "--disableTelemetry", "--silent",
-            ],
+            dying_with_parent([
+                program, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence",
+                "--extentMemoryLimit", "4096", "--skipApiVersionCheck", "--disableTelemetry", "--silent",
+            ]),
             cwd=self._workspace.name,  # in case it writes anything despite --inMemoryPersistence
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip

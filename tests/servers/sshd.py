@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import ServerUnavailable
+from . import ServerUnavailable, dying_with_parent
 
 _LISTENING = re.compile(r"Server listening on 127\.0\.0\.1 port (\d+)")
 
@@ -93,7 +93,7 @@ class LocalSSHServer:
             "Subsystem sftp internal-sftp\nMaxSessions 64\nMaxStartups 64\nLogLevel INFO\n"
         )
         process = subprocess.Popen(
-            [sshd, "-D", "-e", "-f", str(config)],
+            dying_with_parent([sshd, "-D", "-e", "-f", str(config)]),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         assert process.stdout is not None
