@@ -83,15 +83,26 @@ def pointer_url(root: Location) -> str:
 def _call(root: Location, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
     """``root.fs.<method>(path, …)``, retried; failures other than absence become StorageError.
 
-    ``FileNotFoundError`` passes through unchanged: what absence means is the caller's call.
+    ``FileNotFoundError`` passes through unchanged, what absence means is the caller's call;
+    except for a missing bucket, which is not an absent file but a wrong URL.
     """
     url = root.url_of(path)
     try:
         return root.retry.run(root.fs, method, path, *args, url=url, **kwargs)
-    except (FileNotFoundError, DcpFsspecError):
+    except FileNotFoundError as e:
+        _raise_if_no_bucket(root, e)
+        raise
+    except DcpFsspecError:
         raise
     except OSError as e:
         raise StorageError(f"cannot {_VERBS.get(method, method)} {url}: {e}") from e
+
+
+def _raise_if_no_bucket(root: Location, error: FileNotFoundError) -> None:
+    if any(http_status(e)[1] == "NoSuchBucket" for e in _chain(error)):
+        raise StorageError(
+            f"cannot use {root.url}: its bucket does not exist ({error}); create the bucket or fix the URL"
+        ) from error
 
 
 def exists(root: Location, path: str) -> bool:
@@ -335,7 +346,8 @@ def _read_pointer_file(root: Location) -> tuple[bytes | None, str | None]:
         if is_s3fs(root.fs):
             return fsspec.asyn.sync(root.fs.loop, _s3_get, root, path)
         return _call(root, "cat_file", path), None
-    except FileNotFoundError:
+    except FileNotFoundError as e:
+        _raise_if_no_bucket(root, e)
         return None, None
     except DcpFsspecError:
         raise
