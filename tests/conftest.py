@@ -146,7 +146,7 @@ def sftp_backend(sftp_server: LocalSSHServer, tmp_path: Any) -> Backend:
 
 # sftp is not in the list yet: saving there needs the writer to create the checkpoint folder and
 # to upload in blocks OpenSSH accepts (tests/test_sftp.py covers what works and pins what not).
-BACKENDS = ["local", "memory", "s3", "gcs", "azure"]
+BACKENDS = ["local", "memory", "s3", "gcs", "azure", "sftp"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -157,7 +157,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 # GCS and Azure pass the multi-rank suites too, but at ~10-20 s a test on two cores; what they
 # exercise beyond the single-process suites is the ranks' protocol, which local and S3 cover.
-@pytest.fixture(params=[b for b in BACKENDS if b not in ("memory", "gcs", "azure")])
+@pytest.fixture(params=[b for b in BACKENDS if b not in ("memory", "gcs", "azure", "sftp")])
 def shared_backend(request: pytest.FixtureRequest) -> Backend:
     """Backends that several processes can reach (for multi-rank tests)."""
     return request.getfixturevalue(f"{request.param}_backend")

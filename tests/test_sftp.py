@@ -58,11 +58,6 @@ def test_verify_reads_every_record_through_sftp(sftp_backend: Backend) -> None:
     assert report.tensors_checked > 0 and report.checkpoints == [sftp_backend.url]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="saving to sftp:// needs the writer to create the checkpoint folder (it does so only on local "
-    "disk) and to upload in blocks OpenSSH accepts (fsspec's 16 MiB blocks make sshd drop the connection)",
-)
 def test_saving_to_sftp_round_trips(sftp_backend: Backend) -> None:
     state = sample_state()
     save(state, sftp_backend)

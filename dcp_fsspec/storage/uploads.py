@@ -135,6 +135,44 @@ class BufferedUpload(FileUpload):
             self.fs.rm_file(self.path)
 
 
+class RenameUpload(FileUpload):
+    """A temporary name, then a rename: for remote filesystems with real folders (SFTP).
+
+    Written in small pieces: OpenSSH drops the connection on single writes of many MiB.
+    """
+
+    _PIECE = 256 * 1024
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        super().__init__(fs, path)
+        self._tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        self._file = fs.open(self._tmp, "wb")
+
+    def write(self, buffers: Iterable[bytes | memoryview]) -> None:
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            for start in range(0, view.nbytes, self._PIECE):
+                self._file.write(bytes(view[start : start + self._PIECE]))
+            self.size += view.nbytes
+
+    def commit(self) -> None:
+        self._file.close()
+        self.fs.mv(self._tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self._file.close()
+            self.fs.rm_file(self._tmp)
+        except OSError:  # the original error matters more; the temporary name is never read
+            pass
+
+
+def has_real_folders(fs: fsspec.AbstractFileSystem) -> bool:
+    """Filesystems where a file's folder must exist and a rename is atomic (local disk, SFTP)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return isinstance(fs, LocalFileSystem) or bool({"sftp", "ssh"} & set(protocols))
+
+
 class S3MultipartUpload(FileUpload):
     """s3fs multipart upload with concurrent parts; a single PUT when the file is small."""
 
@@ -260,22 +298,24 @@ def upload_factory(
         return lambda path: LocalUpload(fs, path, fsync=fsync)
     if is_s3fs(fs):
         return lambda path: S3MultipartUpload(fs, path, part_size=part_size, budget=budget, retry=retry)
+    if has_real_folders(fs):
+        return lambda path: RenameUpload(fs, path)
     return lambda path: BufferedUpload(fs, path, block_size=max(part_size, MIN_PART_SIZE))
 
 
 def write_whole_file(
     fs: fsspec.AbstractFileSystem, path: str, data: bytes, *, fsync: bool = True, retry: RetryPolicy = NO_RETRY
 ) -> None:
-    """Write a small file atomically: local temp+fsync+rename, else one PUT/``pipe_file`` (retried)."""
-    if isinstance(fs, LocalFileSystem):
-        upload = LocalUpload(fs, path, fsync=fsync)
+    """Write a small file atomically: temp+(fsync)+rename where there are folders, else one PUT (retried)."""
+    if has_real_folders(fs):
+        upload: FileUpload = LocalUpload(fs, path, fsync=fsync) if isinstance(fs, LocalFileSystem) else RenameUpload(fs, path)
         try:
             upload.write([data])
             upload.commit()
         except BaseException:
             upload.abort()
             raise
-        if fsync:
+        if fsync and isinstance(fs, LocalFileSystem):
             fsync_dir(os.path.dirname(path))
         return
     retry.run(fs, "pipe_file", path, data, url=fs.unstrip_protocol(path))

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from .records import encode_tensor
 from .retry import DEFAULT_RETRY, RetryPolicy
-from .uploads import ByteBudget, FileUpload, fsync_dir, upload_factory, write_whole_file
+from .uploads import ByteBudget, FileUpload, fsync_dir, has_real_folders, upload_factory, write_whole_file
 from .urls import Location, is_checkpoint_url, resolve
 
 METADATA_FILE = ".metadata"
@@ -133,12 +133,12 @@ class FsspecStorageWriter(StorageWriter):
         fs, path = self.location.fs, self.location.path
         metadata_path = self._metadata_path()
         try:
-            if self.location.is_local:
+            if has_real_folders(fs):  # never on object stores, where makedirs may create a bucket
                 fs.makedirs(path, exist_ok=True)
             exists = self.location.retry.run(fs, "exists", metadata_path, url=self.location.url_of(metadata_path))
         except DcpFsspecError:
             raise
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - drivers raise their own types (asyncssh's SFTPFailure)
             raise StorageError(f"cannot prepare checkpoint folder {self.location.url!r}: {e}") from e
         if exists and not self.overwrite:
             raise CheckpointExistsError(
