@@ -30,7 +30,7 @@ from typing import Any
 import fsspec.asyn
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DcpFsspecError, StorageError
-from ..storage.retry import http_status
+from ..storage.retry import causes, http_status
 from ..storage.uploads import is_s3fs
 from ..storage.urls import Location
 from . import layout
@@ -99,7 +99,7 @@ def _call(root: Location, method: str, path: str, *args: Any, **kwargs: Any) -> 
 
 
 def _raise_if_no_bucket(root: Location, error: FileNotFoundError) -> None:
-    if any(http_status(e)[1] == "NoSuchBucket" for e in _chain(error)):
+    if any(http_status(e)[1] == "NoSuchBucket" for e in causes(error)):
         raise StorageError(
             f"cannot use {root.url}: its bucket does not exist ({error}); create the bucket or fix the URL"
         ) from error
@@ -263,14 +263,21 @@ def discard_iteration(root: Location, iteration: int) -> None:
 
 
 def _abort_pending_uploads(root: Location, folder: str) -> None:
-    """Abort the multipart uploads a killed save left under ``folder`` (invisible, but billed)."""
+    """Abort the multipart uploads a killed save left under ``folder`` (invisible, but billed).
+
+    Best effort: without the permission to list them, a bucket lifecycle rule
+    (``AbortIncompleteMultipartUpload``) is what cleans them up.
+    """
     bucket, prefix, _ = root.fs.split_path(folder.rstrip("/") + "/")
-    listing = root.retry.run(root.fs, "call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, url=root.url_of(folder))
-    for upload in listing.get("Uploads", []):
-        root.retry.run(
-            root.fs, "call_s3", "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"],
-            url=root.url_of(folder),
-        )
+    url = root.url_of(folder)
+    try:
+        listing = root.retry.run(root.fs, "call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, url=url)
+        for upload in listing.get("Uploads", []):
+            root.retry.run(
+                root.fs, "call_s3", "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"], url=url
+            )
+    except (OSError, DcpFsspecError) as e:
+        logger.warning("could not abort the unfinished uploads under %s: %s", url, e)
 
 
 def read_pointer(root: Location) -> int | None:
@@ -395,18 +402,12 @@ def _refused_by_condition(error: BaseException) -> bool:
     """412 Precondition Failed, or 409 for a conditional write that raced another one."""
     return any(
         isinstance(e, FileExistsError) or http_status(e)[0] in (409, 412) or http_status(e)[1] == "PreconditionFailed"
-        for e in _chain(error)
+        for e in causes(error)
     )
 
 
 def _conditions_unsupported(error: BaseException) -> bool:
-    return any(http_status(e)[0] == 501 or http_status(e)[1] == "NotImplemented" for e in _chain(error))
-
-
-def _chain(error: BaseException | None) -> Iterator[BaseException]:
-    while error is not None:
-        yield error
-        error = error.__cause__
+    return any(http_status(e)[0] == 501 or http_status(e)[1] == "NotImplemented" for e in causes(error))
 
 
 def _remove_stale_temp_files(root: Location) -> None:

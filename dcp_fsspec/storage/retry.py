@@ -191,7 +191,7 @@ def is_transient(error: BaseException) -> bool:
     """
     if isinstance(error, _PERMANENT_TYPES):
         return False
-    for cause in _causes(error):
+    for cause in causes(error):
         status, code = http_status(cause)
         if code in _TRANSIENT_CODES:
             return True
@@ -220,7 +220,8 @@ def http_status(error: BaseException) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _causes(error: BaseException) -> Iterator[BaseException]:
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the exceptions it was raised from or while handling, outermost first."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
