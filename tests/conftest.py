@@ -141,11 +141,11 @@ def sftp_server() -> Iterator[LocalSSHServer]:
 @pytest.fixture
 def sftp_backend(sftp_server: LocalSSHServer, tmp_path: Any) -> Backend:
     # The server is this machine, so tmp_path is also where the files land (tests may look).
-    return Backend("sftp", sftp_server.url(str(tmp_path / "ckpt")), sftp_server.storage_options())
+    # A connection per filesystem: a cached one that sshd closed would fail every later test.
+    options = {**sftp_server.storage_options(), "skip_instance_cache": True}
+    return Backend("sftp", sftp_server.url(str(tmp_path / "ckpt")), options)
 
 
-# sftp is not in the list yet: saving there needs the writer to create the checkpoint folder and
-# to upload in blocks OpenSSH accepts (tests/test_sftp.py covers what works and pins what not).
 BACKENDS = ["local", "memory", "s3", "gcs", "azure", "sftp"]
 
 
