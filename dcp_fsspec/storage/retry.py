@@ -93,27 +93,7 @@ class RetryPolicy:
 
     def call(self, fn: Callable[[], T], *, url: str) -> T:
         """``fn()``, retried; the deadline is checked between attempts (``fn`` is not interrupted)."""
-        if not self.enabled:
-            return fn()
-        tries = self._tries(url)
-        for _ in tries:
-            try:
-                return fn()
-            except Exception as e:  # noqa: BLE001 - classified by is_transient, re-raised if permanent
-                time.sleep(tries.failed(e))
-        raise AssertionError("unreachable")  # pragma: no cover - _Tries raises when done
-
-    async def call_async(self, make: Callable[[], Awaitable[T]], *, url: str) -> T:
-        """``await make()``, retried; an attempt still running at the deadline is cancelled."""
-        if not self.enabled:
-            return await make()
-        tries = self._tries(url)
-        for remaining in tries:
-            try:
-                return await asyncio.wait_for(make(), remaining)
-            except Exception as e:  # noqa: BLE001 - classified by is_transient, re-raised if permanent
-                await asyncio.sleep(tries.failed(e))
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self._retry(lambda _remaining: fn(), url)
 
     def run(self, fs: fsspec.AbstractFileSystem, method: str, *args: Any, url: str, **kwargs: Any) -> Any:
         """``fs.<method>(*args, **kwargs)``, retried.
@@ -122,18 +102,33 @@ class RetryPolicy:
         the deadline), which cancels the request on the event loop when it runs out.
         """
         call = getattr(fs, method)
-        if not (self.deadline is not None and getattr(fs, "async_impl", False)):
-            return self.call(lambda: call(*args, **kwargs), url=url)
-        tries = self._tries(url)
+        if self.deadline is not None and getattr(fs, "async_impl", False):
+            return self._retry(lambda remaining: call(*args, timeout=remaining, **kwargs), url)
+        return self.call(lambda: call(*args, **kwargs), url=url)
+
+    async def call_async(self, make: Callable[[], Awaitable[T]], *, url: str) -> T:
+        """``await make()``, retried; an attempt still running at the deadline is cancelled."""
+        if not self.enabled:
+            return await make()
+        tries = _Tries(self, url)
         for remaining in tries:
             try:
-                return call(*args, timeout=remaining, **kwargs)
+                return await asyncio.wait_for(make(), remaining)
+            except Exception as e:  # noqa: BLE001 - classified by is_transient, re-raised if permanent
+                await asyncio.sleep(tries.failed(e))
+        raise AssertionError("unreachable")  # pragma: no cover - _Tries.failed raises when done
+
+    def _retry(self, attempt: Callable[[float | None], T], url: str) -> T:
+        """``attempt(seconds left)`` until it succeeds, fails for good, or the policy runs out."""
+        if not self.enabled:
+            return attempt(None)
+        tries = _Tries(self, url)
+        for remaining in tries:
+            try:
+                return attempt(remaining)
             except Exception as e:  # noqa: BLE001 - classified by is_transient, re-raised if permanent
                 time.sleep(tries.failed(e))
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _tries(self, url: str) -> _Tries:
-        return _Tries(self, url)
+        raise AssertionError("unreachable")  # pragma: no cover - _Tries.failed raises when done
 
 
 NO_RETRY = RetryPolicy(attempts=1, deadline=None)
