@@ -29,7 +29,13 @@ from typing import Any
 
 import fsspec.asyn
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DcpFsspecError, StorageError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpFsspecError,
+    StorageError,
+)
 from ..storage.retry import causes, http_status
 from ..storage.uploads import is_s3fs
 from ..storage.urls import Location
@@ -273,9 +279,8 @@ def _abort_pending_uploads(root: Location, folder: str) -> None:
     try:
         listing = root.retry.run(root.fs, "call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, url=url)
         for upload in listing.get("Uploads", []):
-            root.retry.run(
-                root.fs, "call_s3", "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"], url=url
-            )
+            key, upload_id = upload["Key"], upload["UploadId"]
+            root.retry.run(root.fs, "call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, url=url)
     except (OSError, DcpFsspecError) as e:
         logger.warning("could not abort the unfinished uploads under %s: %s", url, e)
 

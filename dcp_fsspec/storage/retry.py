@@ -83,7 +83,9 @@ class RetryPolicy:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
             raise ValueError(f"RetryPolicy.attempts must be an int >= 1, got {self.attempts!r}")
         if self.base_delay < 0 or self.max_delay < 0:
-            raise ValueError(f"RetryPolicy delays must be >= 0, got base_delay={self.base_delay}, max_delay={self.max_delay}")
+            raise ValueError(
+                f"RetryPolicy delays must be >= 0, got base_delay={self.base_delay}, max_delay={self.max_delay}"
+            )
         if self.deadline is not None and self.deadline <= 0:
             raise ValueError(f"RetryPolicy.deadline must be > 0 seconds or None, got {self.deadline}")
 

@@ -176,7 +176,9 @@ def has_real_folders(fs: fsspec.AbstractFileSystem) -> bool:
 class S3MultipartUpload(FileUpload):
     """s3fs multipart upload with concurrent parts; a single PUT when the file is small."""
 
-    def __init__(self, fs: Any, path: str, *, part_size: int, budget: ByteBudget, retry: RetryPolicy = NO_RETRY) -> None:
+    def __init__(
+        self, fs: Any, path: str, *, part_size: int, budget: ByteBudget, retry: RetryPolicy = NO_RETRY
+    ) -> None:
         super().__init__(fs, path)
         self._bucket, self._key, _ = fs.split_path(path)
         self._part_size = max(part_size, MIN_PART_SIZE)
