@@ -125,7 +125,9 @@ class FaultyProxy:
             self.log.append((method, path, fault))
             return fault
 
-    def _forward(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    def _forward(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, str, list[tuple[str, str]], bytes]:
         conn = http.client.HTTPConnection(*self._upstream, timeout=600)
         try:
             conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)

@@ -128,7 +128,9 @@ def test_the_checkpointer_resolves_relative_and_home_paths_once(tmp_path: Path, 
 # -- checkpoints -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("content", [os.urandom(64), pickle.dumps({"not": "DCP metadata"})], ids=["garbage", "another-pickle"])
+@pytest.mark.parametrize(
+    "content", [os.urandom(64), pickle.dumps({"not": "DCP metadata"})], ids=["garbage", "another-pickle"]
+)
 def test_a_corrupted_metadata_file_is_reported_naming_it(backend: Backend, content: bytes) -> None:
     save({"w": torch.randn(10)}, backend)
     fs, path = _fs_path(backend, ".metadata")
@@ -235,7 +237,7 @@ def _available_memory() -> int:
         return 0
 
 
-@pytest.mark.skipif(_available_memory() < 8 * GiB, reason="needs 8 GiB of free memory (two 2 GiB tensors and the page cache)")
+@pytest.mark.skipif(_available_memory() < 8 * GiB, reason="needs 8 GiB free: two 2 GiB tensors and the page cache")
 def test_a_tensor_over_2_gib_round_trips_bit_exact(local_backend: Backend) -> None:
     n = 2 * GiB + 3  # past every 31-bit offset and length
     block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))

@@ -67,7 +67,10 @@ class KillPoint:
 
 KILL_POINTS = {
     "a data file is half uploaded": KillPoint(
-        {"local": "dcp_fsspec.storage.uploads:LocalUpload.commit", "s3": "dcp_fsspec.storage.uploads:S3MultipartUpload._send_part"},
+        {
+            "local": "dcp_fsspec.storage.uploads:LocalUpload.commit",
+            "s3": "dcp_fsspec.storage.uploads:S3MultipartUpload._send_part",
+        },
         nth=2,
         blob=True,
         backends=("local", "s3"),

@@ -41,7 +41,8 @@ FAST = RetryPolicy(attempts=6, base_delay=0.01, max_delay=0.1, deadline=60)
 
 
 def _client_error(status: int, code: str) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+    response = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return ClientError(response, "PutObject")
 
 
 def _caused_by(outer: OSError, cause: BaseException) -> OSError:
@@ -93,7 +94,7 @@ def test_throttling_server_errors_and_dropped_connections_are_transient(error: B
 @pytest.mark.parametrize(
     "error",
     [
-        _caused_by(PermissionError("The AWS Access Key Id you provided does not exist"), _client_error(403, "InvalidAccessKeyId")),
+        _caused_by(PermissionError("Access Key Id does not exist"), _client_error(403, "InvalidAccessKeyId")),
         _caused_by(FileNotFoundError("NoSuchBucket"), _client_error(404, "NoSuchBucket")),
         _caused_by(OSError(errno.EINVAL, "precondition"), _client_error(412, "PreconditionFailed")),
         _client_error(501, "NotImplemented"),

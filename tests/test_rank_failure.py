@@ -124,7 +124,8 @@ def test_one_rank_failing_at_any_step_fails_the_save_on_every_rank_and_the_point
 
 def _save_while_rank1_dies(rank: int, store: str, url: str, how: str, timeout: float, report: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=timeout))
+    group_timeout = timedelta(seconds=timeout)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=group_timeout)
     ckpt = Checkpointer(url)
     ckpt.save(1, state=_state(rank, 1))
     if rank == 1:
