@@ -550,3 +550,29 @@ def test_iteration_names_round_trip_through_the_one_regex() -> None:
     assert layout.parse_iteration("s3://b/run/iter_000000005/") == 5
     assert layout.parse_iteration(layout.format_iteration(12_345_678_901)) == 12_345_678_901
     assert [layout.parse_iteration(n) for n in ("iter_5", "iter_00000000x", "xiter_000000005")] == [None] * 3
+
+
+def test_verify_before_commit_refuses_a_damaged_iteration_and_keeps_the_pointer(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_fsspec.storage import uploads
+
+    with Checkpointer(local_backend.url, verify_before_commit=True) as ckpt:
+        ckpt.save(1, trainer={"w": torch.arange(4096.0)})
+        # Damage the bytes after they are written and before the commit, as a faulty disk would.
+        real_commit = uploads.LocalUpload.commit
+
+        def flip_a_byte(self: uploads.LocalUpload) -> None:
+            real_commit(self)
+            if self.path.endswith(".distcp"):
+                with open(self.path, "r+b") as f:
+                    f.seek(self.size // 2)
+                    byte = f.read(1)
+                    f.seek(self.size // 2)
+                    f.write(bytes([byte[0] ^ 0x01]))
+
+        monkeypatch.setattr(uploads.LocalUpload, "commit", flip_a_byte)
+        with pytest.raises(CorruptCheckpointError) as info:
+            ckpt.save(2, trainer={"w": torch.arange(4096.0) * 2})
+        assert "iter_000000002" in str(info.value) and "'trainer'" in str(info.value)
+        assert ckpt.latest_checkpoint() == "iter_000000001"

@@ -44,6 +44,7 @@ class SaverSettings:
     storage_options: dict[str, Any]
     keep_last_n: int | None
     overwrite: bool
+    verify_before_commit: bool = False
 
 
 class BackgroundSaveError(DcpFsspecError, RuntimeError):
@@ -217,6 +218,7 @@ def _serve(
             settings.storage_options,
             keep_last_n=settings.keep_last_n,
             overwrite=settings.overwrite,
+            verify_before_commit=settings.verify_before_commit,
         )
         conn.send(("ready",))
     except BaseException as e:  # noqa: BLE001 - reported to the training process

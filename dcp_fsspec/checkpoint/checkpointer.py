@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import (
+    CorruptCheckpointError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -88,6 +89,8 @@ class Checkpointer:
         overwrite: allow saving an iteration that is already committed. It is deleted first, so
             if that save then dies, the pointer may name a missing folder and :meth:`load` says so.
         process_group: the group the checkpoint spans; default: every rank.
+        verify_before_commit: before the pointer moves, rank 0 reads back every file of the
+            iteration and checks every tensor's CRC-32 (costs one full read of the checkpoint).
 
     Raises:
         ValueError: an unknown ``async_mode``, or ``keep_last_n`` below 1.
@@ -109,6 +112,7 @@ class Checkpointer:
         keys_not_to_resume: tuple[str, ...] | list[str] = (),
         overwrite: bool = False,
         process_group: dist.ProcessGroup | None = None,
+        verify_before_commit: bool = False,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
@@ -127,6 +131,7 @@ class Checkpointer:
         self._load_optimizer = load_optimizer
         self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
         self._overwrite = overwrite
+        self._verify_before_commit = verify_before_commit
         self._collectives = Collectives(process_group)
         self._closed = False
         self._stager: Stager | None = None
@@ -204,7 +209,9 @@ class Checkpointer:
                     )
                 self._background = ThreadSaver(self)
             else:
-                settings = SaverSettings(self.url, self._storage_options, self._keep_last_n, self._overwrite)
+                settings = SaverSettings(
+                    self.url, self._storage_options, self._keep_last_n, self._overwrite, self._verify_before_commit
+                )
                 self._background = BackgroundSaver(settings, self._collectives)
         return self._background
 
@@ -275,6 +282,8 @@ class Checkpointer:
         self._collectives.raise_if_any_failed(None)
 
         def on_rank0() -> None:
+            if self._verify_before_commit:
+                self._verify_keys(iteration, keys)
             commit.commit_iteration(
                 self._root, iteration, keys, self._collectives.world_size, behind_pointer=self._overwrite
             )
@@ -282,6 +291,20 @@ class Checkpointer:
             logger.info("committed %s", self._root.url_of(layout.iteration_path(self._root, iteration)))
 
         self._collectives.run_on_rank0(on_rank0)
+
+    def _verify_keys(self, iteration: int, keys: tuple[str, ...]) -> None:
+        """Rank 0, before the commit: re-read every key's files and check every CRC-32."""
+        from ..tools.verify import verify  # the integrity checker lives with the tools
+
+        for key in keys:
+            url = self._root.url_of(layout.key_path(self._root, iteration, key))
+            report = verify(url, self._storage_options)
+            if not report.ok:
+                raise CorruptCheckpointError(
+                    f"not committing {self._root.url_of(layout.iteration_path(self._root, iteration))}: "
+                    f"verifying key {key!r} found {len(report.problems)} problem(s), first: "
+                    f"{report.problems[0]}; the pointer stays where it was — save again"
+                )
 
     def _apply_retention(self, protected: tuple[int, ...]) -> None:
         if self._keep_last_n is not None and self._collectives.rank == 0:
