@@ -7,6 +7,7 @@ Layers, bottom up: ``storage`` (DCP StorageWriter/StorageReader over fsspec) ←
 from __future__ import annotations
 
 from .checkpoint import Checkpointer
+from .checkpoint.events import CheckpointEvent
 from .errors import (
     CheckpointExistsError,
     CheckpointMismatchError,
@@ -24,6 +25,7 @@ from .storage.writer import FsspecStorageWriter
 from .tools.verify import VerifyProblem, VerifyReport, verify
 
 __all__ = [
+    "CheckpointEvent",
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",

@@ -576,3 +576,35 @@ def test_verify_before_commit_refuses_a_damaged_iteration_and_keeps_the_pointer(
             ckpt.save(2, trainer={"w": torch.arange(4096.0) * 2})
         assert "iter_000000002" in str(info.value) and "'trainer'" in str(info.value)
         assert ckpt.latest_checkpoint() == "iter_000000001"
+
+
+def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dcp_fsspec import CheckpointEvent
+
+    events: list[CheckpointEvent] = []
+    state = {"w": torch.randn(1000), "step": 3}
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint"):
+        with Checkpointer(
+            backend.url, backend.storage_options,
+            on_save_start=events.append, on_save_end=events.append, on_load_end=events.append,
+        ) as ckpt:
+            ckpt.save(3, trainer=state)
+            assert ckpt.load(trainer={"w": torch.zeros(1000), "step": 0}) == 3
+    assert [e.kind for e in events] == ["save_start", "save_end", "load_end"]
+    assert all(e.nbytes == 4000 and e.iteration == 3 and e.keys == ("trainer",) for e in events)
+    assert events[1].seconds > 0 and events[1].gbps > 0 and events[1].url.endswith("iter_000000003")
+    lines = [r.getMessage() for r in caplog.records if r.name == "dcp_fsspec.checkpoint"]
+    assert any(m.startswith("saved ") and "iter_000000003" in m and "GB/s" in m for m in lines)
+    assert any(m.startswith("loaded ") and "GB/s" in m for m in lines)
+
+
+def test_an_asynchronous_save_reports_its_end_once_it_is_committed(local_backend: Backend) -> None:
+    ends: list[Any] = []
+    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem", on_save_end=ends.append) as ckpt:
+        ckpt.save(1, trainer={"w": torch.randn(256)})
+        ckpt.wait()
+        assert [e.iteration for e in ends] == [1] and ends[0].nbytes == 1024
+        ckpt.save(2, trainer={"w": torch.randn(256)})
+    assert [e.iteration for e in ends] == [1, 2]  # finalize waited and reported the last one

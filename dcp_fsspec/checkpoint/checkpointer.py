@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -37,6 +38,7 @@ from ..storage.writer import FsspecStorageWriter
 from . import commit, layout, retention
 from . import state as state_mod
 from ._collectives import Collectives
+from .events import Callback, CheckpointEvent, report, tensor_nbytes
 from .background import BackgroundSaveError, BackgroundSaver, SaverSettings, ThreadSaver
 from .staging import Stager
 
@@ -91,6 +93,10 @@ class Checkpointer:
         process_group: the group the checkpoint spans; default: every rank.
         verify_before_commit: before the pointer moves, rank 0 reads back every file of the
             iteration and checks every tensor's CRC-32 (costs one full read of the checkpoint).
+        on_save_start, on_save_end, on_load_end: called with a :class:`CheckpointEvent` (bytes this
+            rank moved, seconds, GB/s) when a save starts, once it is committed (for asynchronous
+            saves: when the training process next learns of it), and after a load. Each end is
+            also logged as one line.
 
     Raises:
         ValueError: an unknown ``async_mode``, or ``keep_last_n`` below 1.
@@ -113,6 +119,9 @@ class Checkpointer:
         overwrite: bool = False,
         process_group: dist.ProcessGroup | None = None,
         verify_before_commit: bool = False,
+        on_save_start: Callback | None = None,
+        on_save_end: Callback | None = None,
+        on_load_end: Callback | None = None,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
@@ -132,6 +141,8 @@ class Checkpointer:
         self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
         self._overwrite = overwrite
         self._verify_before_commit = verify_before_commit
+        self._callbacks = {"save_start": on_save_start, "save_end": on_save_end, "load_end": on_load_end}
+        self._pending_end: tuple[int, tuple[str, ...], int, float] | None = None  # async save in flight
         self._collectives = Collectives(process_group)
         self._closed = False
         self._stager: Stager | None = None
@@ -171,22 +182,38 @@ class Checkpointer:
             raise ValueError("save() needs at least one key, e.g. save(iteration, model=model)")
         for key in state:
             layout.check_key(key)
+        start = time.perf_counter()
         if self._async_mode == ASYNC_DISABLED:
-            self._save_staged(iteration, self._stage(state))
+            state_dicts = self._stage(state)
+            nbytes = tensor_nbytes(state_dicts)
+            self._report("save_start", iteration, tuple(state_dicts), nbytes)
+            self._save_staged(iteration, state_dicts)
+            self._report("save_end", iteration, tuple(state_dicts), nbytes, time.perf_counter() - start)
             return
         # Asynchronous: the previous save must be done before its buffers are overwritten.
         background = self._background_saver()
-        self._surviving(background.wait)
+        self.wait()
         state_dicts = self._stage(state)
+        nbytes = tensor_nbytes(state_dicts)
+        self._report("save_start", iteration, tuple(state_dicts), nbytes)
         if self._stager is None:
             self._stager = Stager()
         staged = {k: self._stager.stage(v) for k, v in state_dicts.items()}
         self._surviving(lambda: background.submit(iteration, staged))
+        self._pending_end = (iteration, tuple(staged), nbytes, start)
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is committed; raise its error."""
+        pending, self._pending_end = self._pending_end, None
         if self._background is not None:
             self._surviving(self._background.wait)
+        if pending is not None:
+            iteration, keys, nbytes, start = pending
+            self._report("save_end", iteration, keys, nbytes, time.perf_counter() - start)
+
+    def _report(self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0) -> None:
+        url = self._root.url_of(layout.iteration_path(self._root, iteration))
+        report(CheckpointEvent(kind, iteration, url, keys, nbytes, seconds), self._callbacks[kind])
 
     def _surviving(self, call: Callable[[], None]) -> None:
         """Run ``call``; if the background process died, forget it so the next save starts another."""
@@ -354,8 +381,12 @@ class Checkpointer:
             return 0
         # The model first: optimizers are restored by the names of its parameters.
         options = self._load_storage_options if plan.from_load_path else self._storage_options
+        start, nbytes = time.perf_counter(), 0
         for key in sorted(plan.key_urls, key=lambda k: k != MODEL_KEY):
-            self._load_key(key, plan.key_urls[key], options, state[key], model=state.get(MODEL_KEY))
+            nbytes += self._load_key(key, plan.key_urls[key], options, state[key], model=state.get(MODEL_KEY))
+        event = CheckpointEvent("load_end", plan.iteration, plan.source, tuple(plan.key_urls), nbytes,
+                                time.perf_counter() - start)
+        report(event, self._callbacks["load_end"])
         if self._collectives.rank == 0:
             logger.info("resumed %s from %s", sorted(plan.key_urls), plan.source)
         return plan.iteration
@@ -431,7 +462,8 @@ class Checkpointer:
             )
         logger.info("checkpoint %s has no key(s) %s; they keep their current values", where, missing)
 
-    def _load_key(self, key: str, url: str, storage_options: dict[str, Any], value: Any, *, model: Any) -> None:
+    def _load_key(self, key: str, url: str, storage_options: dict[str, Any], value: Any, *, model: Any) -> int:
+        """Load one key in place; return the tensor bytes this rank read."""
         state_dict = state_mod.state_dict_for(key, value, model=model)
         reader = FsspecStorageReader(url, storage_options=storage_options)
         try:
@@ -445,6 +477,7 @@ class Checkpointer:
         except CheckpointException as e:
             raise _unwrap(e, f"loading key {key!r} from {url}", mismatch=True) from e
         state_mod.restore(key, value, state_dict, model=model, strict=self._strict_resume)
+        return tensor_nbytes(state_dict)
 
     # -- inspection and lifetime --------------------------------------------------------------
 
@@ -472,7 +505,11 @@ class Checkpointer:
             self._closed = True
             try:
                 if self._background is not None:
-                    self._background.close()
+                    try:
+                        self.wait()
+                    finally:
+                        if self._background is not None:
+                            self._background.close()
             finally:
                 self._background = None
                 if self._stager is not None:
