@@ -37,7 +37,7 @@ from ..errors import (
 from .fetch import fetch_in_order, plan_spans
 from .records import RecordFormatError, RecordLayout, descriptor_crc, parse_layout, tensor_bytes, tensor_from_record
 from .retry import DEFAULT_RETRY, RetryPolicy
-from .urls import Location, is_checkpoint_url, resolve
+from .urls import UrlBound
 from .writer import metadata_file_name
 
 MiB = 1024 * 1024
@@ -45,7 +45,7 @@ MiB = 1024 * 1024
 _CRC_TAIL = 8
 
 
-class FsspecStorageReader(StorageReader):
+class FsspecStorageReader(UrlBound, StorageReader):
     """Load a DCP checkpoint from any fsspec URL.
 
     Use it wherever DCP takes a storage reader::
@@ -84,9 +84,7 @@ class FsspecStorageReader(StorageReader):
         retry: RetryPolicy | None = DEFAULT_RETRY,
     ) -> None:
         super().__init__()
-        self.location: Location = resolve(path, storage_options, fs, retry=retry)
-        self.storage_options = dict(storage_options or {})
-        self._fs_override = fs
+        self._bind(path, storage_options, fs, retry)
         self.verify_checksums = verify_checksums
         self.window_bytes = window_bytes
         self.max_request_bytes = max_request_bytes
@@ -99,8 +97,7 @@ class FsspecStorageReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
-        if checkpoint_id:
-            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override, retry=self.location.retry)
+        self._rebind(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -192,15 +189,6 @@ class FsspecStorageReader(StorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.location.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a local path or a URL whose scheme fsspec knows."""
-        return is_checkpoint_url(checkpoint_id)
 
     # --- internals --------------------------------------------------------------------------
 

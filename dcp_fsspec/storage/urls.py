@@ -145,3 +145,37 @@ def resolve(
     except (TypeError, ValueError) as e:
         raise InvalidURLError(f"cannot open {text!r} with storage_options {sorted(storage_options or {})}: {e}") from e
     return Location(fs=filesystem, path=path.rstrip("/") or "/", url=text, retry=retry)
+
+
+class UrlBound:
+    """What the storage writer and reader share: the checkpoint's location, and moving it.
+
+    ``reset(checkpoint_id)`` in DCP points an existing writer/reader at another URL; it is
+    resolved with the same storage options, filesystem and retry policy as the first.
+    """
+
+    location: Location
+
+    def _bind(
+        self,
+        path: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None,
+        fs: fsspec.AbstractFileSystem | None,
+        retry: Any,
+    ) -> None:
+        self.location = resolve(path, storage_options, fs, retry=retry)
+        self.storage_options = dict(storage_options or {})
+        self._fs_override = fs
+
+    def _rebind(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        if checkpoint_id:
+            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override, retry=self.location.retry)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.location.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a local path or a URL whose scheme fsspec knows."""
+        return is_checkpoint_url(checkpoint_id)

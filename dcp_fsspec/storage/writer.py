@@ -31,7 +31,7 @@ from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from .records import encode_tensor
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .uploads import ByteBudget, FileUpload, fsync_dir, has_real_folders, upload_factory, write_whole_file
-from .urls import Location, is_checkpoint_url, resolve
+from .urls import UrlBound
 
 METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -46,7 +46,7 @@ def metadata_file_name(rank: int | None = None) -> str:
     return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
 
 
-class FsspecStorageWriter(StorageWriter):
+class FsspecStorageWriter(UrlBound, StorageWriter):
     """Write a DCP checkpoint to any fsspec URL.
 
     Use it wherever DCP takes a storage writer::
@@ -98,9 +98,7 @@ class FsspecStorageWriter(StorageWriter):
         super().__init__()
         if files_per_rank < 1:
             raise ValueError(f"files_per_rank must be at least 1, got {files_per_rank}")
-        self.location: Location = resolve(path, storage_options, fs, retry=retry)
-        self.storage_options = dict(storage_options or {})
-        self._fs_override = fs
+        self._bind(path, storage_options, fs, retry)
         self.overwrite = overwrite
         self.files_per_rank = files_per_rank
         self.part_size = part_size
@@ -116,8 +114,7 @@ class FsspecStorageWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, at ``checkpoint_id`` when given (so ``dcp.save(checkpoint_id=…)`` works)."""
-        if checkpoint_id:
-            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override, retry=self.location.retry)
+        self._rebind(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -207,15 +204,6 @@ class FsspecStorageWriter(StorageWriter):
             raise
         except (OSError, ValueError) as e:
             raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.location.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a local path or a URL whose scheme fsspec knows."""
-        return is_checkpoint_url(checkpoint_id)
 
     # --- internals --------------------------------------------------------------------------
 

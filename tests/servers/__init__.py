@@ -9,6 +9,7 @@ message says why and what to install, and the fixture turns that into a skip.
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 
 def dying_with_parent(command: list[str]) -> list[str]:
@@ -24,3 +25,15 @@ def dying_with_parent(command: list[str]) -> list[str]:
 
 class ServerUnavailable(RuntimeError):
     """The server's program is not installed here and cannot be installed."""
+
+
+def stop_process(process: subprocess.Popen[str] | None) -> None:
+    """Terminate a server process, killing it if it has not exited within 30 s."""
+    if process is None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

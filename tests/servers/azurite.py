@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import ServerUnavailable, dying_with_parent
+from . import ServerUnavailable, dying_with_parent, stop_process
 
 ACCOUNT_NAME = "devstoreaccount1"
 # Azurite's published development key (the same in every installation; not a secret).
@@ -109,14 +109,8 @@ class LocalAzurite:
         return self
 
     def stop(self) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-            self._process = None
+        stop_process(self._process)
+        self._process = None
         if self._workspace is not None:
             self._workspace.cleanup()
             self._workspace = None

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import ServerUnavailable, dying_with_parent
+from . import ServerUnavailable, dying_with_parent, stop_process
 
 _LISTENING = re.compile(r"Server listening on 127\.0\.0\.1 port (\d+)")
 
@@ -111,14 +111,8 @@ class LocalSSHServer:
         return "".join(seen)
 
     def stop(self) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-            self._process = None
+        stop_process(self._process)
+        self._process = None
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
