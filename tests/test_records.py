@@ -8,6 +8,8 @@ import zlib
 import pytest
 import torch
 
+from dcp_fsspec.storage import records
+from dcp_fsspec.storage.archive import ArchiveFormat
 from dcp_fsspec.storage.records import (
     RecordFormatError,
     descriptor_crc,
@@ -79,3 +81,59 @@ def test_encoding_does_not_copy_a_contiguous_tensor() -> None:
     tensor = torch.randn(1024)
     record = encode_tensor(tensor)
     assert torch.frombuffer(record.data, dtype=torch.float32).data_ptr() == tensor.data_ptr()
+
+
+def _torch_save(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def _differences_outside_the_serialization_id(ours: bytes, theirs: bytes) -> list[int]:
+    """Byte positions where two archives differ, other than torch's per-archive id (40 digits)
+    and its CRC-32 (in the entry's data descriptor and its central directory entry)."""
+    name = b"archive/.data/serialization_id"
+    local = theirs.find(name)
+    start = local + len(name) + 4 + int.from_bytes(theirs[local + len(name) + 2 : local + len(name) + 4], "little")
+    central = theirs.rfind(name) - 46
+    allowed = set(range(start, start + 40)) | set(range(start + 44, start + 48)) | set(range(central + 16, central + 20))
+    assert len(ours) == len(theirs)
+    return [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b and i not in allowed]
+
+
+SHAPES = [(), (1,), (7,), (300, 2), (2, 3, 4, 5), (70_000,)]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["archive-written-here", "torch-save-template"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_records_are_torch_save_byte_for_byte_but_its_serialization_id(
+    dtype: torch.dtype, direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not direct:
+        monkeypatch.setitem(records._FORMATS, dtype, None)
+    for shape in SHAPES:
+        tensor = random_tensor(shape, dtype, GEN)
+        ours = b"".join(bytes(b) for b in encode_tensor(tensor).buffers())
+        assert _differences_outside_the_serialization_id(ours, _torch_save(tensor)) == [], shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_this_torch_archive_is_written_directly_for_every_dtype(dtype: torch.dtype) -> None:
+    # If torch changes its archive, records fall back to torch.save (correct, ~10x slower per
+    # small tensor); this test is what notices.
+    assert ArchiveFormat.learn(dtype) is not None
+
+
+def test_an_archive_this_module_cannot_reproduce_is_left_to_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = torch.save
+
+    def save_differently(obj: object, f: io.BytesIO, **kwargs: object) -> None:
+        real_save(obj, f, **kwargs)
+        f.seek(0)
+        data = f.read()
+        f.seek(0)
+        f.truncate()
+        f.write(data[:-1] + b"!")  # any difference at all
+
+    monkeypatch.setattr(torch, "save", save_differently)
+    assert ArchiveFormat.learn(torch.float32) is None

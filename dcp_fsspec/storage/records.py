@@ -5,10 +5,13 @@ zip: ``data.pkl``, a few small entries, the raw storage bytes as ``data/0``, the
 directory) at an offset in a ``.distcp`` file. We keep that format exactly, so torch's readers
 load what we write, but avoid its two costs:
 
-* Encoding: ``torch.save`` copies every tensor into the archive. We run ``torch.save`` under
-  ``torch.serialization.skip_data()`` into a sink that keeps only the small header and trailer,
-  then stream the tensor's own memory in between and patch the CRC-32 of ``data/0`` into the
-  trailer (where torch's own writer puts it), so the record carries a checksum torch defines.
+* Encoding: ``torch.save`` copies every tensor into the archive and costs ~100 µs a tensor. We
+  write the archive's small header and trailer ourselves (:mod:`archive`, checked against
+  torch.save once per dtype) and stream the tensor's own memory in between, with the CRC-32 of
+  ``data/0`` where torch's own writer puts it, so the record carries a checksum torch defines.
+  Where :mod:`archive` does not apply (empty tensors, > 4 GiB, conjugate bits, a torch whose
+  archive it does not reproduce), ``torch.save`` runs under ``torch.serialization.skip_data()``
+  into a sink that keeps only the header and trailer, once per dtype and shape.
 * Decoding: torch's reader runs ``torch.load`` per record. We parse the zip's local headers and
   ``data.pkl`` with a restricted unpickler, learn where the storage bytes sit, and copy them
   straight into the target tensor, verifying the CRC-32 on the way. Anything unusual falls back
@@ -27,6 +30,8 @@ from typing import IO, Any, cast
 
 import torch
 from torch.serialization import skip_data
+
+from .archive import ArchiveFormat, can_write, pickle_tensor
 
 _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
@@ -120,16 +125,28 @@ class _Template:
     crc_offsets: tuple[int, ...]  # where in ``trailer`` the CRC-32 of the data goes
 
 
-# Archives depend only on dtype and shape (and a serialization id torch only logs), so each is
-# built once: torch.save per tensor would otherwise dominate saves of many small tensors.
+# Archives depend only on dtype and shape (and a serialization id torch only logs), so where
+# torch.save must build them, each is built once per dtype and shape.
 _TEMPLATES: dict[tuple[torch.dtype, tuple[int, ...]], _Template] = {}
 _MAX_TEMPLATES = 4096
+
+
+# dtype → how to write its archive directly, or None where torch.save must (see :mod:`archive`).
+_FORMATS: dict[torch.dtype, ArchiveFormat | None] = {}
 
 
 def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedRecord:
     """Encode ``tensor`` as torch's per-tensor record without copying its data."""
     t = storage_ready(tensor)
     data = tensor_bytes(t)
+    if len(data) and can_write(t):
+        if t.dtype not in _FORMATS:
+            _FORMATS[t.dtype] = ArchiveFormat.learn(t.dtype)
+        fmt = _FORMATS[t.dtype]
+        if fmt is not None:
+            crc = zlib.crc32(data) if checksum else 0
+            head, tail = fmt.frame(pickle_tensor(t), len(data), crc)
+            return EncodedRecord(head, data, tail, crc, t)
     key = (t.dtype, tuple(t.shape))
     template = _TEMPLATES.get(key)
     if template is None:
