@@ -32,6 +32,7 @@ from ..errors import (
     InvalidURLError,
     StorageError,
 )
+from ..storage.collector import collector_paused
 from ..storage.reader import FsspecStorageReader
 from ..storage.urls import Location, resolve
 from ..storage.writer import FsspecStorageWriter
@@ -242,6 +243,7 @@ class Checkpointer:
                 self._background = BackgroundSaver(settings, self._collectives)
         return self._background
 
+    @collector_paused()
     def _save_staged(self, iteration: int, staged: dict[str, dict[str, Any]]) -> None:
         """The save pipeline after staging: prepare the folder, write every key, commit, retention."""
         keys = tuple(staged)
@@ -339,6 +341,7 @@ class Checkpointer:
 
     # -- loading ------------------------------------------------------------------------------
 
+    @collector_paused()
     def load(self, **state: Any) -> int:
         """Restore every keyword in place and return the iteration to continue from.
 

@@ -34,6 +34,7 @@ from ..errors import (
     DcpFsspecError,
     StorageError,
 )
+from .collector import collector_paused
 from .fetch import fetch_in_order, plan_spans
 from .records import RecordFormatError, RecordLayout, descriptor_crc, parse_layout, tensor_bytes, tensor_from_record
 from .retry import DEFAULT_RETRY, RetryPolicy
@@ -100,6 +101,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self._rebind(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
+    @collector_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata``; a missing one means there is no committed checkpoint here."""
         path = self.location.join(metadata_file_name(kwargs.get("rank")))
@@ -140,6 +142,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @collector_paused()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch every record the plan needs, concurrently and in file order, into the targets."""
         records = self._records_for(plan)
@@ -195,6 +198,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
     def _records_for(self, plan: LoadPlan) -> list[_Record]:
         """One entry per distinct stored record, with every read item that needs it."""
         by_location: dict[tuple[str, int, int], _Record] = {}
+        files: dict[str, tuple[str, str]] = {}  # relative path → (path, URL), a few per rank
         for item in plan.items:
             info = self.storage_data.get(item.storage_index)
             if info is None:
@@ -204,9 +208,13 @@ class FsspecStorageReader(UrlBound, StorageReader):
             key = (info.relative_path, info.offset, info.length)
             rec = by_location.get(key)
             if rec is None:
+                file = files.get(info.relative_path)
+                if file is None:
+                    path = self.location.join(info.relative_path)
+                    file = files[info.relative_path] = (path, self.location.url_of(path))
                 rec = by_location[key] = _Record(
-                    path=self.location.join(info.relative_path),
-                    url=self.location.url_of(self.location.join(info.relative_path)),
+                    path=file[0],
+                    url=file[1],
                     offset=info.offset,
                     length=info.length,
                     transforms=tuple(info.transform_descriptors or ()),

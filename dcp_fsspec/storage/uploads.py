@@ -88,16 +88,37 @@ class LocalUpload(FileUpload):
         self._fsync = fsync
         self._tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         self._file = open(self._tmp, "wb", buffering=0)
+        # Buffers not yet written, by reference: small records go out many per writev() call
+        # rather than three write() calls each (10,000 small tensors: 30,000 → ~100 syscalls).
+        self._pending: list[memoryview] = []
+        self._pending_bytes = 0
+
+    _FLUSH_BYTES = 1 << 20
+    _FLUSH_BUFFERS = 512  # well under IOV_MAX (1024 on Linux)
 
     def write(self, buffers: Iterable[bytes | memoryview]) -> None:
         for buf in buffers:
-            view = memoryview(buf)
-            while view.nbytes:
-                written = self._file.write(view)
-                view = view[written:]
-                self.size += written
+            view = memoryview(buf).cast("B")
+            if view.nbytes:
+                self._pending.append(view)
+                self._pending_bytes += view.nbytes
+                self.size += view.nbytes
+        if self._pending_bytes >= self._FLUSH_BYTES or len(self._pending) >= self._FLUSH_BUFFERS:
+            self._flush()
+
+    def _flush(self) -> None:
+        views, self._pending, self._pending_bytes = self._pending, [], 0
+        fd = self._file.fileno()
+        while views:
+            written = os.writev(fd, views)
+            while views and written >= views[0].nbytes:
+                written -= views[0].nbytes
+                views.pop(0)
+            if written:
+                views[0] = views[0][written:]
 
     def commit(self) -> None:
+        self._flush()
         if self._fsync:
             os.fsync(self._file.fileno())
         self._file.close()

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
+from .collector import collector_paused
 from .records import encode_tensor
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .uploads import ByteBudget, FileUpload, fsync_dir, has_real_folders, upload_factory, write_whole_file
@@ -163,6 +164,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
             for i, plan in enumerate(plans)
         ]
 
+    @collector_paused()
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into up to ``files_per_rank`` files, concurrently."""
         prefix: _StoragePrefix = plan.storage_data
@@ -190,6 +192,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         done.set_result(results)
         return done
 
+    @collector_paused()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``.metadata`` (the commit point): every rank's data is already written."""
         metadata.version = DCP_VERSION
