@@ -13,6 +13,7 @@ checkpointer waits for the previous save first.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ class Stager:
         key = (*path, tensor.dtype, tuple(tensor.shape), on_cuda)
         buffer = self._buffers.get(key)
         if buffer is None:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+            buffer = _shared_empty(tensor.shape, tensor.dtype)
             if on_cuda and buffer.numel():
                 _pin(buffer)
                 self._pinned.add(buffer.data_ptr())
@@ -99,6 +100,16 @@ class Stager:
         if buffer.data_ptr() in self._pinned:
             self._pinned.discard(buffer.data_ptr())
             torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous tensor allocated in shared memory.
+
+    ``torch.empty(...).share_memory_()`` would allocate private memory, then copy it into a new
+    shared segment: a whole extra pass over the state on the first save (1 GiB: ~0.4 s here).
+    """
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 def _pin(buffer: torch.Tensor) -> None:
