@@ -73,6 +73,18 @@ def _torch_fs_reader(url: str, so: dict[str, Any]) -> Any:
     return FileSystemReader(url)
 
 
+def _floor_writer(url: str, so: dict[str, Any]) -> Any:
+    from .null_storage import NullWriter
+
+    return NullWriter(url)
+
+
+def _floor_reader(url: str, so: dict[str, Any]) -> Any:
+    from .null_storage import NullReader
+
+    return NullReader(url)
+
+
 def _s3tc_config() -> Any:
     from s3torchconnector import S3ClientConfig
 
@@ -92,6 +104,8 @@ def _s3tc_reader(url: str, so: dict[str, Any]) -> Any:
 
     return S3StorageReader(REGION, url, s3client_config=_s3tc_config())
 
+
+FLOOR = "dcp_floor"
 
 IMPLS: dict[str, Impl] = {
     i.name: i
@@ -127,6 +141,14 @@ IMPLS: dict[str, Impl] = {
             _s3tc_writer,
             _s3tc_reader,
             "s3torchconnector.dcp",
+        ),
+        Impl(
+            FLOOR,
+            "floor: DCP itself, storage without I/O (null_storage.py)",
+            ("memory",),
+            _floor_writer,
+            _floor_reader,
+            "torch.distributed.checkpoint",
         ),
     ]
 }

@@ -116,10 +116,9 @@ class Runner:
         if backend == "memory":
             self.worker("memcopy", tags, url="unused", **raw)
             return
-        url = self.url(backend, tags, "raw") + ("" if backend == "s3" else ".bin")
+        url = self.url(backend, tags, "raw")
         try:
             if backend == "local":
-                os.makedirs(os.path.dirname(url), exist_ok=True)
                 if self.worker("local-write", tags, url=url, **raw)[0]["kind"] == "sample":
                     self.worker("local-read", tags, url=url, **raw)
                 return
@@ -241,7 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part-mib", type=int, default=16,
                    help="part / range size of the raw s3fs references")
     p.add_argument("--concurrency", type=int, default=8,
-                   help="concurrent requests of the raw s3fs references")
+                   help="concurrent requests (s3) or files (local) of the raw references")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     p.add_argument("--local-dir", default=None, help="parent of the temporary local folder")

@@ -7,7 +7,7 @@
 * ``saveload`` — both in one process, for ``memory://`` (which lives and dies with a process);
 * ``memcopy``, ``local-write``, ``local-read``, ``s3-put``, ``s3-get`` — the physical
   references: one clone of the state; the same bytes written with fsync and read back cold
-  from one local file; put as one concurrent multipart upload and read back with concurrent
+  as ``--concurrency`` local files in parallel; put as one concurrent multipart upload and read back with concurrent
   ranged GETs by s3fs;
 * ``async`` — how long ``dcp_fsspec.Checkpointer.save`` blocks, with ``--async-mode``
   (``disabled``: the sync save to compare with).
@@ -29,6 +29,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -206,16 +207,30 @@ def _memcopy(args: argparse.Namespace, entries: list[st.Entry]) -> Timed:
     return clone, lambda _: None
 
 
+def _slices(total: int, n: int) -> list[tuple[int, int]]:
+    """``n`` contiguous byte ranges covering ``[0, total)``, one per file."""
+    step = -(-total // n)
+    return [(a, min(a + step, total)) for a in range(0, total, step)] or [(0, 0)]
+
+
 def _local_write(args: argparse.Namespace, entries: list[st.Entry]) -> Timed:
+    # The same bytes as --concurrency files written in parallel, each fsynced: as many streams
+    # as dcp_fsspec's writer uses (files_per_rank=8), so the reference is not one stream's speed.
     data = memoryview(_payload(entries))
 
-    def write() -> None:
-        with open(args.url, "wb", buffering=0) as f:
-            for pos in range(0, len(data), _CHUNK):
-                f.write(data[pos : pos + _CHUNK])
+    def write_one(index: int, lo: int, hi: int) -> None:
+        with open(os.path.join(args.url, str(index)), "wb", buffering=0) as f:
+            for pos in range(lo, hi, _CHUNK):
+                f.write(data[pos : min(pos + _CHUNK, hi)])
             os.fsync(f.fileno())
             # The read that follows must come from the disk, not the page cache.
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def write() -> None:
+        os.makedirs(args.url, exist_ok=True)
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for f in [pool.submit(write_one, i, lo, hi) for i, (lo, hi) in enumerate(_slices(len(data), args.concurrency))]:
+                f.result()
 
     return write, lambda _: None
 
@@ -224,15 +239,21 @@ def _local_read(args: argparse.Namespace, entries: list[st.Entry]) -> Timed:
     # Filled (not calloc'ed) so its pages exist before the clock starts, as a load target's do.
     buf = bytearray(b"\1") * st.nbytes(entries)
 
-    def read() -> bytearray:
+    def read_one(index: int, lo: int, hi: int) -> None:
         view = memoryview(buf)
-        with open(args.url, "rb", buffering=0) as f:
-            pos = 0
-            while pos < len(view):
-                n = f.readinto(view[pos : pos + _CHUNK])
+        path = os.path.join(args.url, str(index))
+        with open(path, "rb", buffering=0) as f:
+            pos = lo
+            while pos < hi:
+                n = f.readinto(view[pos : min(pos + _CHUNK, hi)])
                 if not n:
-                    raise EOFError(f"{args.url} ends at byte {pos} of {len(view)}")
+                    raise EOFError(f"{path} ends at byte {pos - lo} of {hi - lo}")
                 pos += n
+
+    def read() -> bytearray:
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            for f in [pool.submit(read_one, i, lo, hi) for i, (lo, hi) in enumerate(_slices(len(buf), args.concurrency))]:
+                f.result()
         return buf
 
     return read, lambda got: _digest([got]) == _digest(st.tensor_bytes(entries))
