@@ -14,7 +14,6 @@ import io
 import pickle
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
@@ -114,10 +113,3 @@ class NullReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
-
-
-def forget(url: str) -> None:
-    _STORE.pop(url, None)
-
-
-__all__ = ["NullReader", "NullWriter", "forget", "torch"]
