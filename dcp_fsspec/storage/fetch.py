@@ -82,17 +82,47 @@ class _Fetcher:
         self._async = (
             self._ranged_cat and bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
         )
+        # s3fs: ranged GETs are read into one buffer as the body arrives (its _cat_file keeps the
+        # body's chunks and joins them at the end: each span twice in memory at that moment).
+        self._s3 = self._async and callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
         self._pool = None if self._async else ThreadPoolExecutor(threads, thread_name_prefix="dcp-fsspec-read")
         self._local_fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
 
-    def start(self, span: Span) -> Future[bytes]:
+    def start(self, span: Span) -> Future[bytes | bytearray]:
         url = self.fs.unstrip_protocol(span.path)
         if self._async:
-            coro = self.retry.call_async(lambda: self.fs._cat_file(span.path, start=span.start, end=span.end), url=url)
-            return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+            read = (
+                (lambda: self._s3_range(span))
+                if self._s3
+                else (lambda: self.fs._cat_file(span.path, start=span.start, end=span.end))
+            )
+            return asyncio.run_coroutine_threadsafe(self.retry.call_async(read, url=url), self.fs.loop)
         assert self._pool is not None
         return self._pool.submit(self.retry.call, lambda: self._read_sync(span), url=url)
+
+    async def _s3_range(self, span: Span) -> bytes | bytearray:
+        bucket, key, version = self.fs.split_path(span.path)
+        response = await self.fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={span.start}-{span.end - 1}",
+            **({"VersionId": version} if version else {}),
+        )
+        body = response["Body"]
+        out = bytearray(span.size)
+        view = memoryview(out)
+        got = 0
+        try:
+            while got < span.size:
+                n = await body.readinto(view[got:])
+                if not n:  # the object ends before the span does: the caller reports it truncated
+                    return bytes(view[:got])
+                got += n
+        finally:
+            body.close()
+        return out
 
     def _read_sync(self, span: Span) -> bytes:
         if isinstance(self.fs, LocalFileSystem):
@@ -124,14 +154,14 @@ def fetch_in_order(
     window_bytes: int,
     threads: int = 16,
     retry: RetryPolicy = NO_RETRY,
-) -> Iterator[tuple[Span, bytes]]:
+) -> Iterator[tuple[Span, bytes | bytearray]]:
     """Yield ``(span, data)`` for every span, in order, downloading ahead within ``window_bytes``.
 
     Raises whatever the backend raised for the first span that failed; downloads still in flight
     are cancelled (or drained) before this returns.
     """
     fetcher = _Fetcher(fs, threads, retry)
-    inflight: deque[tuple[Span, Future[bytes]]] = deque()
+    inflight: deque[tuple[Span, Future[bytes | bytearray]]] = deque()
     inflight_bytes = 0
     queue = iter(spans)
     pending: Span | None = next(queue, None)

@@ -235,7 +235,7 @@ class _Copier:
                         f"{self.source.url_of(src_path)} changed while being copied: bytes [{span.start}, "
                         f"{span.end}) gave {len(data)} bytes"
                     )
-                upload.write([data])
+                upload.write([memoryview(data)])
                 if self.progress is not None:
                     self.progress.advance(len(data))
             upload.commit()
