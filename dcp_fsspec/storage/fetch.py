@@ -69,6 +69,41 @@ def _cut(span: Span, max_span: int) -> list[Span]:
     return [Span(span.path, s, min(s + max_span, span.end)) for s in range(span.start, span.end, max_span)] or [span]
 
 
+class LocalFiles:
+    """Local files opened once each, for positional reads from several threads at once."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    def read(self, path: str, size: int, offset: int) -> bytes:
+        return os.pread(self._fd(path), size, offset)
+
+    def read_into(self, path: str, offset: int, view: memoryview) -> int:
+        """Fill ``view`` from ``path`` at ``offset``: the bytes read, fewer only at the end of the file."""
+        fd = self._fd(path)
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if not n:
+                break
+            got += n
+        return got
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
 class _Fetcher:
     """Starts one span's download and returns a future of its bytes."""
 
@@ -86,8 +121,7 @@ class _Fetcher:
         # body's chunks and joins them at the end: each span twice in memory at that moment).
         self._s3 = self._async and callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
         self._pool = None if self._async else ThreadPoolExecutor(threads, thread_name_prefix="dcp-fsspec-read")
-        self._local_fds: dict[str, int] = {}
-        self._fds_lock = threading.Lock()
+        self._local = LocalFiles() if isinstance(fs, LocalFileSystem) else None
 
     def start(self, span: Span) -> Future[bytes | bytearray]:
         url = self.fs.unstrip_protocol(span.path)
@@ -125,12 +159,8 @@ class _Fetcher:
         return out
 
     def _read_sync(self, span: Span) -> bytes:
-        if isinstance(self.fs, LocalFileSystem):
-            with self._fds_lock:
-                fd = self._local_fds.get(span.path)
-                if fd is None:
-                    fd = self._local_fds[span.path] = os.open(span.path, os.O_RDONLY)
-            return os.pread(fd, span.size, span.start)
+        if self._local is not None:
+            return self._local.read(span.path, span.size, span.start)
         if self._ranged_cat:
             return bytes(self.fs.cat_file(span.path, start=span.start, end=span.end))
         # Not block_size=0: sshfs would then read with one unpipelined request, which the
@@ -142,9 +172,8 @@ class _Fetcher:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        for fd in self._local_fds.values():
-            os.close(fd)
-        self._local_fds.clear()
+        if self._local is not None:
+            self._local.close()
 
 
 def fetch_in_order(

@@ -15,6 +15,9 @@ import os
 import pickle
 import uuid
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +38,7 @@ from ..errors import (
     StorageError,
 )
 from .collector import collector_paused
-from .fetch import fetch_in_order, plan_spans
+from .fetch import LocalFiles, fetch_in_order, plan_spans
 from .records import RecordFormatError, RecordLayout, descriptor_crc, parse_layout, tensor_bytes, tensor_from_record
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .urls import UrlBound
@@ -44,6 +47,11 @@ from .writer import metadata_file_name
 MiB = 1024 * 1024
 # A descriptor (signature + CRC) follows a record's data; 8 bytes are enough to read the CRC.
 _CRC_TAIL = 8
+# Records at least this big in local files are read straight into their tensors (below it, the
+# extra read of the header costs more than the copy it saves); the header is in the first bytes.
+_IN_PLACE_MIN = 1 * MiB
+_HEAD_BYTES = 64 * 1024
+_CHECKSUM_THREADS = 4  # zlib.crc32 runs without the GIL
 
 
 class FsspecStorageReader(UrlBound, StorageReader):
@@ -146,39 +154,22 @@ class FsspecStorageReader(UrlBound, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch every record the plan needs, concurrently and in file order, into the targets."""
         records = self._records_for(plan)
-        spans = plan_spans(
-            [(r.path, r.offset, r.end) for r in records],
-            max_gap=self.max_gap_bytes,
-            max_span=self.max_request_bytes,
+        local = LocalFiles() if self.location.is_local else None
+        pools = (
+            (
+                ThreadPoolExecutor(self.threads, thread_name_prefix="dcp-fsspec-read"),
+                ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="dcp-fsspec-crc"),
+            )
+            if local is not None
+            else ()
         )
-        records.sort(key=lambda r: (r.path, r.offset))
-        cursor = 0
-        active: dict[int, _RecordDecoder] = {}
         try:
-            for span, data in fetch_in_order(
-                self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
-            ):
-                if len(data) != span.size:
-                    raise CorruptCheckpointError(
-                        f"{self.location.url_of(span.path)!r} is truncated: needed bytes "
-                        f"[{span.start}, {span.end}) but got {len(data)}"
-                    )
-                view = memoryview(data)
-                # Records before this span are finished; walk those that overlap it.
-                while cursor < len(records) and (records[cursor].path, records[cursor].end) <= (span.path, span.start):
-                    cursor += 1
-                i = cursor
-                while i < len(records) and records[i].path == span.path and records[i].offset < span.end:
-                    rec = records[i]
-                    lo, hi = max(rec.offset, span.start), min(rec.end, span.end)
-                    if lo < hi:
-                        decoder = active.get(i)
-                        if decoder is None:
-                            decoder = active[i] = _RecordDecoder(rec, planner, self)
-                        decoder.feed(view[lo - span.start : hi - span.start])
-                        if decoder.done:
-                            del active[i]
-                    i += 1
+            in_place: list[ThreadFuture[Callable[[], None]]] = []
+            if local is not None:
+                records, in_place = self._start_in_place(records, planner, local, pools)
+            self._stream_records(records, planner)  # the small ones, while the big ones are read
+            for deliver in in_place:
+                deliver.result()()
         except FileNotFoundError as e:
             raise CorruptCheckpointError(
                 f"a data file of checkpoint {self.location.url!r} is missing: {e}"
@@ -187,13 +178,95 @@ class FsspecStorageReader(UrlBound, StorageReader):
             raise
         except OSError as e:
             raise StorageError(f"cannot read checkpoint data from {self.location.url!r}: {e}") from e
-        if active:  # pragma: no cover - the spans cover every record by construction
-            raise CorruptCheckpointError(f"incomplete read of {self.location.url!r}")
+        finally:
+            for pool in pools:
+                pool.shutdown(wait=True, cancel_futures=True)
+            if local is not None:
+                local.close()
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
     # --- internals --------------------------------------------------------------------------
+
+    def _start_in_place(
+        self, records: list[_Record], planner: LoadPlanner, files: LocalFiles, pools: tuple[ThreadPoolExecutor, ...]
+    ) -> tuple[list[_Record], list[ThreadFuture[Callable[[], None]]]]:
+        """Local files: start reading big records' tensor bytes straight into their targets,
+        several at once and checksummed on pool threads (no window, no copy).
+
+        Returns the records left to stream, and per started record a future of the step that
+        delivers it (on the caller's thread: the planner is not ours to call concurrently). Each
+        header is read first, so the decoder picks the target as it does when streaming; a record
+        it must buffer (a resharded read, say) is read whole into its buffer instead.
+        """
+        reads, checks = pools
+        big = [r for r in records if r.length >= _IN_PLACE_MIN]
+        heads = [reads.submit(files.read, r.path, min(r.length, _HEAD_BYTES), r.offset) for r in big]
+        started = []
+        for rec, head_read in zip(big, heads):
+            head = head_read.result()
+            self._check_read(rec, len(head), min(rec.length, _HEAD_BYTES))
+            decoder = _RecordDecoder(rec, planner, self)
+            decoder.feed(memoryview(head))
+            dest, start = decoder.rest_in_place()
+            pieces = [
+                (p, reads.submit(files.read_into, rec.path, rec.offset + start + p, dest[p : p + self.max_request_bytes]))
+                for p in range(0, len(dest), self.max_request_bytes)
+            ]
+            started.append(checks.submit(self._checksum_when_read, decoder, pieces, files))
+        return [r for r in records if r.length < _IN_PLACE_MIN], started
+
+    def _checksum_when_read(
+        self, decoder: _RecordDecoder, pieces: list[tuple[int, ThreadFuture[int]]], files: LocalFiles
+    ) -> Callable[[], None]:
+        dest, _ = decoder.rest_in_place()
+        for piece, read in pieces:
+            self._check_read(decoder.record, read.result(), min(self.max_request_bytes, len(dest) - piece))
+        return decoder.checksum_in_place(files)
+
+    def _check_read(self, rec: _Record, got: int, wanted: int) -> None:
+        if got != wanted:
+            raise CorruptCheckpointError(
+                f"{rec.url!r} is truncated: needed bytes [{rec.offset}, {rec.end}) but the file ends before"
+            )
+
+    def _stream_records(self, records: list[_Record], planner: LoadPlanner) -> None:
+        """Fetch records concurrently and in file order, decoding each as its bytes arrive."""
+        spans = plan_spans(
+            [(r.path, r.offset, r.end) for r in records],
+            max_gap=self.max_gap_bytes,
+            max_span=self.max_request_bytes,
+        )
+        records.sort(key=lambda r: (r.path, r.offset))
+        cursor = 0
+        active: dict[int, _RecordDecoder] = {}
+        for span, data in fetch_in_order(
+            self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
+        ):
+            if len(data) != span.size:
+                raise CorruptCheckpointError(
+                    f"{self.location.url_of(span.path)!r} is truncated: needed bytes "
+                    f"[{span.start}, {span.end}) but got {len(data)}"
+                )
+            view = memoryview(data)
+            # Records before this span are finished; walk those that overlap it.
+            while cursor < len(records) and (records[cursor].path, records[cursor].end) <= (span.path, span.start):
+                cursor += 1
+            i = cursor
+            while i < len(records) and records[i].path == span.path and records[i].offset < span.end:
+                rec = records[i]
+                lo, hi = max(rec.offset, span.start), min(rec.end, span.end)
+                if lo < hi:
+                    decoder = active.get(i)
+                    if decoder is None:
+                        decoder = active[i] = _RecordDecoder(rec, planner, self)
+                    decoder.feed(view[lo - span.start : hi - span.start])
+                    if decoder.done:
+                        del active[i]
+                i += 1
+        if active:  # pragma: no cover - the spans cover every record by construction
+            raise CorruptCheckpointError(f"incomplete read of {self.location.url!r}")
 
     def _records_for(self, plan: LoadPlan) -> list[_Record]:
         """One entry per distinct stored record, with every read item that needs it."""
@@ -275,6 +348,40 @@ class _RecordDecoder:
         if self.received == self.record.length:
             self._finish()
             self.done = True
+
+    # --- in place (local files) -------------------------------------------------------------
+
+    def rest_in_place(self) -> tuple[memoryview, int]:
+        """After the record's first bytes were fed: the memory its remaining bytes go to, and
+        where in the record they start — the target's own bytes on the direct path (the
+        descriptor after them is read by :meth:`checksum_in_place`), else the record buffer."""
+        if self._buffer is None and (self._layout is None or self._dest is None):
+            self._switch_to_buffer(memoryview(bytes(self._head)))  # header longer than read, or no data
+        if self._buffer is not None:
+            return memoryview(self._buffer)[self.received :], self.received
+        assert self._layout is not None and self._dest is not None
+        start = max(self.received, self._layout.data_start)
+        return self._dest[start - self._layout.data_start :], start
+
+    def checksum_in_place(self, files: LocalFiles) -> Callable[[], None]:
+        """Once :meth:`rest_in_place` is filled (on a pool thread): the CRC of what was read
+        and the descriptor after it; returns the step that delivers the record."""
+        rest, start = self.rest_in_place()
+        if self._buffer is None:
+            assert self._layout is not None
+            if self.verify and len(rest):
+                self._crc = zlib.crc32(rest, self._crc)
+            tail_from = max(start + len(rest), self._layout.data_end)
+            want = min(_CRC_TAIL - len(self._tail), self.record.length - tail_from)
+            if want > 0:
+                self._tail += files.read(self.record.path, want, self.record.offset + tail_from)
+
+        def deliver() -> None:
+            self.received = self.record.length
+            self._finish()
+            self.done = True
+
+        return deliver
 
     # --- streaming (direct) path ------------------------------------------------------------
 
