@@ -5,7 +5,9 @@ Instead of reading each file front to back and running ``torch.load`` per tensor
 every byte range the load plan needs, sorts and coalesces them, downloads them concurrently in a
 bounded window (:mod:`.fetch`), and decodes each record as its bytes arrive (:mod:`.records`):
 a tensor's storage bytes are copied straight into the destination tensor and checked against
-the CRC-32 stored with them.
+the CRC-32 stored with them. From local files, records of 1 MiB and more skip the window: their
+bytes are read into the destination tensor itself, on a thread pool, while the small records
+stream.
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ class FsspecStorageReader(UrlBound, StorageReader):
         fs: a ready fsspec filesystem to use instead of one built from the URL.
         verify_checksums: check every tensor's bytes against the CRC-32 stored in its record
             (records written without one — CRC 0 — are not checked).
-        window_bytes: downloaded-but-not-yet-decoded data held at once (bounds load memory).
+        window_bytes: downloaded-but-not-yet-decoded data held at once (bounds load memory;
+            big records of local files are read in place and take none of it).
         max_request_bytes: the largest single ranged read; bigger records are split.
         max_gap_bytes: neighbouring ranges closer than this are fetched in one request.
-        threads: concurrent reads on filesystems without an async API.
+        threads: concurrent reads on filesystems without an async API (and local files).
         retry: how reads are retried on throttling, 5xx and dropped connections, and the
             deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`); ``None``:
             only the driver's own retries.
