@@ -2,7 +2,7 @@
 
 One process per checkpointer and rank, started with ``spawn`` at the first asynchronous save and
 kept until ``finalize``. It receives staged state dicts (their tensors in shared memory, so only
-handles cross the pipe) and runs the same save pipeline as a synchronous save, on a process
+handles cross the pipe, and each buffer's only once: :mod:`.handles`) and runs the same save pipeline as a synchronous save, on a process
 group of its own (gloo, over a TCP store that rank 0's background process hosts): its
 collectives can never interleave with training's.
 
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..errors import DcpFsspecError
 from ._collectives import Collectives, _picklable
+from .handles import HandleReceiver, HandleSender
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class BackgroundSaver:
         self._process.start()
         child_end.close()  # so recv() here fails fast if the child dies
         self._inflight: int | None = None
+        self._handles = HandleSender()
         if collectives.distributed:
             # Rank 0's background process hosts the store; everyone learns its port from rank 0.
             port = collectives.run_on_rank0(lambda: self._receive("port"))
@@ -87,7 +89,8 @@ class BackgroundSaver:
         assert self._inflight is None, "one save at a time: wait() before submit()"
         self._inflight = iteration
         try:
-            self._conn.send(("save", iteration, staged))
+            packed, used = self._handles.pack(staged)
+            self._conn.send(("save", iteration, packed, used))
         except OSError:  # the pipe broke: the process is gone
             self._process.join(timeout=5)
             self._died()
@@ -224,6 +227,7 @@ def _serve(
     except BaseException as e:  # noqa: BLE001 - reported to the training process
         conn.send(("error", _picklable(e if isinstance(e, Exception) else RuntimeError(repr(e)), rank), traceback.format_exc()))
         return
+    handles = HandleReceiver()
     try:
         while True:
             try:
@@ -232,13 +236,13 @@ def _serve(
                 return  # the training process closed its end
             if message[0] == "stop":
                 return
-            _, iteration, staged = message
+            _, iteration, packed, used = message
             try:
-                saver._save_staged(iteration, staged)
+                saver._save_staged(iteration, handles.unpack(packed, used))
                 conn.send(("done",))
             except Exception as e:  # noqa: BLE001 - reported, then the next request is served
                 conn.send(("error", _picklable(e, rank), traceback.format_exc()))
-            del staged
+            del packed
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
