@@ -114,10 +114,11 @@ class ArchiveFormat:
     def __init__(self, prefix: bytes, entries: tuple[tuple[bytes, bytes | None], ...]) -> None:
         """``entries``: (name, contents) in torch's order; contents None for data.pkl, data/0
         and the serialization id, which differ per archive."""
-        self.entries = entries
-        # (full name, contents, CRC-32 of the contents) for each constant entry.
+        # (full name, what goes in it, CRC-32 of constant contents): a constant's bytes, or which
+        # per-archive value (_PICKLE_NAME, _DATA_NAME, _ID_NAME) fills it.
         self._entries = [
-            (prefix + name, contents, zlib.crc32(contents) if contents is not None else 0) for name, contents in entries
+            (prefix + name, contents if contents is not None else name.decode(), zlib.crc32(contents or b""))
+            for name, contents in entries
         ]
 
     @classmethod
@@ -161,13 +162,13 @@ class ArchiveFormat:
         out = head
         offset = 0
         for full_name, contents, contents_crc in self._entries:
-            body: bytes | None = contents
-            if contents is not None:
-                size, entry_crc = len(contents), contents_crc
-            elif full_name.endswith(b"/" + _DATA_NAME.encode()):
-                size, entry_crc = nbytes, crc
+            body: bytes | None
+            if isinstance(contents, bytes):
+                body, size, entry_crc = contents, len(contents), contents_crc
+            elif contents == _DATA_NAME:
+                body, size, entry_crc = None, nbytes, crc
             else:
-                body = data_pkl if full_name.endswith(b"/" + _PICKLE_NAME.encode()) else serialization_id
+                body = data_pkl if contents == _PICKLE_NAME else serialization_id
                 size, entry_crc = len(body), zlib.crc32(body)
             start = offset + _LOCAL.size + len(full_name) + 4
             pad = -start % _ALIGNMENT
