@@ -9,7 +9,7 @@ each later save names them by token.
 Identity is the buffer object itself, checked through a weak reference (an ``id`` alone could
 be reused by a new buffer after an old one was freed). Each save also lists the tokens it uses,
 and the receiver forgets the others, so buffers the stager released are unmapped there too.
-DTensors and anything else cross as before.
+Containers are walked with torch's pytree; DTensors and anything else cross as before.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 
 @dataclass(frozen=True)
@@ -43,25 +44,20 @@ class HandleSender:
         """``staged`` with its shared tensors replaced by tokens, and every token it uses."""
         self._sent = {k: v for k, v in self._sent.items() if v[0]() is not None}
         used: list[int] = []
-        return self._pack(staged, used), used
+        return tree_map(lambda value: self._pack(value, used), staged), used
 
     def _pack(self, value: Any, used: list[int]) -> Any:
-        if type(value) is torch.Tensor and value.is_shared():
-            known = self._sent.get(id(value))
-            if known is not None and known[0]() is value:
-                used.append(known[1])
-                return _Known(known[1])
-            token = self._next_token
-            self._next_token += 1
-            self._sent[id(value)] = (weakref.ref(value), token)
-            used.append(token)
-            return _New(token, value)
-        if isinstance(value, dict):
-            return type(value)((k, self._pack(v, used)) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            items = [self._pack(v, used) for v in value]
-            return items if isinstance(value, list) else tuple(items)
-        return value
+        if type(value) is not torch.Tensor or not value.is_shared():
+            return value
+        known = self._sent.get(id(value))
+        if known is not None and known[0]() is value:
+            used.append(known[1])
+            return _Known(known[1])
+        token = self._next_token
+        self._next_token += 1
+        self._sent[id(value)] = (weakref.ref(value), token)
+        used.append(token)
+        return _New(token, value)
 
 
 class HandleReceiver:
@@ -71,7 +67,7 @@ class HandleReceiver:
         self._tensors: dict[int, torch.Tensor] = {}
 
     def unpack(self, packed: Any, used: list[int]) -> Any:
-        staged = self._unpack(packed)
+        staged = tree_map(self._unpack, packed)
         keep = set(used)
         self._tensors = {t: v for t, v in self._tensors.items() if t in keep}
         return staged
@@ -82,9 +78,4 @@ class HandleReceiver:
             return value.tensor
         if isinstance(value, _Known):
             return self._tensors[value.token]
-        if isinstance(value, dict):
-            return type(value)((k, self._unpack(v)) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            items = [self._unpack(v) for v in value]
-            return items if isinstance(value, list) else tuple(items)
         return value
