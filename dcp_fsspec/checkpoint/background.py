@@ -3,9 +3,8 @@
 One process per checkpointer and rank, started with ``spawn`` at the first asynchronous save and
 kept until ``finalize``. It receives staged state dicts (their tensors in shared memory, so only
 handles cross the pipe, and each buffer's only once: :mod:`.handles`) and runs the same save
-pipeline as a synchronous save, on a process
-group of its own (gloo, over a TCP store that rank 0's background process hosts): its
-collectives can never interleave with training's.
+pipeline as a synchronous save, on a process group of its own (gloo, over a TCP store that rank
+0's background process hosts): its collectives can never interleave with training's.
 
 Failure rules: an exception in the background is sent back and raised in the training process
 at its next ``save``/``wait``/``finalize``; a background process that dies is reported as such
