@@ -231,7 +231,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
     def _check_read(self, rec: _Record, got: int, wanted: int) -> None:
         if got != wanted:
             raise CorruptCheckpointError(
-                f"{rec.url!r} is truncated: needed bytes [{rec.offset}, {rec.end}) but the file ends before"
+                f"{rec.url!r} is truncated: needed bytes [{rec.offset}, {rec.end}) but the file ends "
+                "before; restore it or load another checkpoint"
             )
 
     def _stream_records(self, records: list[_Record], planner: LoadPlanner) -> None:
@@ -250,7 +251,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
             if len(data) != span.size:
                 raise CorruptCheckpointError(
                     f"{self.location.url_of(span.path)!r} is truncated: needed bytes "
-                    f"[{span.start}, {span.end}) but got {len(data)}"
+                    f"[{span.start}, {span.end}) but got {len(data)}; restore it or load another checkpoint"
                 )
             view = memoryview(data)
             # Records before this span are finished; walk those that overlap it.
