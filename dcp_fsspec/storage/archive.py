@@ -142,7 +142,7 @@ class ArchiveFormat:
                         serialization_id = contents
                     entries.append((name.encode(), None if name in (_PICKLE_NAME, _DATA_NAME, _ID_NAME) else contents))
             fmt = cls(prefix.encode(), tuple(entries))
-            data = sample.reshape(-1).view(torch.uint8).numpy().tobytes()
+            data = bytes(sample.reshape(-1).view(torch.uint8).tolist())  # a small sample; no numpy
             header, trailer = fmt.frame(pickle_tensor(sample), len(data), zlib.crc32(data), serialization_id)
         except (zipfile.BadZipFile, IndexError, KeyError, AttributeError, ValueError, RuntimeError, struct.error):
             return None

@@ -20,9 +20,11 @@ load what we write, but avoid its two costs:
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 import struct
+import sys
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,12 +48,26 @@ class RecordFormatError(ValueError):
     """The bytes are not a torch.save record this module can decode itself."""
 
 
+# A ctypes byte array as long as memory can be: views of tensor memory are slices of one
+# placed at the tensor's address. ``c_ubyte * nbytes`` per tensor would create, and cache
+# forever, one ctypes type per distinct size.
+_ANY_BYTES = ctypes.c_ubyte * sys.maxsize
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor's memory."""
-    if tensor.numel() == 0:
+    """A zero-copy, writable byte view of a contiguous CPU tensor's memory.
+
+    Built with ctypes rather than ``tensor.numpy()``: torch does not install numpy, and this is
+    on every save's and load's path. The view keeps the tensor alive.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
         return memoryview(b"")
-    flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy().data).cast("B")
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor, got {tensor.device} strides {tensor.stride()}")
+    array = _ANY_BYTES.from_address(tensor.data_ptr())
+    setattr(array, "_owner", tensor)  # the memory lives as long as the view
+    return memoryview(array)[:nbytes].cast("B")
 
 
 def storage_ready(tensor: torch.Tensor) -> torch.Tensor:
