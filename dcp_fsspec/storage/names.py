@@ -1,0 +1,41 @@
+"""The names of the files dcp_fsspec reads and writes, spelled once.
+
+DCP's own (``.metadata``, ``__{rank}_{n}.distcp``), the commit protocol's (``.commit.json`` in
+an iteration folder, ``latest_checkpoint.txt`` beside the iteration folders), and the one
+scheme for temporary names: every file written under a temporary name first (local files,
+SFTP uploads, the pointer) is ``.{name}.{random}.tmp`` in the final name's folder, so readers,
+listings and copies can recognise and skip them with :func:`is_temporary`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import uuid
+
+METADATA_NAME = ".metadata"  # DCP's: written last, by the coordinator; its presence commits a key
+DATA_SUFFIX = ".distcp"
+COMMIT_RECORD_NAME = ".commit.json"
+POINTER_NAME = "latest_checkpoint.txt"
+_TEMP_SUFFIX = ".tmp"
+
+
+def metadata_name(rank: int | None = None) -> str:
+    """``.metadata``, or ``__{rank}.metadata`` for saves made without collectives (torch's rule)."""
+    return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def data_file_name(prefix: str, n: int) -> str:
+    """The ``n``-th data file of a rank whose DCP storage prefix is ``prefix`` (``__0_``)."""
+    return f"{prefix}{n}{DATA_SUFFIX}"
+
+
+def temporary_path(path: str) -> str:
+    """A fresh temporary name for ``path``, in the same folder (so a rename is atomic)."""
+    folder, name = posixpath.split(path)
+    return posixpath.join(folder, f".{name}.{uuid.uuid4().hex[:12]}{_TEMP_SUFFIX}")
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name (or path) is one :func:`temporary_path` makes."""
+    base = posixpath.basename(name)
+    return base.startswith(".") and base.endswith(_TEMP_SUFFIX) and base.count(".") >= 3
