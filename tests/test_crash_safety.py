@@ -77,9 +77,9 @@ KILL_POINTS = {
     ),
     "data files are written but not the key's .metadata": KillPoint("dcp_fsspec.storage.writer:FsspecStorageWriter.finish"),
     "some keys are finished and others not": KillPoint("dcp_fsspec.storage.writer:FsspecStorageWriter.finish", nth=3),
-    "every key is finished but the commit record is not written": KillPoint("dcp_fsspec.checkpoint.commit:commit_iteration"),
+    "every key is finished but the commit record is not written": KillPoint("dcp_fsspec.checkpoint.commit:commit_record"),
     "the commit record is written but the pointer has not moved": KillPoint(
-        "dcp_fsspec.checkpoint.commit:write_pointer", backends=("local", "s3")
+        "dcp_fsspec.checkpoint.commit:_replace_pointer", backends=("local", "s3")
     ),
     "the new pointer is written under a temporary name": KillPoint(
         "os:replace", when=lambda args, kwargs: str(args[1]).endswith(commit.POINTER_NAME), backends=("local",)

@@ -313,10 +313,7 @@ class Checkpointer:
         def on_rank0() -> None:
             if self._verify_before_commit:
                 self._verify_keys(iteration, keys)
-            commit.commit_iteration(
-                self._root, iteration, keys, self._collectives.world_size, behind_pointer=self._overwrite
-            )
-            commit.write_pointer(self._root, iteration)
+            commit.publish(self._root, iteration, keys, self._collectives.world_size, behind_pointer=self._overwrite)
             logger.info("committed %s", self._root.url_of(layout.iteration_path(self._root, iteration)))
 
         self._collectives.run_on_rank0(on_rank0)

@@ -231,12 +231,71 @@ def commit_iteration(
     """
     latest = None if behind_pointer else read_pointer(root)
     if latest is not None and latest > iteration:
-        raise CheckpointExistsError(
-            f"cannot commit {root.url_of(layout.iteration_path(root, iteration))}: {pointer_url(root)} "
-            f"moved to the newer {layout.format_iteration(latest)} while it was being saved, so another "
-            f"run is saving to {root.url}; the pointer never moves backwards, so this iteration stays "
-            "uncommitted. Give each run its own save_dirname"
-        )
+        raise _moved_past(root, iteration, latest)
+    return commit_record(root, iteration, keys, world_size)
+
+
+def publish(
+    root: Location, iteration: int, keys: tuple[str, ...], world_size: int, *, behind_pointer: bool = False
+) -> int:
+    """Commit ``iteration`` and move the pointer to it: the last step of a save, on rank 0.
+
+    One versioned read of the pointer serves both the check that no other run published a newer
+    iteration while this one was written and the compare-and-swap that moves it; only a lost race
+    reads it again.
+
+    Args:
+        root: the ``save_dirname`` location.
+        iteration: the iteration every rank finished writing.
+        keys: the keys it holds (each must have ``.metadata``).
+        world_size: how many ranks wrote it, for the commit record.
+        behind_pointer: an explicit overwrite of an iteration older than the pointer: it is
+            committed, and the pointer stays where it is.
+
+    Returns:
+        The iteration the pointer names afterwards (``iteration``, or a newer one).
+
+    Raises:
+        CheckpointExistsError: the pointer names a newer iteration (and not ``behind_pointer``).
+        CheckpointNotFoundError: a key has no ``.metadata``.
+        StorageError: the backend failed; the pointer did not move.
+    """
+    with _pointer_lock(root):
+        raw, version = _read_pointer_file(root)
+        current = _parse_pointer(root, raw)
+        if current is not None and current > iteration and not behind_pointer:
+            raise _moved_past(root, iteration, current)
+        commit_record(root, iteration, keys, world_size)
+        if current is not None and current >= iteration:
+            return current
+        if _replace_pointer(root, (layout.format_iteration(iteration) + "\n").encode(), version, existed=raw is not None):
+            return iteration
+    # Another writer changed the pointer between our read and our write: the full loop decides.
+    return iteration if write_pointer(root, iteration) else _require_pointer(root)
+
+
+def _require_pointer(root: Location) -> int:
+    latest = read_pointer(root)
+    if latest is None:  # pragma: no cover - write_pointer returned False because one is newer
+        raise StorageError(f"{pointer_url(root)} disappeared while this save moved it; save again")
+    return latest
+
+
+def _moved_past(root: Location, iteration: int, latest: int) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"cannot commit {root.url_of(layout.iteration_path(root, iteration))}: {pointer_url(root)} "
+        f"moved to the newer {layout.format_iteration(latest)} while it was being saved, so another "
+        f"run is saving to {root.url}; the pointer never moves backwards, so this iteration stays "
+        "uncommitted. Give each run its own save_dirname"
+    )
+
+
+def commit_record(root: Location, iteration: int, keys: tuple[str, ...], world_size: int) -> CommitRecord:
+    """Write ``iteration``'s commit record once each of ``keys`` is a finished DCP checkpoint.
+
+    Raises:
+        CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
+    """
     for key in unfinished_keys(root, iteration, keys):
         url = root.url_of(layout.key_path(root, iteration, key))
         raise CheckpointNotFoundError(

@@ -46,14 +46,24 @@ def plan_deletions(
     return sorted(i for i in set(iterations) if i < latest and i not in keep)
 
 
-def apply_retention(root: Location, keep_last_n: int, *, protected: Collection[int] = ()) -> list[int]:
+def apply_retention(
+    root: Location, keep_last_n: int, *, protected: Collection[int] = (), latest: int | None = None
+) -> list[int]:
     """Delete what :func:`plan_deletions` says; failures are logged, never raised.
+
+    Args:
+        root: the ``save_dirname`` location.
+        keep_last_n: how many committed iterations to keep, >= 1.
+        protected: iterations never to delete (those being written).
+        latest: the iteration the pointer names, when the caller just moved it (saves a read);
+            ``None``: read the pointer.
 
     Returns:
         The iterations deleted. One that failed to delete is retried at the next call.
     """
     try:
-        latest = commit.read_pointer(root)
+        if latest is None:
+            latest = commit.read_pointer(root)
         iterations = layout.list_iterations(root)
         # Only the newest N committed ones matter, and each check costs requests: stop there.
         committed: list[int] = []
