@@ -555,7 +555,7 @@ def test_iteration_names_round_trip_through_the_one_regex() -> None:
 def test_verify_before_commit_refuses_a_damaged_iteration_and_keeps_the_pointer(
     local_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_fsspec.storage import uploads
+    from dcp_fsspec.storage.backends import local as uploads
 
     with Checkpointer(local_backend.url, verify_before_commit=True) as ckpt:
         ckpt.save(1, trainer={"w": torch.arange(4096.0)})

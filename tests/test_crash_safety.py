@@ -68,8 +68,8 @@ class KillPoint:
 KILL_POINTS = {
     "a data file is half uploaded": KillPoint(
         {
-            "local": "dcp_fsspec.storage.uploads:LocalUpload.commit",
-            "s3": "dcp_fsspec.storage.uploads:S3MultipartUpload._send_part",
+            "local": "dcp_fsspec.storage.backends.local:LocalUpload.commit",
+            "s3": "dcp_fsspec.storage.backends.s3:S3MultipartUpload._send_part",
         },
         nth=2,
         blob=True,
@@ -88,10 +88,10 @@ KILL_POINTS = {
         "dcp_fsspec.checkpoint.retention:apply_retention", pointer_after=3
     ),
     "retention uncommitted an old iteration but did not delete it": KillPoint(
-        "dcp_fsspec.checkpoint.commit:_call", when=_is_recursive_rm, pointer_after=3
+        "dcp_fsspec.storage.backends.base:Backend.call", when=_is_recursive_rm, pointer_after=3
     ),
     "retention deleted part of an old iteration": KillPoint(
-        "dcp_fsspec.checkpoint.commit:_call",
+        "dcp_fsspec.storage.backends.base:Backend.call",
         when=_is_recursive_rm,
         first=_delete_one_key_first,
         pointer_after=3,

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from dcp_fsspec import Checkpointer, StorageError
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage import writer as writer_module
+from dcp_fsspec.storage.backends.local import LocalBackend
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 
@@ -47,7 +48,7 @@ def _state(rank: int, iteration: int) -> dict[str, Any]:
 @contextmanager
 def _storage_fails(on_this_rank: bool) -> Iterator[None]:
     """Every data file this rank writes fails to publish (a full disk, a refused upload)."""
-    real = writer_module.upload_factory
+    real = LocalBackend.new_upload
 
     class Refused:
         """An upload that takes every byte, then fails to publish the file."""
@@ -61,13 +62,12 @@ def _storage_fails(on_this_rank: bool) -> Iterator[None]:
         def commit(self) -> None:
             raise OSError(errno.ENOSPC, "No space left on device", self._upload.path)
 
-    def failing_factory(*args: Any, **kwargs: Any) -> Any:
-        new_upload = real(*args, **kwargs)
-        return lambda path: Refused(new_upload(path))
+    def failing_upload(self: LocalBackend, path: str, **kwargs: Any) -> Any:
+        return Refused(real(self, path, **kwargs))
 
     with pytest.MonkeyPatch.context() as patch:
         if on_this_rank:
-            patch.setattr(writer_module, "upload_factory", failing_factory)
+            patch.setattr(LocalBackend, "new_upload", failing_upload)
         yield
 
 

@@ -11,7 +11,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from dcp_fsspec.storage.collector import collector_paused
-from dcp_fsspec.storage.uploads import LocalUpload
+from dcp_fsspec.storage.backends.local import LocalUpload
 
 
 def test_local_upload_survives_short_writev_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

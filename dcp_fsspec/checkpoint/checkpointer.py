@@ -228,7 +228,7 @@ class Checkpointer:
 
     def _background_saver(self) -> BackgroundSaver | ThreadSaver:
         if self._background is None:
-            if self._root.fs.protocol in ("memory", ("memory",)):
+            if not self._root.backend.shared_across_processes:
                 # Another process cannot see this process's memory:// store.
                 if self._collectives.distributed:
                     raise InvalidURLError(

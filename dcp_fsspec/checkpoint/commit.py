@@ -4,59 +4,36 @@ An iteration is *committed* when its folder holds a commit record (``.commit.jso
 keys saved) and every key it lists is a finished DCP checkpoint (has DCP's ``.metadata``). The
 record is written by rank 0 only after every rank finished every key, so a folder left by a
 crash at any point, even one whose keys all happen to be finished, is never taken for a
-checkpoint. The pointer names the newest committed iteration; it is written atomically (a temp
-file renamed over it on local disk, a single PUT on object stores and ``memory://``), only after
-the commit record, and never moves backwards, even with two writers: each update is a
-compare-and-swap (S3: a PUT conditional on the ETag read, ``If-Match``/``If-None-Match``; local
-disk: read and replace under a lock on the folder; elsewhere: under a lock in this process).
-Deleting an iteration removes the record first, so a half-deleted folder is uncommitted rather
-than a damaged checkpoint. Every storage call is retried by the location's ``RetryPolicy``.
+checkpoint. The pointer names the newest committed iteration; it is written atomically, only
+after the commit record, and never moves backwards, even with two writers: each update is a
+compare-and-swap. Deleting an iteration removes the record first, so a half-deleted folder is
+uncommitted rather than a damaged checkpoint.
+
+This module says *what* must be atomic and in which order; *how* each store does it (a rename,
+a conditional PUT, a lock on the folder) is the storage backend's (:mod:`dcp_fsspec.storage.backends`):
+``write_small_atomic``, ``read_versioned``, ``replace_if_unchanged`` inside ``exclusive``.
+Every storage call is retried by the location's ``RetryPolicy``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import posixpath
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
-import fsspec.asyn
-
-from ..errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DcpFsspecError,
-    StorageError,
-)
-from ..storage.retry import causes, http_status
-from ..storage.uploads import is_s3fs
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..storage.backends import Versioned
+from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 from ..storage.urls import Location
 from . import layout
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: pointer updates are locked within a process only
-    fcntl = None  # type: ignore[assignment]
-
 logger = logging.getLogger(__name__)
 
-POINTER_NAME = "latest_checkpoint.txt"
-COMMIT_RECORD_NAME = ".commit.json"
-METADATA_NAME = ".metadata"  # written by DCP's StorageWriter.finish, last, on the coordinator
 _RECORD_FORMAT = 1
 # How often a pointer update re-reads and tries again after losing a race to another writer.
 _POINTER_ROUNDS = 20
-_VERBS = {"info": "check", "cat_file": "read", "find": "list", "rm": "delete", "pipe_file": "write"}
-# Pointer updates on stores without conditional writes, serialized within this process.
-_PROCESS_POINTER_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -86,39 +63,14 @@ def pointer_url(root: Location) -> str:
     return root.url_of(root.join(POINTER_NAME))
 
 
-def _call(root: Location, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
-    """``root.fs.<method>(path, …)``, retried; failures other than absence become StorageError.
-
-    ``FileNotFoundError`` passes through unchanged, what absence means is the caller's call;
-    except for a missing bucket, which is not an absent file but a wrong URL.
-    """
-    url = root.url_of(path)
-    try:
-        return root.retry.run(root.fs, method, path, *args, url=url, **kwargs)
-    except FileNotFoundError as e:
-        _raise_if_no_bucket(root, e)
-        raise
-    except DcpFsspecError:
-        raise
-    except OSError as e:
-        raise StorageError(f"cannot {_VERBS.get(method, method)} {url}: {e}") from e
-
-
-def _raise_if_no_bucket(root: Location, error: FileNotFoundError) -> None:
-    if any(http_status(e)[1] == "NoSuchBucket" for e in causes(error)):
-        raise StorageError(
-            f"cannot use {root.url}: its bucket does not exist ({error}); create the bucket or fix the URL"
-        ) from error
-
-
 def exists(root: Location, path: str) -> bool:
     """Whether ``path`` exists; unlike ``fs.exists``, a backend failure is an error, not False.
 
     Treating a network error as "missing" would let retention delete a committed iteration.
     """
-    root.fs.invalidate_cache(posixpath.dirname(path))
+    root.backend.invalidate(posixpath.dirname(path))
     try:
-        _call(root, "info", path)
+        root.backend.call("info", path)
     except FileNotFoundError:
         return False
     return True
@@ -132,9 +84,9 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
         StorageError: the backend failed.
     """
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
-    root.fs.invalidate_cache(posixpath.dirname(path))
+    root.backend.invalidate(posixpath.dirname(path))
     try:
-        raw = _call(root, "cat_file", path)
+        raw = root.backend.call("cat_file", path)
     except FileNotFoundError:
         return None
     try:
@@ -161,9 +113,9 @@ def unfinished_keys(root: Location, iteration: int, keys: tuple[str, ...]) -> li
     confirmed with a check that raises on failure: an error never reads as "missing".
     """
     folder = layout.iteration_path(root, iteration)
-    root.fs.invalidate_cache(folder)
+    root.backend.invalidate(folder)
     try:
-        listed = set(_call(root, "find", folder))
+        listed = set(root.backend.call("find", folder))
     except FileNotFoundError:
         listed = set()
     absent = [k for k in keys if posixpath.join(folder, k, METADATA_NAME) not in listed]
@@ -260,15 +212,15 @@ def publish(
         CheckpointNotFoundError: a key has no ``.metadata``.
         StorageError: the backend failed; the pointer did not move.
     """
-    with _pointer_lock(root):
-        raw, version = _read_pointer_file(root)
-        current = _parse_pointer(root, raw)
+    with root.backend.exclusive(root.path):
+        read = _read_pointer_file(root)
+        current = _parse_pointer(root, read.data)
         if current is not None and current > iteration and not behind_pointer:
             raise _moved_past(root, iteration, current)
         commit_record(root, iteration, keys, world_size)
         if current is not None and current >= iteration:
             return current
-        if _replace_pointer(root, (layout.format_iteration(iteration) + "\n").encode(), version, existed=raw is not None):
+        if _replace_pointer(root, _pointer_bytes(iteration), read):
             return iteration
     # Another writer changed the pointer between our read and our write: the full loop decides.
     return iteration if write_pointer(root, iteration) else _require_pointer(root)
@@ -319,29 +271,11 @@ def discard_iteration(root: Location, iteration: int) -> None:
     record = posixpath.join(folder, COMMIT_RECORD_NAME)
     for path, kwargs in ((record, {}), (folder, {"recursive": True})):
         try:
-            _call(root, "rm", path, **kwargs)
+            root.backend.call("rm", path, **kwargs)
         except FileNotFoundError:
             pass  # already gone
-    if is_s3fs(root.fs):
-        _abort_pending_uploads(root, folder)
-    root.fs.invalidate_cache(folder)
-
-
-def _abort_pending_uploads(root: Location, folder: str) -> None:
-    """Abort the multipart uploads a killed save left under ``folder`` (invisible, but billed).
-
-    Best effort: without the permission to list them, a bucket lifecycle rule
-    (``AbortIncompleteMultipartUpload``) is what cleans them up.
-    """
-    bucket, prefix, _ = root.fs.split_path(folder.rstrip("/") + "/")
-    url = root.url_of(folder)
-    try:
-        listing = root.retry.run(root.fs, "call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, url=url)
-        for upload in listing.get("Uploads", []):
-            key, upload_id = upload["Key"], upload["UploadId"]
-            root.retry.run(root.fs, "call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, url=url)
-    except (OSError, DcpFsspecError) as e:
-        logger.warning("could not abort the unfinished uploads under %s: %s", url, e)
+    root.backend.abort_pending_uploads(folder)
+    root.backend.invalidate(folder)
 
 
 def read_pointer(root: Location) -> int | None:
@@ -353,15 +287,15 @@ def read_pointer(root: Location) -> int | None:
         CorruptCheckpointError: the pointer is empty or does not hold an iteration folder name.
         StorageError: the backend failed.
     """
-    return _parse_pointer(root, _read_pointer_file(root)[0])
+    return _parse_pointer(root, _read_pointer_file(root).data)
 
 
 def write_pointer(root: Location, iteration: int) -> bool:
     """Point ``latest_checkpoint.txt`` at ``iteration``, atomically; never move it backwards.
 
     A compare-and-swap: the pointer is read, and replaced only if it still holds what was read
-    (S3: a conditional PUT; local disk: under a lock on the folder; elsewhere: a lock in this
-    process). So a writer racing another one re-reads and backs off rather than overwriting a
+    (the backend's ``replace_if_unchanged``, inside its ``exclusive`` section: S3 a conditional
+    PUT; local disk a lock on the folder; elsewhere a lock in this process). So a writer racing another one re-reads and backs off rather than overwriting a
     newer iteration; and a PUT that landed although its response was lost (then retried and
     refused) is recognised on the re-read.
 
@@ -373,18 +307,18 @@ def write_pointer(root: Location, iteration: int) -> bool:
         CorruptCheckpointError: the pointer holds something other than an iteration name.
         StorageError: the backend failed, or other writers kept changing the pointer.
     """
-    data = (layout.format_iteration(iteration) + "\n").encode()
-    with _pointer_lock(root):
+    data = _pointer_bytes(iteration)
+    with root.backend.exclusive(root.path):
         for _ in range(_POINTER_ROUNDS):
-            raw, etag = _read_pointer_file(root)
-            current = _parse_pointer(root, raw)
+            read = _read_pointer_file(root)
+            current = _parse_pointer(root, read.data)
             if current is not None and current > iteration:
                 logger.warning(
                     "%s names %s, newer than %s; the pointer does not move backwards",
                     pointer_url(root), layout.format_iteration(current), layout.format_iteration(iteration),
                 )
                 return False
-            if current == iteration or _replace_pointer(root, data, etag, existed=raw is not None):
+            if current == iteration or _replace_pointer(root, data, read):
                 return True
     raise StorageError(
         f"cannot move {pointer_url(root)} to {layout.format_iteration(iteration)}: it changed "
@@ -409,143 +343,21 @@ def _parse_pointer(root: Location, raw: bytes | None) -> int | None:
     return iteration
 
 
-def _read_pointer_file(root: Location) -> tuple[bytes | None, str | None]:
-    """The pointer's bytes (``None`` if absent) and, on S3, the ETag of that same version."""
-    path = root.join(POINTER_NAME)
-    root.fs.invalidate_cache(root.path)
-    try:
-        if is_s3fs(root.fs):
-            return fsspec.asyn.sync(root.fs.loop, _s3_get, root, path)
-        return _call(root, "cat_file", path), None
-    except FileNotFoundError as e:
-        _raise_if_no_bucket(root, e)
-        return None, None
-    except DcpFsspecError:
-        raise
-    except OSError as e:
-        raise StorageError(f"cannot read {pointer_url(root)}: {e}") from e
+def _pointer_bytes(iteration: int) -> bytes:
+    return (layout.format_iteration(iteration) + "\n").encode()
 
 
-async def _s3_get(root: Location, path: str) -> tuple[bytes, str]:
-    """One GET: the body and the ETag of the same version (two requests could mix versions)."""
-    bucket, key, _ = root.fs.split_path(path)
-
-    async def get() -> tuple[bytes, str]:
-        response = await root.fs._call_s3("get_object", Bucket=bucket, Key=key)
-        try:
-            return await response["Body"].read(), response["ETag"]
-        finally:
-            response["Body"].close()
-
-    return await root.retry.call_async(get, url=root.url_of(path))
+def _read_pointer_file(root: Location) -> Versioned:
+    """The pointer's bytes (``None`` if absent) and the version the backend compares against."""
+    return root.backend.read_versioned(root.join(POINTER_NAME))
 
 
-def _replace_pointer(root: Location, data: bytes, etag: str | None, *, existed: bool) -> bool:
-    """Write the pointer if it is still the version read; False if another write came first."""
-    path = root.join(POINTER_NAME)
-    if not is_s3fs(root.fs):
-        write_atomically(root, path, data)  # under _pointer_lock
-        if root.is_local:
-            _remove_stale_temp_files(root)
-        return True
-    condition = {"IfMatch": etag} if existed else {"IfNoneMatch": "*"}
-    try:
-        _call(root, "pipe_file", path, data, **condition)
-    except StorageError as e:
-        if _refused_by_condition(e):
-            return False
-        if not _conditions_unsupported(e):
-            raise
-        logger.warning("%s does not support conditional writes; writing the pointer unconditionally", root.url)
-        write_atomically(root, path, data)
-    root.fs.invalidate_cache(root.path)
-    return True
-
-
-def _refused_by_condition(error: BaseException) -> bool:
-    """412 Precondition Failed, or 409 for a conditional write that raced another one."""
-    return any(
-        isinstance(e, FileExistsError) or http_status(e)[0] in (409, 412) or http_status(e)[1] == "PreconditionFailed"
-        for e in causes(error)
-    )
-
-
-def _conditions_unsupported(error: BaseException) -> bool:
-    return any(http_status(e)[0] == 501 or http_status(e)[1] == "NotImplemented" for e in causes(error))
-
-
-def _remove_stale_temp_files(root: Location) -> None:
-    """Delete pointer temp files left by a writer killed before its rename.
-
-    Called under the lock every writer of the pointer holds, so none of them is in use.
-    """
-    for name in os.listdir(root.path):
-        if name.startswith(f".{POINTER_NAME}.") and name.endswith(".tmp"):
-            try:
-                os.unlink(os.path.join(root.path, name))
-            except FileNotFoundError:
-                pass
-
-
-@contextmanager
-def _pointer_lock(root: Location) -> Iterator[None]:
-    """Serialize pointer updates where the store cannot write conditionally.
-
-    On local disk the lock is ``flock`` on the folder itself, so it holds across processes on
-    this machine and adds no file; it is released when the process dies, even by SIGKILL.
-    """
-    if is_s3fs(root.fs):
-        yield  # conditional PUTs settle races on the server
-        return
-    if root.is_local and fcntl is not None:
-        os.makedirs(root.path, exist_ok=True)
-        fd = os.open(root.path, os.O_RDONLY)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:  # e.g. some network filesystems
-                logger.debug("cannot lock %s (%s); the pointer update is locked within this process only", root.url, e)
-                with _PROCESS_POINTER_LOCK:
-                    yield
-                return
-            yield
-        finally:
-            os.close(fd)
-        return
-    with _PROCESS_POINTER_LOCK:
-        yield
+def _replace_pointer(root: Location, data: bytes, read: Versioned) -> bool:
+    """Write the pointer if it is still ``read``; False if another write came first."""
+    return root.backend.replace_if_unchanged(root.join(POINTER_NAME), data, read)
 
 
 def write_atomically(root: Location, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix.
-
-    On local disk: a temp file in the same folder, fsynced, renamed over ``path``. Elsewhere a
-    single ``pipe_file``, which object stores (S3, GCS, Azure) and ``memory://`` apply atomically.
-    """
-    try:
-        if root.is_local:
-            folder = os.path.dirname(path)
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
-            dir_fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)  # make the rename itself durable
-            finally:
-                os.close(dir_fd)
-        else:
-            _call(root, "pipe_file", path, data)
-    except DcpFsspecError:
-        raise
-    except OSError as e:
-        raise StorageError(f"cannot write {root.url_of(path)}: {e}") from e
-    root.fs.invalidate_cache(posixpath.dirname(path))
+    """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix
+    (the backend's way: temporary name and rename where there are folders, one PUT elsewhere)."""
+    root.backend.write_small_atomic(path, data)

@@ -28,11 +28,12 @@ def storage_errors(verb: str, url: str, *, also: tuple[type[BaseException], ...]
         url: the file or folder concerned, as the user would write it.
         also: further exception types (a driver's own, not derived from ``OSError``) to wrap.
     """
+    wrapped: tuple[type[BaseException], ...] = (OSError, *also)
     try:
         yield
     except (DcpFsspecError, FileNotFoundError):
         raise
-    except (OSError, *also) as e:
+    except wrapped as e:
         raise StorageError(f"cannot {verb} {url}: {e}") from e
 
 

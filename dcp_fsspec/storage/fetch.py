@@ -2,7 +2,8 @@
 
 The reader plans its loads as a list of :class:`Span` (file, start, end), sorted by file and
 offset and already coalesced. :func:`fetch_in_order` downloads them concurrently — on fsspec's
-event loop for async filesystems (s3fs, gcsfs, adlfs), on a thread pool otherwise — and yields
+event loop where the backend reads asynchronously (s3fs, gcsfs, adlfs), on a thread pool otherwise,
+each read the backend's way (:mod:`.backends`) — and yields
 their bytes *in plan order*, never holding more than ``window_bytes`` of downloaded or
 downloading data. Yielding in order is what lets the decoder stream a record's header before its
 data and copy each piece straight into its tensor. Each read is retried by the load's
@@ -12,8 +13,6 @@ data and copy each piece straight into its tensor. Each read is retried by the l
 from __future__ import annotations
 
 import asyncio
-import os
-import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,12 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
+from .backends import backend_for
 from .retry import NO_RETRY, RetryPolicy
-
-# Backends whose cat_file(path, start, end) returns the whole file rather than the range.
-_NO_RANGED_CAT = {"sftp", "ssh"}
 
 
 @dataclass(frozen=True)
@@ -69,111 +65,31 @@ def _cut(span: Span, max_span: int) -> list[Span]:
     return [Span(span.path, s, min(s + max_span, span.end)) for s in range(span.start, span.end, max_span)] or [span]
 
 
-class LocalFiles:
-    """Local files opened once each, for positional reads from several threads at once."""
-
-    def __init__(self) -> None:
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def _fd(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            return fd
-
-    def read(self, path: str, size: int, offset: int) -> bytes:
-        return os.pread(self._fd(path), size, offset)
-
-    def read_into(self, path: str, offset: int, view: memoryview) -> int:
-        """Fill ``view`` from ``path`` at ``offset``: the bytes read, fewer only at the end of the file."""
-        fd = self._fd(path)
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if not n:
-                break
-            got += n
-        return got
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
 class _Fetcher:
-    """Starts one span's download and returns a future of its bytes."""
+    """Starts one span's download and returns a future of its bytes, the way the backend reads."""
 
     def __init__(self, fs: fsspec.AbstractFileSystem, threads: int, retry: RetryPolicy) -> None:
         self.fs = fs
         self.retry = retry
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        self._ranged_cat = protocol not in _NO_RANGED_CAT
-        # sshfs is async too, but its _cat_file ignores start/end: it reads through open/seek/read
-        # on the thread pool instead.
-        self._async = (
-            self._ranged_cat and bool(getattr(fs, "async_impl", False)) and getattr(fs, "loop", None) is not None
-        )
-        # s3fs: ranged GETs are read into one buffer as the body arrives (its _cat_file keeps the
-        # body's chunks and joins them at the end: each span twice in memory at that moment).
-        self._s3 = self._async and callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None))
+        self.backend = backend_for(fs, retry)
+        self._async = self.backend.async_reads
+        self._reader = None if self._async else self.backend.range_reader()
         self._pool = None if self._async else ThreadPoolExecutor(threads, thread_name_prefix="dcp-fsspec-read")
-        self._local = LocalFiles() if isinstance(fs, LocalFileSystem) else None
 
     def start(self, span: Span) -> Future[bytes | bytearray]:
-        url = self.fs.unstrip_protocol(span.path)
+        url = self.backend.url_of(span.path)
         if self._async:
-            read = (
-                (lambda: self._s3_range(span))
-                if self._s3
-                else (lambda: self.fs._cat_file(span.path, start=span.start, end=span.end))
-            )
+            read = lambda: self.backend.read_range_async(span.path, span.start, span.end)  # noqa: E731
             return asyncio.run_coroutine_threadsafe(self.retry.call_async(read, url=url), self.fs.loop)
-        assert self._pool is not None
-        return self._pool.submit(self.retry.call, lambda: self._read_sync(span), url=url)
-
-    async def _s3_range(self, span: Span) -> bytes | bytearray:
-        bucket, key, version = self.fs.split_path(span.path)
-        response = await self.fs._call_s3(
-            "get_object",
-            Bucket=bucket,
-            Key=key,
-            Range=f"bytes={span.start}-{span.end - 1}",
-            **({"VersionId": version} if version else {}),
-        )
-        body = response["Body"]
-        out = bytearray(span.size)
-        view = memoryview(out)
-        got = 0
-        try:
-            while got < span.size:
-                n = await body.readinto(view[got:])
-                if not n:  # the object ends before the span does: the caller reports it truncated
-                    return bytes(view[:got])
-                got += n
-        finally:
-            body.close()
-        return out
-
-    def _read_sync(self, span: Span) -> bytes:
-        if self._local is not None:
-            return self._local.read(span.path, span.size, span.start)
-        if self._ranged_cat:
-            return bytes(self.fs.cat_file(span.path, start=span.start, end=span.end))
-        # Not block_size=0: sshfs would then read with one unpipelined request, which the
-        # server answers with at most its packet limit.
-        with self.fs.open(span.path, "rb") as f:
-            f.seek(span.start)
-            return f.read(span.size)
+        assert self._pool is not None and self._reader is not None
+        reader = self._reader
+        return self._pool.submit(self.retry.call, lambda: reader.read(span.path, span.size, span.start), url=url)
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._local is not None:
-            self._local.close()
+        if self._reader is not None:
+            self._reader.close()
 
 
 def fetch_in_order(

@@ -40,11 +40,12 @@ from ..errors import (
     StorageError,
 )
 from .collector import collector_paused
-from .fetch import LocalFiles, fetch_in_order, plan_spans
+from .backends.local import LocalFiles
+from .fetch import fetch_in_order, plan_spans
 from .records import RecordFormatError, RecordLayout, descriptor_crc, parse_layout, tensor_bytes, tensor_from_record
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .urls import UrlBound
-from .writer import metadata_file_name
+from .names import metadata_name
 
 MiB = 1024 * 1024
 # A descriptor (signature + CRC) follows a record's data; 8 bytes are enough to read the CRC.
@@ -115,7 +116,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
     @collector_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata``; a missing one means there is no committed checkpoint here."""
-        path = self.location.join(metadata_file_name(kwargs.get("rank")))
+        path = self.location.join(metadata_name(kwargs.get("rank")))
         url = self.location.url_of(path)
         try:
             raw = self.location.retry.run(self.location.fs, "cat_file", path, url=url)

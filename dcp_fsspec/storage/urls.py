@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import posixpath
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
 from ..errors import InvalidURLError, MissingDriverError
+from .backends import Backend, backend_for
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 
 # Which pip package provides each scheme's driver, for the ImportError users see.
@@ -39,7 +40,8 @@ _DRIVER_PACKAGES = {
 
 @dataclass(frozen=True)
 class Location:
-    """A filesystem and a scheme-less root path on it, the URL the user gave, and how calls retry."""
+    """A filesystem and a scheme-less root path on it, the URL the user gave, how calls retry,
+    and (``backend``) what the store can do."""
 
     fs: fsspec.AbstractFileSystem
     path: str
@@ -50,17 +52,20 @@ class Location:
         """The path of ``names`` below the root (always ``/``-separated)."""
         return posixpath.join(self.path, *names)
 
+    @cached_property
+    def backend(self) -> Backend:
+        """What this store can do and how (:mod:`.backends`), chosen once from the filesystem."""
+        return backend_for(self.fs, self.retry)
+
     def url_of(self, path: str) -> str:
         """The full URL of a path on this filesystem, for messages (in the form the user wrote)."""
         if path == self.path or path.startswith(self.path.rstrip("/") + "/"):
             return self.url.rstrip("/") + path[len(self.path.rstrip("/")) :]
-        if isinstance(self.fs, LocalFileSystem):
-            return path
-        return str(self.fs.unstrip_protocol(path))
+        return self.backend.url_of(path)
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return self.backend.is_local
 
 
 def normalize_url(url: str | os.PathLike[str]) -> str:

@@ -28,23 +28,18 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
+from . import names
 from .collector import collector_paused
 from .records import encode_tensor
+from .failures import storage_errors
 from .retry import DEFAULT_RETRY, RetryPolicy
-from .uploads import ByteBudget, FileUpload, fsync_dir, has_real_folders, upload_factory, write_whole_file
+from .uploads import ByteBudget, FileUpload
 from .urls import UrlBound
 
-METADATA_FILE = ".metadata"
-DATA_SUFFIX = ".distcp"
 # torch writes this version into .metadata; keep in step so its readers see the same thing.
 DCP_VERSION = "1.0.0"
 
 MiB = 1024 * 1024
-
-
-def metadata_file_name(rank: int | None = None) -> str:
-    """``.metadata``, or ``__{rank}.metadata`` for saves made without collectives."""
-    return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
 
 
 class FsspecStorageWriter(UrlBound, StorageWriter):
@@ -128,16 +123,11 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Create the folder where needed and refuse to clobber a checkpoint unless ``overwrite``."""
-        fs, path = self.location.fs, self.location.path
-        metadata_path = self._metadata_path()
-        try:
-            if has_real_folders(fs):  # never on object stores, where makedirs may create a bucket
-                fs.makedirs(path, exist_ok=True)
-            exists = self.location.retry.run(fs, "exists", metadata_path, url=self.location.url_of(metadata_path))
-        except DcpFsspecError:
-            raise
-        except Exception as e:  # noqa: BLE001 - drivers raise their own types (asyncssh's SFTPFailure)
-            raise StorageError(f"cannot prepare checkpoint folder {self.location.url!r}: {e}") from e
+        backend, metadata_path = self.location.backend, self._metadata_path()
+        with storage_errors("prepare checkpoint folder", self.location.url, also=(Exception,)):
+            # Drivers raise their own types (asyncssh's SFTPFailure), hence also=Exception.
+            backend.make_folder(self.location.path)
+            exists = backend.call("exists", metadata_path)
         if exists and not self.overwrite:
             raise CheckpointExistsError(
                 f"a checkpoint already exists at {self.location.url!r}; pass overwrite=True to "
@@ -150,15 +140,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Name each rank's files; when overwriting, un-commit the old checkpoint first."""
         if self.overwrite:
-            metadata_path = self._metadata_path()
-            retry, url = self.location.retry, self.location.url_of(metadata_path)
-            try:
-                if retry.run(self.location.fs, "exists", metadata_path, url=url):
-                    retry.run(self.location.fs, "rm_file", metadata_path, url=url)
-            except DcpFsspecError:
-                raise
-            except OSError as e:
-                raise StorageError(f"cannot remove the old {self.location.url_of(metadata_path)!r}: {e}") from e
+            backend, metadata_path = self.location.backend, self._metadata_path()
+            with storage_errors("remove the old", self.location.url_of(metadata_path)):
+                if backend.call("exists", metadata_path):
+                    backend.call("rm_file", metadata_path)
         return [
             plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
             for i, plan in enumerate(plans)
@@ -170,14 +155,12 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         prefix: _StoragePrefix = plan.storage_data
         bins = _split_into_files(plan.items, self.files_per_rank)
         budget = ByteBudget(self.max_inflight_bytes)
-        new_upload = upload_factory(
-            self.location.fs, part_size=self.part_size, budget=budget, fsync=self.sync_files, retry=self.location.retry
-        )
-        jobs = [(f"{prefix.prefix}{n}{DATA_SUFFIX}", items) for n, items in enumerate(bins)]
+        backend = self.location.backend
+        jobs = [(names.data_file_name(prefix.prefix, n), items) for n, items in enumerate(bins)]
         results: list[WriteResult] = []
         # A rank may have nothing to write (DCP gives each replicated item to one rank only).
         with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="dcp-fsspec-write") as pool:
-            futures = [pool.submit(self._write_file, new_upload, name, items, planner) for name, items in jobs]
+            futures = [pool.submit(self._write_file, budget, name, items, planner) for name, items in jobs]
             errors = []
             for f in futures:
                 try:
@@ -186,8 +169,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
                     errors.append(e)
             if errors:
                 raise errors[0]
-        if self.location.is_local and self.sync_files:
-            fsync_dir(self.location.path)
+        if self.sync_files:
+            backend.sync_folder(self.location.path)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -199,33 +182,27 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         metadata.storage_meta = self.storage_meta()
         path = self._metadata_path()
-        try:
-            write_whole_file(
-                self.location.fs, path, pickle.dumps(metadata), fsync=self.sync_files, retry=self.location.retry
-            )
-        except DcpFsspecError:
-            raise
-        except (OSError, ValueError) as e:
-            raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
+        with storage_errors("write", self.location.url_of(path), also=(ValueError,)):
+            self.location.backend.write_small_atomic(path, pickle.dumps(metadata), fsync=self.sync_files)
 
     # --- internals --------------------------------------------------------------------------
 
     def _metadata_path(self) -> str:
         rank = self.rank if (not self.use_collectives and self.rank is not None) else None
-        return self.location.join(metadata_file_name(rank))
+        return self.location.join(names.metadata_name(rank))
 
     def _write_file(
         self,
-        new_upload: Any,
+        budget: ByteBudget,
         name: str,
         items: list[WriteItem],
         planner: SavePlanner,
     ) -> list[WriteResult]:
         path = self.location.join(name)
-        try:
-            upload: FileUpload = new_upload(path)
-        except OSError as e:
-            raise StorageError(f"cannot create {self.location.url_of(path)!r}: {e}") from e
+        with storage_errors("create", self.location.url_of(path)):
+            upload: FileUpload = self.location.backend.new_upload(
+                path, part_size=self.part_size, budget=budget, fsync=self.sync_files
+            )
         results = []
         try:
             for item in items:

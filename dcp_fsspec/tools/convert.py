@@ -20,6 +20,7 @@ import io
 import json
 import logging
 import os
+import posixpath
 import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, cast
@@ -41,7 +42,7 @@ from ..errors import (
     StorageError,
 )
 from ..storage.reader import FsspecStorageReader
-from ..storage.uploads import ByteBudget, upload_factory
+from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import Progress, human_bytes
@@ -241,10 +242,9 @@ class _Output(io.RawIOBase):
         super().__init__()
         self.target = target
         self.size = 0
-        if target.is_local:
-            os.makedirs(os.path.dirname(target.path) or ".", exist_ok=True)
         try:
-            self._upload = upload_factory(target.fs, part_size=16 * MiB, budget=ByteBudget(64 * MiB))(target.path)
+            target.backend.make_folder(posixpath.dirname(target.path))
+            self._upload = target.backend.new_upload(target.path, part_size=16 * MiB, budget=ByteBudget(64 * MiB))
         except OSError as e:
             raise StorageError(f"cannot create {target.url}: {e}") from e
 

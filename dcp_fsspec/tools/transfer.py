@@ -1,7 +1,7 @@
 """``cp``: copy a checkpoint, an iteration folder or a whole run between any two URLs.
 
 Files are copied in parallel, each streamed in ranged reads (bounded memory) into the storage
-layer's own atomic uploads (:func:`dcp_fsspec.storage.uploads.upload_factory`). The order is the
+layer's own atomic uploads (each backend's ``new_upload``, :mod:`dcp_fsspec.storage.backends`). The order is the
 commit protocol's: every data file first, then every ``.metadata``, then every ``.commit.json``,
 and ``latest_checkpoint.txt`` last, so a copy that dies part-way leaves a destination that no
 reader takes for a checkpoint. A run is copied as its committed iterations and its pointer;
@@ -25,7 +25,7 @@ from typing import Any
 from ..checkpoint import commit, layout
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from ..storage.fetch import fetch_in_order, plan_spans
-from ..storage.uploads import ByteBudget, FileUpload, upload_factory, write_whole_file
+from ..storage.uploads import ByteBudget, FileUpload
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import Progress, human_bytes
@@ -206,12 +206,11 @@ class _Copier:
         self.dest = dest
         self.chunk_bytes = max(1, chunk_bytes)
         self.progress = progress
-        self.new_upload = upload_factory(dest.fs, part_size=16 * MiB, budget=ByteBudget(256 * MiB))
+        self.budget = ByteBudget(256 * MiB)
 
     def _paths(self, name: str) -> tuple[str, str]:
         dst_path = self.dest.join(name)
-        if self.dest.is_local:
-            os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+        self.dest.backend.make_folder(posixpath.dirname(dst_path))
         return self.source.join(name), dst_path
 
     def _failed(self, name: str, error: BaseException) -> DcpFsspecError:
@@ -224,7 +223,7 @@ class _Copier:
         """A data file: ranged reads streamed into an atomic upload."""
         try:
             src_path, dst_path = self._paths(name)
-            upload: FileUpload = self.new_upload(dst_path)
+            upload: FileUpload = self.dest.backend.new_upload(dst_path, part_size=16 * MiB, budget=self.budget)
         except OSError as e:
             raise self._failed(name, e) from e
         try:
@@ -250,7 +249,7 @@ class _Copier:
         try:
             src_path, dst_path = self._paths(name)
             data = self.source.fs.cat_file(src_path)
-            write_whole_file(self.dest.fs, dst_path, data)
+            self.dest.backend.write_small_atomic(dst_path, data)
         except OSError as e:
             raise self._failed(name, e) from e
         self.dest.fs.invalidate_cache(posixpath.dirname(dst_path))

@@ -1,0 +1,50 @@
+"""What differs between storage backends, decided once per filesystem from one table.
+
+Every layer above the storage layer asks a :class:`~.base.Backend` (``location.backend``) what
+the store can do and how: write a file durably and atomically, write a small file atomically,
+read a range, compare-and-swap the pointer, lock a folder, abort abandoned uploads. Nothing else
+in the package tests a filesystem's type, protocol or private API.
+
+A backend is chosen by the filesystem's fsspec protocol from :data:`BACKENDS` (module path and
+class name, imported on first use, like fsspec's own registry). A protocol missing from the
+table gets the generic :class:`~.base.Backend`: fsspec's buffered writer, one ``pipe_file`` for
+small files, ranged ``cat_file`` reads, and pointer updates serialized within one process
+(documented in the README as "other fsspec backends"). Adding a backend is one table entry and
+one module holding its quirks.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import fsspec
+
+from ..retry import NO_RETRY, RetryPolicy
+from .base import Backend, RangeReader, Versioned
+
+# fsspec protocol → "module:Class" under this package.
+BACKENDS: dict[str, str] = {
+    "file": "local:LocalBackend",
+    "local": "local:LocalBackend",
+    "s3": "s3:S3Backend",
+    "s3a": "s3:S3Backend",
+    "sftp": "sftp:SftpBackend",
+    "ssh": "sftp:SftpBackend",
+    "memory": "memory:MemoryBackend",
+}
+
+
+def backend_for(fs: fsspec.AbstractFileSystem, retry: RetryPolicy = NO_RETRY) -> Backend:
+    """The backend for ``fs`` (its first protocol that the table knows; else the generic one)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    for protocol in protocols:
+        entry = BACKENDS.get(protocol)
+        if entry is not None:
+            module_name, class_name = entry.split(":")
+            cls: type[Backend] = getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
+            if cls.accepts(fs):
+                return cls(fs, retry)
+    return Backend(fs, retry)
+
+
+__all__ = ["BACKENDS", "Backend", "RangeReader", "Versioned", "backend_for"]

@@ -1,0 +1,193 @@
+"""The generic backend: what any fsspec filesystem can do, and the interface the others refine.
+
+A :class:`Backend` wraps one filesystem and the retry policy its calls run under. Its flags say
+what the store can do; its methods are the operations that differ between stores. Every call
+that reaches the store goes through :meth:`Backend.call` (retried, and a failure other than
+absence becomes a ``StorageError`` naming the URL).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import fsspec
+
+from ...errors import DcpFsspecError, StorageError
+from ..retry import RetryPolicy
+from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
+
+# Pointer updates on stores without conditional writes or locks, serialized within this process.
+_PROCESS_LOCK = threading.Lock()
+_VERBS = {"info": "check", "cat_file": "read", "find": "list", "ls": "list", "rm": "delete",
+          "rm_file": "delete", "pipe_file": "write", "exists": "check", "makedirs": "create"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A small file's bytes (``None``: absent) and the version they were read at, where the
+    store has versions (S3's ETag): what :meth:`Backend.replace_if_unchanged` compares."""
+
+    data: bytes | None
+    version: str | None = None
+
+
+class RangeReader:
+    """Synchronous ranged reads of one load, closed when the load ends (generic: ``cat_file``)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self.fs = fs
+
+    def read(self, path: str, size: int, offset: int) -> bytes:
+        return bytes(self.fs.cat_file(path, start=offset, end=offset + size))
+
+    def close(self) -> None:
+        pass
+
+
+class Backend:
+    """Any fsspec filesystem, with only what fsspec's API promises.
+
+    Flags (class attributes, so a subclass states its store's nature in one place):
+
+    * ``real_folders``: a file's folder must exist before it is written, and a rename within a
+      folder is atomic (local disk, SFTP); object stores have neither.
+    * ``shared_across_processes``: another process sees what this one writes (not ``memory://``).
+    * ``is_local``: plain local files (``os`` calls, ``fsync``, in-place reads).
+    * ``conditional_writes``: the store settles concurrent pointer updates itself (S3's
+      ``If-Match``); elsewhere :meth:`exclusive` serializes them.
+    """
+
+    name: ClassVar[str] = "generic fsspec"
+    real_folders: ClassVar[bool] = False
+    shared_across_processes: ClassVar[bool] = True
+    is_local: ClassVar[bool] = False
+    conditional_writes: ClassVar[bool] = False
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy) -> None:
+        self.fs = fs
+        self.retry = retry
+
+    @classmethod
+    def accepts(cls, fs: fsspec.AbstractFileSystem) -> bool:
+        """Whether this backend's quirks apply to ``fs`` (the table matched its protocol)."""
+        return True
+
+    # --- calls ------------------------------------------------------------------------------
+
+    def url_of(self, path: str) -> str:
+        """The URL of ``path`` on this store, for messages."""
+        return str(self.fs.unstrip_protocol(path))
+
+    def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<method>(path, …)``, retried; a failure other than absence is a StorageError.
+
+        ``FileNotFoundError`` passes through unchanged (what absence means is the caller's
+        call), unless the store says its container itself is missing: that is a wrong URL.
+        """
+        url = self.url_of(path)
+        try:
+            return self.retry.run(self.fs, method, path, *args, url=url, **kwargs)
+        except FileNotFoundError as e:
+            self.raise_if_no_container(e, url)
+            raise
+        except DcpFsspecError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot {_VERBS.get(method, method)} {url}: {e}") from e
+
+    def raise_if_no_container(self, error: FileNotFoundError, url: str) -> None:
+        """Raise a StorageError if ``error`` means the bucket (not the file) does not exist."""
+
+    def invalidate(self, path: str) -> None:
+        """Forget cached listings of ``path`` (s3fs caches them; other ranks may have written)."""
+        self.fs.invalidate_cache(path)
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def make_folder(self, path: str) -> None:
+        """Create ``path`` where folders are real; never on object stores (where it may create a bucket)."""
+        if self.real_folders:
+            self.call("makedirs", path, exist_ok=True)
+
+    def new_upload(self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True) -> FileUpload:
+        """A :class:`FileUpload` that publishes ``path`` whole on commit (generic: fsspec's buffered
+        file, which object stores publish on close; it relies on the driver's retries)."""
+        return BufferedUpload(self.fs, path, block_size=max(part_size, MIN_PART_SIZE))
+
+    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:
+        """Write a small file so readers see the old content or the new, never a mix (generic: one
+        ``pipe_file``, which object stores and ``memory://`` apply whole)."""
+        self.call("pipe_file", path, data)
+        self.invalidate(self.fs._parent(path))
+
+    def sync_folder(self, path: str) -> None:
+        """Make the renames in ``path`` durable where that is a separate step (local disk)."""
+
+    def abort_pending_uploads(self, folder: str) -> None:
+        """Abort uploads a killed save left under ``folder`` where the store keeps them (S3)."""
+
+    # --- the pointer's compare-and-swap -----------------------------------------------------
+
+    @contextmanager
+    def exclusive(self, folder: str) -> Iterator[None]:
+        """Hold off other writers of small files in ``folder`` (generic: within this process)."""
+        with _PROCESS_LOCK:
+            yield
+
+    def read_versioned(self, path: str) -> Versioned:
+        """``path``'s bytes and their version, in one read (``Versioned(None)`` if absent)."""
+        self.invalidate(self.fs._parent(path))
+        try:
+            return Versioned(self.call("cat_file", path))
+        except FileNotFoundError:
+            return Versioned(None)
+
+    def replace_if_unchanged(self, path: str, data: bytes, expected: Versioned) -> bool:
+        """Write ``data`` to ``path`` if it still holds ``expected``; False if another write came
+        first. Without conditional writes this must run inside :meth:`exclusive`, which makes the
+        read and the write one step."""
+        self.write_small_atomic(path, data)
+        return True
+
+    # --- reading ----------------------------------------------------------------------------
+
+    @property
+    def async_reads(self) -> bool:
+        """Whether ranges are fetched on the filesystem's event loop (s3fs, gcsfs, adlfs)."""
+        return bool(getattr(self.fs, "async_impl", False)) and getattr(self.fs, "loop", None) is not None
+
+    async def read_range_async(self, path: str, start: int, end: int) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of ``path``, on the event loop (only where :attr:`async_reads`)."""
+        return await self.fs._cat_file(path, start=start, end=end)
+
+    def range_reader(self) -> RangeReader:
+        """A reader for the synchronous ranged reads of one load; the caller closes it."""
+        return RangeReader(self.fs)
+
+
+class BufferedUpload(FileUpload):
+    """fsspec's buffered writer: every backend, one part at a time per file."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, *, block_size: int) -> None:
+        super().__init__(fs, path)
+        self._file = fs.open(path, "wb", block_size=block_size)
+
+    def write(self, buffers: Iterable[bytes | memoryview]) -> None:
+        for buf in buffers:
+            self.size += self._file.write(buf)
+
+    def commit(self) -> None:
+        self._file.close()
+
+    def abort(self) -> None:
+        # Closing would publish a partial object; discard the buffer instead.
+        discard = getattr(self._file, "discard", None)
+        if callable(discard):
+            discard()
+        else:  # pragma: no cover - every fsspec AbstractBufferedFile has discard()
+            self._file.close()
+            self.fs.rm_file(self.path)

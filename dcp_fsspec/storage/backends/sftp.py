@@ -1,0 +1,81 @@
+"""SFTP (sshfs): real folders, uploads under a temporary name then an atomic rename, and reads
+through open/seek/read.
+
+sshfs renames with OpenSSH's ``posix-rename@openssh.com``, which replaces the target
+atomically, so data files and the pointer appear whole or not at all, as on local disk. Its
+``cat_file`` ignores ``start``/``end``, so ranges are read through a file opened per read; and
+OpenSSH drops the connection on single writes of many MiB, so uploads go in small pieces.
+Pointer updates are serialized within a process only (SFTP has no locks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import fsspec
+
+from .. import names
+from ..uploads import ByteBudget, FileUpload, publish_whole
+from .base import Backend, RangeReader
+
+
+class SftpBackend(Backend):
+    name = "SFTP"
+    real_folders = True
+
+    def new_upload(self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True) -> FileUpload:
+        return RenameUpload(self.fs, path)
+
+    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:
+        publish_whole(RenameUpload(self.fs, path), [data])
+        self.invalidate(self.fs._parent(path))
+
+    @property
+    def async_reads(self) -> bool:
+        return False  # sshfs is async, but its _cat_file reads whole files
+
+    def range_reader(self) -> RangeReader:
+        return SeekingReader(self.fs)
+
+
+class SeekingReader(RangeReader):
+    """Ranges read through open/seek/read, for drivers whose ``cat_file`` ignores the range."""
+
+    def read(self, path: str, size: int, offset: int) -> bytes:
+        # Not block_size=0: sshfs would then read with one unpipelined request, which the
+        # server answers with at most its packet limit.
+        with self.fs.open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+
+class RenameUpload(FileUpload):
+    """A temporary name, then a rename: for remote filesystems with real folders.
+
+    Written in small pieces: OpenSSH drops the connection on single writes of many MiB.
+    """
+
+    _PIECE = 256 * 1024
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        super().__init__(fs, path)
+        self._tmp = names.temporary_path(path)
+        self._file = fs.open(self._tmp, "wb")
+
+    def write(self, buffers: Iterable[bytes | memoryview]) -> None:
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            for start in range(0, view.nbytes, self._PIECE):
+                self._file.write(bytes(view[start : start + self._PIECE]))
+            self.size += view.nbytes
+
+    def commit(self) -> None:
+        self._file.close()
+        self.fs.mv(self._tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self._file.close()
+            self.fs.rm_file(self._tmp)
+        except OSError:  # the original error matters more; the temporary name is never read
+            pass
