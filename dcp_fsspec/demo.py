@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpointer, layout
-from .storage.urls import normalize_url, resolve, scheme_of
+from .storage.urls import resolve
 
 DEMO_BUCKET = "dcp-fsspec-demo"
 _RESULT_PREFIX = "DEMO-RESULT "  # marks the resumed process's one machine-readable line
@@ -235,8 +235,8 @@ def main(args: argparse.Namespace) -> int:
     if not 0 < args.stop_at < args.steps or args.every < 1:
         raise SystemExit("need 0 < --stop-at < --steps and --every >= 1")
     cfg = DemoConfig(args.url or "", options, args.steps, args.every, args.stop_at, args.keep_last_n, args.seed)
-    if cfg.url and scheme_of(normalize_url(cfg.url)) == "memory":
-        raise SystemExit(f"--url {cfg.url}: memory:// lives in one process, and the demo resumes in a fresh one")
+    if cfg.url and not resolve(cfg.url, cfg.storage_options).backend.shared_across_processes:
+        raise SystemExit(f"--url {cfg.url}: that store lives in one process, and the demo resumes in a fresh one")
     if cfg.url:
         with Checkpointer(cfg.url, cfg.storage_options) as probe:
             if probe.latest_checkpoint() is not None:

@@ -69,3 +69,28 @@ def test_a_missing_sftp_checkpoint_is_an_error_naming_the_url(sftp_backend: Back
     with pytest.raises(CheckpointNotFoundError) as raised:
         reader.read_metadata()
     assert sftp_backend.url in str(raised.value)
+
+
+def test_an_sftp_pointer_update_that_fails_before_its_rename_leaves_the_old_pointer_whole(
+    sftp_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from dcp_fsspec import StorageError
+    from dcp_fsspec.checkpoint import commit
+    from dcp_fsspec.storage.urls import resolve
+
+    root = resolve(sftp_backend.url, sftp_backend.storage_options)
+    assert type(root.backend).__name__ == "SftpBackend"
+    assert commit.write_pointer(root, 3)
+
+    def rename_fails(*args: object, **kwargs: object) -> None:
+        raise OSError("connection lost before the rename")
+
+    monkeypatch.setattr(root.fs, "mv", rename_fails)  # sshfs sets its sync methods per instance
+    with pytest.raises(StorageError) as raised:
+        commit.write_pointer(root, 5)
+    assert sftp_backend.url in str(raised.value)
+    monkeypatch.undo()
+    assert commit.read_pointer(root) == 3  # the new bytes never replaced the old ones in place
+    assert os.listdir(_local_path(sftp_backend)) == [commit.POINTER_NAME]  # no temporary file left

@@ -17,26 +17,8 @@ import fsspec
 from fsspec.registry import known_implementations, registry
 
 from ..errors import InvalidURLError, MissingDriverError
-from .backends import Backend, backend_for
+from .backends import DRIVER_PACKAGES, Backend, backend_for
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
-
-# Which pip package provides each scheme's driver, for the ImportError users see.
-_DRIVER_PACKAGES = {
-    "s3": "s3fs",
-    "s3a": "s3fs",
-    "gs": "gcsfs",
-    "gcs": "gcsfs",
-    "az": "adlfs",
-    "abfs": "adlfs",
-    "abfss": "adlfs",
-    "adl": "adlfs",
-    "sftp": "sshfs",
-    "ssh": "sshfs",
-    "hf": "huggingface_hub",
-    "oci": "ocifs",
-    "oss": "ossfs",
-}
-
 
 @dataclass(frozen=True)
 class Location:
@@ -55,13 +37,13 @@ class Location:
     @cached_property
     def backend(self) -> Backend:
         """What this store can do and how (:mod:`.backends`), chosen once from the filesystem."""
-        return backend_for(self.fs, self.retry)
+        return backend_for(self.fs, self.retry, self.url_of)
 
     def url_of(self, path: str) -> str:
         """The full URL of a path on this filesystem, for messages (in the form the user wrote)."""
         if path == self.path or path.startswith(self.path.rstrip("/") + "/"):
             return self.url.rstrip("/") + path[len(self.path.rstrip("/")) :]
-        return self.backend.url_of(path)
+        return self.backend.plain_url(path)
 
     @property
     def is_local(self) -> bool:
@@ -142,7 +124,7 @@ def resolve(
     try:
         filesystem, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
     except ImportError as e:
-        package = _DRIVER_PACKAGES.get(scheme_of(text), "the fsspec driver for this scheme")
+        package = DRIVER_PACKAGES.get(scheme_of(text), "the fsspec driver for this scheme")
         raise MissingDriverError(
             f"cannot open {text!r}: the driver for {scheme_of(text)}:// is not installed; "
             f"run `pip install {package}`"

@@ -16,6 +16,7 @@ one module holding its quirks.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import fsspec
 
@@ -33,9 +34,34 @@ BACKENDS: dict[str, str] = {
     "memory": "memory:MemoryBackend",
 }
 
+# URL scheme → the pip package that provides its fsspec driver, for the error users see.
+DRIVER_PACKAGES: dict[str, str] = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+    "sftp": "sshfs",
+    "ssh": "sshfs",
+    "hf": "huggingface_hub",
+    "oci": "ocifs",
+    "oss": "ossfs",
+}
 
-def backend_for(fs: fsspec.AbstractFileSystem, retry: RetryPolicy = NO_RETRY) -> Backend:
-    """The backend for ``fs`` (its first protocol that the table knows; else the generic one)."""
+
+def backend_for(
+    fs: fsspec.AbstractFileSystem, retry: RetryPolicy = NO_RETRY, url_of: Callable[[str], str] | None = None
+) -> Backend:
+    """The backend for ``fs`` (its first protocol that the table knows; else the generic one).
+
+    Args:
+        fs: the filesystem.
+        retry: how its calls are retried.
+        url_of: how messages spell a path (a Location's, so they show the URL the user wrote).
+    """
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     for protocol in protocols:
         entry = BACKENDS.get(protocol)
@@ -43,8 +69,8 @@ def backend_for(fs: fsspec.AbstractFileSystem, retry: RetryPolicy = NO_RETRY) ->
             module_name, class_name = entry.split(":")
             cls: type[Backend] = getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
             if cls.accepts(fs):
-                return cls(fs, retry)
-    return Backend(fs, retry)
+                return cls(fs, retry, url_of)
+    return Backend(fs, retry, url_of)
 
 
-__all__ = ["BACKENDS", "Backend", "RangeReader", "Versioned", "backend_for"]
+__all__ = ["BACKENDS", "DRIVER_PACKAGES", "Backend", "RangeReader", "Versioned", "backend_for"]

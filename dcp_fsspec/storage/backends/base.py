@@ -9,7 +9,7 @@ absence becomes a ``StorageError`` naming the URL).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -67,9 +67,12 @@ class Backend:
     is_local: ClassVar[bool] = False
     conditional_writes: ClassVar[bool] = False
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy) -> None:
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy, url_of: Callable[[str], str] | None = None
+    ) -> None:
         self.fs = fs
         self.retry = retry
+        self._url_of = url_of
 
     @classmethod
     def accepts(cls, fs: fsspec.AbstractFileSystem) -> bool:
@@ -79,7 +82,12 @@ class Backend:
     # --- calls ------------------------------------------------------------------------------
 
     def url_of(self, path: str) -> str:
-        """The URL of ``path`` on this store, for messages."""
+        """The URL of ``path``, for messages: in the form the user wrote, where the backend
+        belongs to a :class:`~..urls.Location` (which passes its ``url_of``)."""
+        return self._url_of(path) if self._url_of is not None else self.plain_url(path)
+
+    def plain_url(self, path: str) -> str:
+        """The URL fsspec gives ``path`` on this store."""
         return str(self.fs.unstrip_protocol(path))
 
     def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:

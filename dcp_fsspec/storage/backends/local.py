@@ -43,7 +43,7 @@ class LocalBackend(Backend):
     def accepts(cls, fs: fsspec.AbstractFileSystem) -> bool:
         return isinstance(fs, LocalFileSystem)
 
-    def url_of(self, path: str) -> str:
+    def plain_url(self, path: str) -> str:
         return path
 
     def new_upload(self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True) -> FileUpload:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import fsspec
 
 from .. import names
+from ..failures import storage_errors
 from ..uploads import ByteBudget, FileUpload, publish_whole
 from .base import Backend, RangeReader
 
@@ -27,7 +28,9 @@ class SftpBackend(Backend):
         return RenameUpload(self.fs, path)
 
     def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:
-        publish_whole(RenameUpload(self.fs, path), [data])
+        with storage_errors("write", self.url_of(path)):
+            self.make_folder(self.fs._parent(path))
+            publish_whole(RenameUpload(self.fs, path), [data])
         self.invalidate(self.fs._parent(path))
 
     @property
