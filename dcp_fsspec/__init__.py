@@ -6,6 +6,7 @@ Layers, bottom up: ``storage`` (DCP StorageWriter/StorageReader over fsspec) ←
 
 from __future__ import annotations
 
+from ._version import __version__
 from .checkpoint import Checkpointer
 from .checkpoint.events import CheckpointEvent
 from .errors import (
@@ -39,6 +40,7 @@ __all__ = [
     "MissingDriverError",
     "RetryPolicy",
     "StorageError",
+    "__version__",
     "VerifyProblem",
     "VerifyReport",
     "verify",

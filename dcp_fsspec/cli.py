@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import demo
+from ._version import __version__
 from .errors import DcpFsspecError
 from .tools import _cli, convert, inspection, listing, prune, transfer, verify
 
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the checkpointer and the tools do")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module, add_arguments, run, help_text in _TOOLS:
         sub = commands.add_parser(
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(demo.__doc__ or "").split("\n\n", 1)[-1],
     )
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.main)
+    demo_parser.set_defaults(run=_reporting_errors(demo.main))
     return parser
 
 

@@ -48,7 +48,8 @@ class InvalidURLError(DcpFsspecError, ValueError):
 
 
 class MissingDriverError(DcpFsspecError, ImportError):
-    """The fsspec implementation for a URL scheme is not installed."""
+    """A package this needs is not installed: the fsspec driver for a URL scheme, or an optional
+    one (safetensors for ``to-safetensors``, moto for the demo's embedded S3 server)."""
 
 
 class StorageError(DcpFsspecError, OSError):

@@ -1,6 +1,6 @@
 """A real S3 API on 127.0.0.1 (a moto server in a thread) for the demo, tests and benchmarks.
 
-It needs the ``moto[server]`` package (installed with the ``test`` extra). The port is chosen
+It needs the ``moto[server]`` package (the ``demo`` and ``test`` extras install it). The port is chosen
 by the OS; nothing here listens on anything but loopback.
 """
 
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+
+from .errors import MissingDriverError
 
 ACCESS_KEY = "dcp-fsspec-local"
 SECRET_KEY = "dcp-fsspec-local-secret"
@@ -24,10 +26,10 @@ class LocalS3Server:
     def start(self) -> LocalS3Server:
         try:
             from moto.server import ThreadedMotoServer
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "the embedded S3 server needs moto; run `pip install 'moto[server]'` "
-                "(or `pip install 'dcp-fsspec[test]'`)"
+        except ImportError as e:
+            raise MissingDriverError(
+                "the embedded S3 server needs moto: run `pip install 'dcp-fsspec[demo]'` "
+                "(or `pip install 'moto[server]'`), or pass --url to use storage of your own"
             ) from e
         # werkzeug logs every request at INFO; the demo's output is not the place for them.
         logging.getLogger("werkzeug").setLevel(logging.WARNING)
