@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, cli, verify
+from dcp_fsspec.storage.names import temporary_path
 from dcp_fsspec.tools.progress import Progress
 from tests.conftest import Backend
 from tests.test_verify import _flip_tensor_byte
@@ -197,6 +198,19 @@ def test_cp_refuses_a_destination_that_is_not_empty_unless_told_to_overwrite(
     assert code == 2 and dest in err and "--overwrite" in err
     assert _cli(capsys, "cp", source, dest, "--overwrite")[0] == 0
     assert verify(dest).ok
+
+
+def test_cp_leaves_temporary_files_of_writes_in_progress_behind(
+    capsys: pytest.CaptureFixture[str], local_backend: Backend, tmp_path: Path
+) -> None:
+    _run(local_backend, [1])
+    model = Path(local_backend.url, "iter_000000001", "model")
+    temporary = Path(temporary_path(str(model / "__0_1.distcp")))
+    temporary.write_bytes(b"half a file")
+    dest = tmp_path / "copy"
+    assert _cli(capsys, "cp", local_backend.url, str(dest))[0] == 0
+    copied = {p.name for p in dest.rglob("*") if p.is_file()}
+    assert "__0_0.distcp" in copied and temporary.name not in copied
 
 
 def test_a_copy_that_fails_part_way_leaves_the_destination_uncommitted(

@@ -138,26 +138,20 @@ class _Checker:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "url", help="a DCP checkpoint, an iteration folder (every key), or a save_dirname (every committed iteration)"
+    _cli.add_standard_arguments(
+        parser,
+        ("url", "a DCP checkpoint, an iteration folder (every key), or a save_dirname (every committed iteration)"),
     )
-    _cli.add_storage_options(parser)
-    _cli.add_json_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     with Progress("verifying") as progress:
         report = verify(args.url, _cli.storage_options(args.storage_options), progress=progress)
-    if args.json:
-        _cli.print_json(report.to_dict())
-    else:
-        for note in report.notes:
-            print(f"note: {note}")
-        for problem in report.problems:
-            print(f"PROBLEM {problem}")
-        summary = (
-            f"{len(report.checkpoints)} checkpoint(s), {report.items} items, {report.tensors_checked} tensors "
-            f"checked against their CRC-32, {report.unchecked} without a checksum, {human_bytes(report.bytes_read)} read"
-        )
-        print(f"{'OK' if report.ok else f'{len(report.problems)} PROBLEM(S) in'} {report.url}: {summary}")
+    summary = (
+        f"{len(report.checkpoints)} checkpoint(s), {report.items} items, {report.tensors_checked} tensors "
+        f"checked against their CRC-32, {report.unchecked} without a checksum, {human_bytes(report.bytes_read)} read"
+    )
+    lines = [f"note: {note}" for note in report.notes] + [f"PROBLEM {problem}" for problem in report.problems]
+    lines.append(f"{'OK' if report.ok else f'{len(report.problems)} PROBLEM(S) in'} {report.url}: {summary}")
+    _cli.report(args, report.to_dict(), lines)
     return _cli.EXIT_OK if report.ok else _cli.EXIT_PROBLEM
