@@ -22,22 +22,13 @@ from dcp_fsspec import Checkpointer, cli, verify
 from dcp_fsspec.storage.names import temporary_path
 from dcp_fsspec.tools.progress import Progress
 from tests.conftest import Backend
-from tests.test_verify import _flip_tensor_byte
+from tests.test_verify import _flip_tensor_byte, _run
 
 from .ckpt_helpers import Training, assert_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(backend: Backend, iterations: list[int]) -> Training:
-    training = Training()
-    with Checkpointer(backend.url, backend.storage_options) as ckpt:
-        for iteration in iterations:
-            training.run(1)
-            ckpt.save(iteration, **training.keys())
-    return training
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

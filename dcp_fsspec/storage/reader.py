@@ -3,9 +3,9 @@
 It loads checkpoints in torch's format (ours, or ``FileSystemWriter``'s / ``FsspecWriter``'s).
 Instead of reading each file front to back and running ``torch.load`` per tensor, it collects
 every byte range the load plan needs, sorts and coalesces them, downloads them concurrently in a
-bounded window (:mod:`.fetch`), and decodes each record as its bytes arrive (:mod:`.records`):
-a tensor's storage bytes are copied straight into the destination tensor and checked against
-the CRC-32 stored with them. From local files, records of 1 MiB and more skip the window: their
+bounded window (:mod:`.fetch`), and decodes each record as its bytes arrive with the decoder
+verification uses too (:mod:`.decoding`): a tensor's storage bytes are copied straight into the
+destination tensor and checked against the CRC-32 stored with them. From local files, records of 1 MiB and more skip the window: their
 bytes are read into the destination tensor itself, on a thread pool, while the small records
 stream.
 """
