@@ -22,8 +22,9 @@ from .errors import (
 )
 from .storage.reader import FsspecStorageReader
 from .storage.retry import RetryPolicy
+from .storage.verification import VerifyProblem, VerifyReport
 from .storage.writer import FsspecStorageWriter
-from .tools.verify import VerifyProblem, VerifyReport, verify
+from .tools.verify import verify
 
 __all__ = [
     "CheckpointEvent",

@@ -8,6 +8,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── CheckpointExistsError      (FileExistsError)    a committed checkpoint is in the way
     ├── CorruptCheckpointError     (ValueError)         bytes on storage are not what was written
     │   └── ChecksumMismatchError                       a record's CRC32 does not match its bytes
+    ├── RecordFormatError          (ValueError)         internal: bytes we do not decode ourselves (torch.load does)
     ├── CheckpointMismatchError    (ValueError)         the checkpoint does not fit the state dict
     ├── InvalidURLError            (ValueError)         a URL or path that cannot name a checkpoint
     ├── MissingDriverError         (ImportError)        the fsspec driver for a scheme is missing
@@ -37,6 +38,14 @@ class CorruptCheckpointError(DcpFsspecError, ValueError):
 
 class ChecksumMismatchError(CorruptCheckpointError):
     """The CRC32 recorded for an item does not match the bytes read back."""
+
+
+class RecordFormatError(DcpFsspecError, ValueError):
+    """The bytes are not a record we can decode ourselves; fall back to ``torch.load``.
+
+    Internal: the record decoder catches it. It is not damage (torch's own archives may differ
+    from the ones we parse), so it is not a :class:`CorruptCheckpointError`.
+    """
 
 
 class CheckpointMismatchError(DcpFsspecError, ValueError):

@@ -19,24 +19,17 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, cli, verify
+from dcp_fsspec.storage.names import temporary_path
 from dcp_fsspec.tools.progress import Progress
+from dcp_fsspec.storage import names
 from tests.conftest import Backend
-from tests.test_verify import _flip_tensor_byte
+from tests.test_verify import _flip_tensor_byte, _run
 
 from .ckpt_helpers import Training, assert_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(backend: Backend, iterations: list[int]) -> Training:
-    training = Training()
-    with Checkpointer(backend.url, backend.storage_options) as ckpt:
-        for iteration in iterations:
-            training.run(1)
-            ckpt.save(iteration, **training.keys())
-    return training
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -199,6 +192,19 @@ def test_cp_refuses_a_destination_that_is_not_empty_unless_told_to_overwrite(
     assert verify(dest).ok
 
 
+def test_cp_leaves_temporary_files_of_writes_in_progress_behind(
+    capsys: pytest.CaptureFixture[str], local_backend: Backend, tmp_path: Path
+) -> None:
+    _run(local_backend, [1])
+    model = Path(local_backend.url, "iter_000000001", "model")
+    temporary = Path(temporary_path(str(model / "__0_1.distcp")))
+    temporary.write_bytes(b"half a file")
+    dest = tmp_path / "copy"
+    assert _cli(capsys, "cp", local_backend.url, str(dest))[0] == 0
+    copied = {p.name for p in dest.rglob("*") if p.is_file()}
+    assert "__0_0.distcp" in copied and temporary.name not in copied
+
+
 def test_a_copy_that_fails_part_way_leaves_the_destination_uncommitted(
     capsys: pytest.CaptureFixture[str], memory_backend: Backend, tmp_path: Path
 ) -> None:
@@ -209,7 +215,7 @@ def test_a_copy_that_fails_part_way_leaves_the_destination_uncommitted(
     assert code == 4 and str(dest / "iter_000000001" / "model" / "__0_0.distcp") in err
     written = {p.name for p in dest.rglob("*") if p.is_file()}
     assert written and not written & {".metadata", ".commit.json", "latest_checkpoint.txt"}
-    assert not list(dest.rglob("*.tmp-*"))
+    assert not [p for p in dest.rglob("*") if names.is_temporary(p.name)]
 
 
 # -- prune ---------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ import zlib
 import pytest
 import torch
 
+from dcp_fsspec.errors import RecordFormatError
 from dcp_fsspec.storage import records
 from dcp_fsspec.storage.archive import ArchiveFormat
 from dcp_fsspec.storage.records import (
-    RecordFormatError,
     descriptor_crc,
     encode_tensor,
     parse_layout,

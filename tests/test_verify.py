@@ -164,12 +164,14 @@ def test_a_checkpoint_written_by_torchs_own_writer_is_checked_and_its_damage_fou
     assert [p.item for p in verify(local_backend.url).problems] == ["bias"]
 
 
-def _run(backend: Backend, iterations: list[int]) -> None:
+def _run(backend: Backend, iterations: list[int]) -> Training:
+    """Save ``iterations`` of a small training run under ``backend.url``; the training saved."""
     training = Training()
     with Checkpointer(backend.url, backend.storage_options) as ckpt:
         for iteration in iterations:
             training.run(1)
             ckpt.save(iteration, **training.keys())
+    return training
 
 
 def test_an_iteration_folder_verifies_every_key_and_reports_one_that_lost_its_metadata(memory_backend: Backend) -> None:

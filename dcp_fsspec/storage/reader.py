@@ -3,9 +3,9 @@
 It loads checkpoints in torch's format (ours, or ``FileSystemWriter``'s / ``FsspecWriter``'s).
 Instead of reading each file front to back and running ``torch.load`` per tensor, it collects
 every byte range the load plan needs, sorts and coalesces them, downloads them concurrently in a
-bounded window (:mod:`.fetch`), and decodes each record as its bytes arrive (:mod:`.records`):
-a tensor's storage bytes are copied straight into the destination tensor and checked against
-the CRC-32 stored with them. From local files, records of 1 MiB and more skip the window: their
+bounded window (:mod:`.fetch`), and decodes each record as its bytes arrive with the decoder
+verification uses too (:mod:`.decoding`): a tensor's storage bytes are copied straight into the
+destination tensor and checked against the CRC-32 stored with them. From local files, records of 1 MiB and more skip the window: their
 bytes are read into the destination tensor itself, on a thread pool, while the small records
 stream.
 """
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,25 +30,16 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ..errors import (
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    DcpFsspecError,
-    StorageError,
-)
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError, StorageError
 from .collector import collector_paused
+from .decoding import CRC_TAIL, RecordDecoder, RecordFault, RecordPlace, feed_records, read_metadata
 from .backends.local import LocalFiles
-from .fetch import fetch_in_order, plan_spans
-from .records import RecordFormatError, RecordLayout, descriptor_crc, parse_layout, tensor_bytes, tensor_from_record
+from .fetch import Span, fetch_in_order, plan_spans
+from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .urls import UrlBound
-from .names import metadata_name
 
 MiB = 1024 * 1024
-# A descriptor (signature + CRC) follows a record's data; 8 bytes are enough to read the CRC.
-_CRC_TAIL = 8
 # Records at least this big in local files are read straight into their tensors (below it, the
 # extra read of the header costs more than the copy it saves); the header is in the first bytes.
 _IN_PLACE_MIN = 1 * MiB
@@ -116,28 +106,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
     @collector_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata``; a missing one means there is no committed checkpoint here."""
-        path = self.location.join(metadata_name(kwargs.get("rank")))
-        url = self.location.url_of(path)
-        try:
-            raw = self.location.retry.run(self.location.fs, "cat_file", path, url=url)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(
-                f"no checkpoint at {self.location.url!r}: {url!r} does not exist "
-                "(the save never finished, or the URL is wrong)"
-            ) from e
-        except DcpFsspecError:
-            raise
-        except OSError as e:
-            raise StorageError(f"cannot read {url!r}: {e}") from e
-        try:
-            metadata = pickle.loads(raw)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
-            raise CorruptCheckpointError(
-                f"{url!r} is truncated or corrupt ({len(raw)} bytes: {type(e).__name__}: {e}); "
-                "restore it or load another checkpoint"
-            ) from e
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{url!r} does not hold DCP metadata (found {type(metadata).__name__})")
+        metadata = read_metadata(self.location, kwargs.get("rank"))
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -211,7 +180,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         for rec, head_read in zip(big, heads):
             head = head_read.result()
             self._check_read(rec, len(head), min(rec.length, _HEAD_BYTES))
-            decoder = _RecordDecoder(rec, planner, self)
+            decoder = _LoadDecoder(rec, planner, self)
             decoder.feed(memoryview(head))
             dest, start = decoder.rest_in_place()
             pieces = [
@@ -222,7 +191,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         return [r for r in records if r.length < _IN_PLACE_MIN], started
 
     def _checksum_when_read(
-        self, decoder: _RecordDecoder, pieces: list[tuple[int, ThreadFuture[int]]], files: LocalFiles
+        self, decoder: _LoadDecoder, pieces: list[tuple[int, ThreadFuture[int]]], files: LocalFiles
     ) -> Callable[[], None]:
         dest, _ = decoder.rest_in_place()
         for piece, read in pieces:
@@ -244,34 +213,19 @@ class FsspecStorageReader(UrlBound, StorageReader):
             max_span=self.max_request_bytes,
         )
         records.sort(key=lambda r: (r.path, r.offset))
-        cursor = 0
-        active: dict[int, _RecordDecoder] = {}
-        for span, data in fetch_in_order(
+        fetched = fetch_in_order(
             self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
-        ):
+        )
+        feed_records(records, self._whole_spans(fetched), lambda i: _LoadDecoder(records[i], planner, self))
+
+    def _whole_spans(self, fetched: Iterator[tuple[Span, bytes | bytearray]]) -> Iterator[tuple[Span, bytes | bytearray]]:
+        for span, data in fetched:
             if len(data) != span.size:
                 raise CorruptCheckpointError(
                     f"{self.location.url_of(span.path)!r} is truncated: needed bytes "
                     f"[{span.start}, {span.end}) but got {len(data)}; restore it or load another checkpoint"
                 )
-            view = memoryview(data)
-            # Records before this span are finished; walk those that overlap it.
-            while cursor < len(records) and (records[cursor].path, records[cursor].end) <= (span.path, span.start):
-                cursor += 1
-            i = cursor
-            while i < len(records) and records[i].path == span.path and records[i].offset < span.end:
-                rec = records[i]
-                lo, hi = max(rec.offset, span.start), min(rec.end, span.end)
-                if lo < hi:
-                    decoder = active.get(i)
-                    if decoder is None:
-                        decoder = active[i] = _RecordDecoder(rec, planner, self)
-                    decoder.feed(view[lo - span.start : hi - span.start])
-                    if decoder.done:
-                        del active[i]
-                i += 1
-        if active:  # pragma: no cover - the spans cover every record by construction
-            raise CorruptCheckpointError(f"incomplete read of {self.location.url!r}")
+            yield span, data
 
     def _records_for(self, plan: LoadPlan) -> list[_Record]:
         """One entry per distinct stored record, with every read item that needs it."""
@@ -302,57 +256,49 @@ class FsspecStorageReader(UrlBound, StorageReader):
 
 
 @dataclass
-class _Record:
+class _Record(RecordPlace):
     """One stored record (a tensor's archive or a pickled object) and who needs it."""
 
-    path: str
-    url: str
-    offset: int
-    length: int
-    transforms: tuple[str, ...]
+    transforms: tuple[str, ...] = ()
     items: list[ReadItem] = field(default_factory=list)
 
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
-
-class _RecordDecoder:
+class _LoadDecoder(RecordDecoder):
     """Receives one record's bytes in order and delivers it to its targets.
 
     The fast path ("direct"): one read item wanting the whole saved tensor, into a contiguous
     target of the same dtype and shape — the storage bytes are copied into the target as they
-    arrive. Otherwise the record is buffered whole and decoded once, then narrowed per item.
+    arrive. Otherwise the record is held whole and decoded once, then narrowed per item.
     """
 
     def __init__(self, record: _Record, planner: LoadPlanner, reader: FsspecStorageReader) -> None:
+        super().__init__(record, checksum=reader.verify_checksums)
         self.record = record
         self.planner = planner
-        self.verify = reader.verify_checksums
-        self.received = 0
-        self.done = False
-        self._head = bytearray()
-        self._layout: RecordLayout | None = None
-        self._buffer: bytearray | None = None
         self._target: torch.Tensor | None = None
-        self._dest: memoryview | None = None
-        self._crc = 0
-        self._tail = bytearray()
         tensor_items = [i for i in record.items if i.type != LoadItemType.BYTE_IO]
-        self._simple_tensor = len(record.items) == 1 and len(tensor_items) == 1 and not record.transforms
-        if not self._simple_tensor:
-            self._buffer = bytearray(record.length)
+        if not (len(record.items) == 1 and len(tensor_items) == 1 and not record.transforms):
+            self.hold_whole()
 
     def feed(self, view: memoryview) -> None:
-        start = self.received
-        self.received += len(view)
-        if self._buffer is not None:
-            self._buffer[start : self.received] = view
-        else:
-            self._stream(start, view)
-        if self.received == self.record.length:
+        super().feed(view)
+        if self.done:
             self._finish()
-            self.done = True
+
+    def _on_layout(self, layout: RecordLayout) -> None:
+        """Decide between copying into the target as bytes arrive, or holding the record whole."""
+        spec = layout.spec
+        item = self.record.items[0]
+        whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == spec.size
+        if whole and spec.is_dense:
+            target = self.planner.resolve_tensor(item).detach()
+            if target.is_contiguous() and target.dtype == spec.dtype and tuple(target.shape) == spec.size:
+                self._target = target
+                self.stream_into(tensor_bytes(target) if spec.nbytes else None)
+                return
+            # The planner handed us a temporary; it must still be committed once, after decoding.
+            self._target = target
+        self.hold_whole()
 
     # --- in place (local files) -------------------------------------------------------------
 
@@ -360,114 +306,50 @@ class _RecordDecoder:
         """After the record's first bytes were fed: the memory its remaining bytes go to, and
         where in the record they start — the target's own bytes on the direct path (the
         descriptor after them is read by :meth:`checksum_in_place`), else the record buffer."""
-        if self._buffer is None and (self._layout is None or self._dest is None):
-            self._switch_to_buffer(memoryview(bytes(self._head)))  # header longer than read, or no data
-        if self._buffer is not None:
-            return memoryview(self._buffer)[self.received :], self.received
-        assert self._layout is not None and self._dest is not None
-        start = max(self.received, self._layout.data_start)
-        return self._dest[start - self._layout.data_start :], start
+        if self.whole is None and (self.layout is None or self._dest is None):
+            self.hold_whole()  # header longer than read, or no data
+        if self.whole is not None:
+            return memoryview(self.whole)[self.received :], self.received
+        assert self.layout is not None and self._dest is not None
+        start = max(self.received, self.layout.data_start)
+        return self._dest[start - self.layout.data_start :], start
 
     def checksum_in_place(self, files: LocalFiles) -> Callable[[], None]:
         """Once :meth:`rest_in_place` is filled (on a pool thread): the CRC of what was read
         and the descriptor after it; returns the step that delivers the record."""
         rest, start = self.rest_in_place()
-        if self._buffer is None:
-            assert self._layout is not None
-            if self.verify and len(rest):
-                self._crc = zlib.crc32(rest, self._crc)
-            tail_from = max(start + len(rest), self._layout.data_end)
-            want = min(_CRC_TAIL - len(self._tail), self.record.length - tail_from)
+        if self.whole is None:
+            assert self.layout is not None
+            if self.checksum and len(rest):
+                self.crc = zlib.crc32(rest, self.crc)
+            tail_from = max(start + len(rest), self.layout.data_end)
+            want = min(CRC_TAIL - len(self._tail), self.record.length - tail_from)
             if want > 0:
                 self._tail += files.read(self.record.path, want, self.record.offset + tail_from)
 
         def deliver() -> None:
             self.received = self.record.length
             self._finish()
-            self.done = True
 
         return deliver
-
-    # --- streaming (direct) path ------------------------------------------------------------
-
-    def _stream(self, start: int, view: memoryview) -> None:
-        if self._layout is None:
-            # Parse from the piece itself when it holds the whole header (the usual case);
-            # only a header split across pieces is accumulated.
-            if self._head:
-                self._head += view
-            head = memoryview(self._head) if self._head else view
-            try:
-                layout = parse_layout(head)
-            except RecordFormatError:
-                layout = None
-                self._switch_to_buffer(head)
-                return
-            if layout is None:
-                if not self._head:
-                    self._head += view
-                if len(self._head) >= self.record.length:
-                    self._switch_to_buffer(memoryview(bytes(self._head)))
-                return
-            self._layout = layout
-            self._choose_target()
-            if self._buffer is None:
-                self._stream(0, head)  # replay what arrived so far, now that we know where data is
-            else:
-                self._buffer[: len(head)] = head
-            self._head = bytearray()
-            return
-        layout = self._layout
-        end = start + len(view)
-        lo, hi = max(start, layout.data_start), min(end, layout.data_end)
-        if lo < hi and self._dest is not None:
-            piece = view[lo - start : hi - start]
-            self._dest[lo - layout.data_start : hi - layout.data_start] = piece
-            if self.verify:
-                self._crc = zlib.crc32(piece, self._crc)
-        if end > layout.data_end and len(self._tail) < _CRC_TAIL:
-            tail_from = max(start, layout.data_end)
-            self._tail += view[tail_from - start : tail_from - start + _CRC_TAIL - len(self._tail)]
-
-    def _choose_target(self) -> None:
-        """Decide between copying into the target as bytes arrive, or buffering the record."""
-        assert self._layout is not None
-        spec = self._layout.spec
-        item = self.record.items[0]
-        whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == spec.size
-        if whole and spec.is_dense:
-            target = self.planner.resolve_tensor(item).detach()
-            if target.is_contiguous() and target.dtype == spec.dtype and tuple(target.shape) == spec.size:
-                self._target = target
-                self._dest = tensor_bytes(target) if spec.nbytes else None
-                return
-            # The planner handed us a temporary; it must still be committed once, after decoding.
-            self._target = target
-        self._buffer = bytearray(self.record.length)
-
-    def _switch_to_buffer(self, head: memoryview) -> None:
-        self._buffer = bytearray(self.record.length)
-        self._buffer[: len(head)] = head
-        self._head = bytearray()
 
     # --- completion -------------------------------------------------------------------------
 
     def _finish(self) -> None:
-        if self._buffer is None:
+        if self.whole is None:
             self._finish_direct()
         else:
-            self._finish_buffered(memoryview(self._buffer))
-            self._buffer = None
+            self._finish_held(memoryview(self.whole))
+            self.whole = None
 
     def _finish_direct(self) -> None:
-        layout, target = self._layout, self._target
-        assert layout is not None and target is not None
-        if self.verify and layout.spec.nbytes:
-            stored = layout.crc_in_header if layout.crc_in_header is not None else descriptor_crc(self._tail)
-            self._check_crc(stored, self._crc)
-        self.planner.commit_tensor(self.record.items[0], target)
+        assert self._target is not None
+        fault = self.check_streamed()
+        if fault is not None:
+            raise self._error(fault)
+        self.planner.commit_tensor(self.record.items[0], self._target)
 
-    def _finish_buffered(self, data: memoryview) -> None:
+    def _finish_held(self, data: memoryview) -> None:
         rec = self.record
         if rec.transforms:
             data = memoryview(self._untransform(data))
@@ -477,25 +359,11 @@ class _RecordDecoder:
                 self.planner.load_bytes(item, io.BytesIO(bytes(data)))
                 continue
             if tensor is None:
-                tensor = self._decode(data)
+                decoded = self.decode(data)
+                if isinstance(decoded, RecordFault):
+                    raise self._error(decoded)
+                tensor = decoded
             self._deliver(item, tensor)
-
-    def _decode(self, data: memoryview) -> torch.Tensor:
-        try:
-            layout = parse_layout(data)
-        except RecordFormatError:
-            layout = None
-        if layout is not None and len(data) >= layout.data_end + _CRC_TAIL and self.verify and layout.spec.nbytes:
-            raw = data[layout.data_start : layout.data_end]
-            stored = layout.crc_in_header if layout.crc_in_header is not None else descriptor_crc(data[layout.data_end :])
-            self._check_crc(stored, zlib.crc32(raw))
-        try:
-            return tensor_from_record(data, layout)
-        except Exception as e:  # noqa: BLE001 - torch.load's errors vary; all mean "not a tensor"
-            raise CorruptCheckpointError(
-                f"cannot decode the tensor at bytes [{self.record.offset}, {self.record.end}) of "
-                f"{self.record.url!r} ({self._fqns()}): {type(e).__name__}: {e}"
-            ) from e
 
     def _deliver(self, item: ReadItem, tensor: torch.Tensor) -> None:
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
@@ -518,13 +386,6 @@ class _RecordDecoder:
         )
         return stream.read()
 
-    def _check_crc(self, stored: int, actual: int) -> None:
-        if self.verify and stored != 0 and stored != actual:
-            raise ChecksumMismatchError(
-                f"checksum mismatch in {self.record.url!r} at bytes [{self.record.offset}, "
-                f"{self.record.end}) ({self._fqns()}): stored CRC-32 {stored:#010x}, read "
-                f"{actual:#010x}; the file is corrupt — restore it or load another checkpoint"
-            )
-
-    def _fqns(self) -> str:
-        return ", ".join(repr(fqn) for fqn in sorted({i.storage_index.fqn for i in self.record.items}))
+    def _error(self, fault: RecordFault) -> CorruptCheckpointError:
+        fqns = ", ".join(repr(fqn) for fqn in sorted({i.storage_index.fqn for i in self.record.items}))
+        return fault.exception(self.record, fqns)

@@ -33,6 +33,7 @@ from typing import IO, Any, cast
 import torch
 from torch.serialization import skip_data
 
+from ..errors import RecordFormatError
 from .archive import ArchiveFormat, can_write, pickle_tensor
 
 _LOCAL_HEADER = b"PK\x03\x04"
@@ -42,10 +43,6 @@ _EOCD = b"PK\x05\x06"
 _ZIP64_EOCD_LOCATOR = b"PK\x06\x07"
 _LOCAL_HEADER_SIZE = 30
 _FLAG_DESCRIPTOR = 0x08
-
-
-class RecordFormatError(ValueError):
-    """The bytes are not a torch.save record this module can decode itself."""
 
 
 # A ctypes byte array as long as memory can be: views of tensor memory are slices of one

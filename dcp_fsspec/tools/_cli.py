@@ -57,6 +57,17 @@ def exit_code_for(error: BaseException) -> int:
     return EXIT_PROBLEM
 
 
+def add_standard_arguments(
+    parser: argparse.ArgumentParser, *positionals: tuple[str, str], destination: bool = False
+) -> None:
+    """The positional URLs (name, help), ``--storage-options`` (and ``--dst-storage-options``
+    with ``destination``) and ``--json``: what every subcommand takes."""
+    for name, text in positionals:
+        parser.add_argument(name, help=text)
+    add_storage_options(parser, destination=destination)
+    add_json_flag(parser)
+
+
 def add_storage_options(parser: argparse.ArgumentParser, *, destination: bool = False) -> None:
     """``--storage-options JSON`` (and ``--dst-storage-options`` for commands that write elsewhere)."""
     parser.add_argument(
@@ -93,6 +104,11 @@ def destination_options(args: argparse.Namespace, src: str, dst: str) -> dict[st
     return {}
 
 
+def both_storage_options(args: argparse.Namespace, src: str, dst: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The source's and the destination's storage options, for commands that write elsewhere."""
+    return storage_options(args.storage_options), destination_options(args, src, dst)
+
+
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
 
@@ -100,6 +116,14 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
 def print_json(document: Any) -> None:
     json.dump(document, sys.stdout, indent=1, default=str)
     sys.stdout.write("\n")
+
+
+def report(args: argparse.Namespace, document: dict[str, Any], lines: Sequence[str]) -> None:
+    """Print what a subcommand found: ``document`` as JSON with ``--json``, else ``lines``."""
+    if args.json:
+        print_json(document)
+    else:
+        print("\n".join(lines))
 
 
 def table(rows: Sequence[Sequence[str]]) -> str:

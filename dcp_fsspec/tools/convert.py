@@ -22,8 +22,10 @@ import logging
 import os
 import posixpath
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any, cast
+from functools import partial
+from typing import IO, Any, Literal, cast
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -32,15 +34,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ..checkpoint import commit
-from ..errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DcpFsspecError,
-    MissingDriverError,
-    StorageError,
-)
+from ..errors import CheckpointExistsError, MissingDriverError
+from ..storage.failures import storage_errors, unwrap_dcp
 from ..storage.reader import FsspecStorageReader
 from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
@@ -66,6 +61,14 @@ class ConvertResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def lines(self) -> list[str]:
+        """Each entry safetensors could not hold, then what was written."""
+        written = (
+            f"wrote {self.out} ({self.format}): {self.tensors} tensors, "
+            f"{human_bytes(self.bytes_written)}, from {self.src} in {self.seconds:.1f} s"
+        )
+        return [*(f"left out {entry}: safetensors holds only tensors and plain values" for entry in self.left_out), written]
 
 
 class _CountingPlanner(_EmptyStateDictLoadPlanner):
@@ -105,17 +108,7 @@ def load_state_dict(
     target = targets.classify(location)
     if target.kind == "checkpoint":
         return _load_one(location, progress)
-    if target.kind == "iteration":
-        assert target.run is not None and target.iteration is not None
-        run, iteration = target.run, target.iteration
-    else:
-        run, latest = location, commit.read_pointer(location)
-        if latest is None:
-            raise CheckpointNotFoundError(
-                f"{commit.pointer_url(location)} does not exist, so {location.url} has no latest checkpoint; "
-                "convert one of its iteration folders instead (see `dcp-fsspec ls`)"
-            )
-        iteration = latest
+    run, iteration = targets.iteration_to_read(target, "convert")
     _, keys = targets.iteration_keys(run, iteration)
     return {key: _load_one(targets.key_location(run, iteration, key), progress) for key in keys}
 
@@ -132,57 +125,56 @@ def _load_one(location: Location, progress: Progress | None) -> dict[str, Any]:
         )
     except CheckpointException as e:
         # DCP wraps what the reader raised; ours already name the file and what to do.
-        first, _traceback = e.failures[min(e.failures)]
-        if isinstance(first, DcpFsspecError):
-            raise first from e
-        cls = StorageError if isinstance(first, OSError) else CorruptCheckpointError
-        raise cls(f"cannot load {location.url}: {type(first).__name__}: {first}") from e
+        raise unwrap_dcp(e, f"loading {location.url}", mismatch=False) from e
     logger.info("loaded %s (%.2f s)", location.url, time.perf_counter() - start)
     return state_dict
 
 
-def to_torch(
+Format = Literal["torch", "safetensors"]
+
+
+def convert(
     url: str | os.PathLike[str],
     out: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,
     out_storage_options: dict[str, Any] | None = None,
     *,
+    fmt: Format,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> ConvertResult:
-    """Write the state dict at ``url`` as one ``torch.save`` file at ``out`` (any URL).
+    """Write the state dict at ``url`` as one file at ``out`` (any URL), in format ``fmt``.
+
+    ``"torch"``: one ``torch.save`` file of the state dict. ``"safetensors"``: its tensors,
+    with plain values as metadata and anything else left out (listed in the result).
 
     Raises:
+        MissingDriverError: the ``safetensors`` package is not installed (``"safetensors"``).
         CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
         and what :func:`load_state_dict` raises.
     """
+    encode = _encoder(fmt, out)
     start = time.perf_counter()
     target = _output(out, out_storage_options, overwrite)
     state_dict = load_state_dict(url, storage_options, progress=progress)
+    result = ConvertResult(resolve(url, storage_options).url, target.url, fmt)
     with _Output(target) as stream:
-        torch.save(state_dict, cast(IO[bytes], stream))
-    result = ConvertResult(resolve(url, storage_options).url, target.url, "torch", _count_tensors(state_dict))
+        encode(state_dict, stream, result)
     result.bytes_written, result.seconds = stream.size, time.perf_counter() - start
     logger.info("wrote %s (%s)", target.url, human_bytes(result.bytes_written))
     return result
 
 
-def to_safetensors(
-    url: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    storage_options: dict[str, Any] | None = None,
-    out_storage_options: dict[str, Any] | None = None,
-    *,
-    overwrite: bool = False,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    """Write the tensors at ``url`` as one ``.safetensors`` file at ``out`` (any URL).
+to_torch = partial(convert, fmt="torch")
+to_safetensors = partial(convert, fmt="safetensors")
 
-    Raises:
-        MissingDriverError: the ``safetensors`` package is not installed.
-        CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
-        and what :func:`load_state_dict` raises.
-    """
+# Writes a state dict to the output stream, counting into the result what it wrote.
+_Encode = Callable[[dict[str, Any], "_Output", ConvertResult], None]
+
+
+def _encoder(fmt: Format, out: str | os.PathLike[str]) -> _Encode:
+    if fmt == "torch":
+        return _encode_torch
     try:
         from safetensors.torch import save as safetensors_save
     except ImportError as e:
@@ -190,26 +182,28 @@ def to_safetensors(
             f"writing {os.fspath(out)!r} as safetensors needs the safetensors package: "
             "run `pip install safetensors` (or `pip install 'dcp-fsspec[safetensors]'`)"
         ) from e
-    start = time.perf_counter()
-    target = _output(out, out_storage_options, overwrite)
-    state_dict = load_state_dict(url, storage_options, progress=progress)
+    return partial(_encode_safetensors, safetensors_save)
+
+
+def _encode_torch(state_dict: dict[str, Any], stream: _Output, result: ConvertResult) -> None:
+    torch.save(state_dict, cast(IO[bytes], stream))
+    result.tensors = _count_tensors(state_dict)
+
+
+def _encode_safetensors(
+    save: Callable[..., bytes], state_dict: dict[str, Any], stream: _Output, result: ConvertResult
+) -> None:
     tensors: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
-    left_out: list[str] = []
     for name, value in _flatten(state_dict):
         if isinstance(value, torch.Tensor):
             tensors[name] = value.contiguous()
         elif value is None or isinstance(value, (bool, int, float, str)):
             metadata[name] = json.dumps(value)
         else:
-            left_out.append(f"{name} ({type(value).__name__})")
-    data = safetensors_save(tensors, metadata=metadata or None)
-    with _Output(target) as stream:
-        stream.write(data)
-    result = ConvertResult(resolve(url, storage_options).url, target.url, "safetensors", len(tensors), stream.size)
-    result.seconds, result.left_out = time.perf_counter() - start, left_out
-    logger.info("wrote %s (%s)", target.url, human_bytes(result.bytes_written))
-    return result
+            result.left_out.append(f"{name} ({type(value).__name__})")
+    stream.write(save(tensors, metadata=metadata or None))
+    result.tensors = len(tensors)
 
 
 def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -226,10 +220,8 @@ def _count_tensors(value: Any) -> int:
 
 def _output(out: str | os.PathLike[str], storage_options: dict[str, Any] | None, overwrite: bool) -> Location:
     target = resolve(out, storage_options)
-    try:
+    with storage_errors("check", target.url):
         exists = target.fs.exists(target.path)
-    except OSError as e:
-        raise StorageError(f"cannot check {target.url}: {e}") from e
     if exists and not overwrite:
         raise CheckpointExistsError(f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)")
     return target
@@ -242,21 +234,17 @@ class _Output(io.RawIOBase):
         super().__init__()
         self.target = target
         self.size = 0
-        try:
+        with storage_errors("create", target.url):
             target.backend.make_folder(posixpath.dirname(target.path))
             self._upload = target.backend.new_upload(target.path, part_size=16 * MiB, budget=ByteBudget(64 * MiB))
-        except OSError as e:
-            raise StorageError(f"cannot create {target.url}: {e}") from e
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         data = bytes(b)  # the caller may reuse its buffer once write returns
-        try:
+        with storage_errors("write", self.target.url):
             self._upload.write([data])
-        except OSError as e:
-            raise StorageError(f"cannot write {self.target.url}: {e}") from e
         self.size += len(data)
         return len(data)
 
@@ -268,44 +256,35 @@ class _Output(io.RawIOBase):
             self._upload.abort()
             return
         try:
-            self._upload.commit()
-        except OSError as e:
+            with storage_errors("write", self.target.url):
+                self._upload.commit()
+        except BaseException:
             self._upload.abort()
-            raise StorageError(f"cannot write {self.target.url}: {e}") from e
+            raise
 
 
 # --- the subcommands -----------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
-    parser.add_argument("out", help="the file to write (any fsspec URL or local path)")
+    source = ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
+    _cli.add_standard_arguments(parser, source, ("out", "the file to write (any fsspec URL or local path)"), destination=True)
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    _cli.add_storage_options(parser, destination=True)
-    _cli.add_json_flag(parser)
 
 
-def _main(args: argparse.Namespace, convert: Any, label: str) -> int:
-    with Progress(label) as progress:
+def _main(args: argparse.Namespace, fmt: Format) -> int:
+    source_options, out_options = _cli.both_storage_options(args, args.url, args.out)
+    with Progress("converting") as progress:
         result = convert(
-            args.url, args.out, _cli.storage_options(args.storage_options),
-            _cli.destination_options(args, args.url, args.out), overwrite=args.overwrite, progress=progress,
-        )  # fmt: skip
-    if args.json:
-        _cli.print_json(result.to_dict())
-    else:
-        for entry in result.left_out:
-            print(f"left out {entry}: safetensors holds only tensors and plain values")
-        print(
-            f"wrote {result.out} ({result.format}): {result.tensors} tensors, "
-            f"{human_bytes(result.bytes_written)}, from {result.src} in {result.seconds:.1f} s"
+            args.url, args.out, source_options, out_options, fmt=fmt, overwrite=args.overwrite, progress=progress
         )
+    _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK
 
 
 def main_to_torch(args: argparse.Namespace) -> int:
-    return _main(args, to_torch, "converting")
+    return _main(args, "torch")
 
 
 def main_to_safetensors(args: argparse.Namespace) -> int:
-    return _main(args, to_safetensors, "converting")
+    return _main(args, "safetensors")

@@ -11,15 +11,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..checkpoint import commit, layout
-from ..errors import CheckpointNotFoundError
-from ..storage.reader import FsspecStorageReader
+from ..checkpoint import layout
+from ..storage.decoding import read_metadata
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import human_bytes
@@ -66,6 +61,23 @@ class CheckpointSummary:
             key["tensor_bytes"] = summary.tensor_bytes
         return doc
 
+    def lines(self) -> list[str]:
+        """The summary in words: a line per key, then a table of its entries."""
+        lines = [self.url + ("" if self.iteration is None else f"  (iteration {self.iteration})")]
+        for key in self.keys:
+            tensors = sum(e.kind == "tensor" for e in key.entries)
+            lines += ["", (
+                f"{'key ' + repr(key.key) + ': ' if key.key else ''}{key.url}  "
+                f"{tensors} tensors ({human_bytes(key.tensor_bytes)}), "
+                f"{len(key.entries) - tensors} objects, {human_bytes(key.stored_bytes)} stored"
+            )]  # fmt: skip
+            rows = [("entry", "dtype", "shape", "bytes", "chunks")]
+            for e in key.entries:
+                shape = "-" if e.shape is None else "(" + ", ".join(map(str, e.shape)) + ")"
+                rows.append((e.fqn, e.dtype or "object", shape, str(e.nbytes), str(e.chunks)))
+            lines.append(_cli.table(rows))
+        return lines
+
 
 def describe(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> CheckpointSummary:
     """Summarize the checkpoint, iteration folder or save_dirname (its latest) at ``url``.
@@ -79,18 +91,7 @@ def describe(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
     target = targets.classify(location)
     if target.kind == "checkpoint":
         return CheckpointSummary(location.url, target.kind, None, [summarize(location, None)])
-    if target.kind == "iteration":
-        assert target.run is not None and target.iteration is not None
-        run, iteration = target.run, target.iteration
-    else:
-        run = location
-        latest = commit.read_pointer(run)
-        if latest is None:
-            raise CheckpointNotFoundError(
-                f"{commit.pointer_url(run)} does not exist, so {run.url} has no latest checkpoint; "
-                "inspect one of its iteration folders instead (see `dcp-fsspec ls`)"
-            )
-        iteration = latest
+    run, iteration = targets.iteration_to_read(target, "inspect")
     _, keys = targets.iteration_keys(run, iteration)
     summary = CheckpointSummary(run.url_of(layout.iteration_path(run, iteration)), target.kind, iteration)
     summary.keys = [summarize(targets.key_location(run, iteration, key), key) for key in keys]
@@ -99,7 +100,7 @@ def describe(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
 
 def summarize(location: Location, key: str | None) -> KeySummary:
     """One DCP checkpoint's entries, from its ``.metadata``."""
-    metadata: Metadata = FsspecStorageReader(location.url, fs=location.fs).read_metadata()
+    metadata = read_metadata(location)
     storage = metadata.storage_data or {}
     summary = KeySummary(key, location.url, sum(info.length for info in storage.values()))
     stored_by_fqn: dict[str, int] = {}
@@ -123,28 +124,12 @@ def summarize(location: Location, key: str | None) -> KeySummary:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
-    _cli.add_storage_options(parser)
-    _cli.add_json_flag(parser)
+    _cli.add_standard_arguments(
+        parser, ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     summary = describe(args.url, _cli.storage_options(args.storage_options))
-    if args.json:
-        _cli.print_json(summary.to_dict())
-        return _cli.EXIT_OK
-    print(summary.url + ("" if summary.iteration is None else f"  (iteration {summary.iteration})"))
-    for key in summary.keys:
-        tensors = sum(e.kind == "tensor" for e in key.entries)
-        print()
-        print(
-            f"{'key ' + repr(key.key) + ': ' if key.key else ''}{key.url}  "
-            f"{tensors} tensors ({human_bytes(key.tensor_bytes)}), "
-            f"{len(key.entries) - tensors} objects, {human_bytes(key.stored_bytes)} stored"
-        )
-        rows = [("entry", "dtype", "shape", "bytes", "chunks")]
-        for e in key.entries:
-            shape = "-" if e.shape is None else "(" + ", ".join(map(str, e.shape)) + ")"
-            rows.append((e.fqn, e.dtype or "object", shape, str(e.nbytes), str(e.chunks)))
-        print(_cli.table(rows))
+    _cli.report(args, summary.to_dict(), summary.lines())
     return _cli.EXIT_OK

@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..checkpoint import commit, layout
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.failures import storage_errors
+from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import human_bytes
@@ -50,6 +52,25 @@ class RunListing:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def lines(self) -> list[str]:
+        """The listing in words: a table of iterations, then what is wrong with the pointer."""
+        now = time.time()
+        rows = [("iteration", "latest", "committed", "size", "age", "keys")]
+        for info in self.iterations:
+            rows.append((
+                info.name, "*" if info.latest else "", "yes" if info.committed else f"no: {info.why_uncommitted}",
+                human_bytes(info.size_bytes), _cli.age(None if info.saved_at is None else now - info.saved_at),
+                ",".join(info.keys),
+            ))  # fmt: skip
+        lines = [self.url, _cli.table(rows)]
+        if self.pointer_problem:
+            lines.append(f"pointer: {self.pointer_problem}")
+        elif self.latest is None:
+            lines.append(f"no {POINTER_NAME}: a Checkpointer would start from scratch")
+        elif not any(i.latest for i in self.iterations):
+            lines.append(f"{POINTER_NAME} names {layout.format_iteration(self.latest)}, which has no folder")
+        return lines
+
 
 def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> RunListing:
     """Describe every iteration folder under the save_dirname ``url``.
@@ -82,11 +103,10 @@ def _describe(root: Location, iteration: int, latest: int | None) -> IterationIn
     except CorruptCheckpointError as e:
         record, why = None, str(e)
     try:
-        size = int(root.fs.du(folder, total=True))
+        with storage_errors("measure", root.url_of(folder)):
+            size = int(root.fs.du(folder, total=True))
     except FileNotFoundError:
         size = 0
-    except OSError as e:
-        raise StorageError(f"cannot measure {root.url_of(folder)}: {e}") from e
     return IterationInfo(
         iteration=iteration, name=layout.format_iteration(iteration), url=root.url_of(folder),
         committed=record is not None, latest=iteration == latest, size_bytes=size,
@@ -99,30 +119,10 @@ def _describe(root: Location, iteration: int, latest: int | None) -> IterationIn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="a Checkpointer's save_dirname (any fsspec URL or local path)")
-    _cli.add_storage_options(parser)
-    _cli.add_json_flag(parser)
+    _cli.add_standard_arguments(parser, ("url", "a Checkpointer's save_dirname (any fsspec URL or local path)"))
 
 
 def main(args: argparse.Namespace) -> int:
     listing = list_run(args.url, _cli.storage_options(args.storage_options))
-    if args.json:
-        _cli.print_json(listing.to_dict())
-        return _cli.EXIT_OK
-    now = time.time()
-    rows = [("iteration", "latest", "committed", "size", "age", "keys")]
-    for info in listing.iterations:
-        rows.append((
-            info.name, "*" if info.latest else "", "yes" if info.committed else f"no: {info.why_uncommitted}",
-            human_bytes(info.size_bytes), _cli.age(None if info.saved_at is None else now - info.saved_at),
-            ",".join(info.keys),
-        ))  # fmt: skip
-    print(listing.url)
-    print(_cli.table(rows))
-    if listing.pointer_problem:
-        print(f"pointer: {listing.pointer_problem}")
-    elif listing.latest is None:
-        print(f"no {commit.POINTER_NAME}: a Checkpointer would start from scratch")
-    elif not any(i.latest for i in listing.iterations):
-        print(f"{commit.POINTER_NAME} names {layout.format_iteration(listing.latest)}, which has no folder")
+    _cli.report(args, listing.to_dict(), listing.lines())
     return _cli.EXIT_OK

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..checkpoint import commit, layout, retention
 from ..errors import CheckpointNotFoundError, DcpFsspecError, StorageError
+from ..storage.names import POINTER_NAME
 from ..storage.urls import resolve
 from . import _cli, targets
 
@@ -82,11 +83,9 @@ def prune(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("url", help="a Checkpointer's save_dirname")
+    _cli.add_standard_arguments(parser, ("url", "a Checkpointer's save_dirname"))
     parser.add_argument("--keep", type=int, required=True, metavar="N", help="committed iterations to keep (>= 1)")
     parser.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
-    _cli.add_storage_options(parser)
-    _cli.add_json_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -98,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         verb = "would delete" if result.dry_run else "deleted"
         if result.latest is None:
-            print(f"{result.url}: no {commit.POINTER_NAME}, so nothing is deleted")
+            print(f"{result.url}: no {POINTER_NAME}, so nothing is deleted")
         for iteration in result.deleted:
             print(f"{verb} {layout.format_iteration(iteration)}")
         for iteration, error in result.failed.items():

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..checkpoint import commit, layout
-from ..errors import CheckpointNotFoundError, StorageError
+from ..errors import CheckpointNotFoundError
+from ..storage.failures import storage_errors
+from ..storage.names import METADATA_NAME, POINTER_NAME
 from ..storage.urls import Location
 
 Kind = Literal["checkpoint", "iteration", "run"]
@@ -50,18 +52,17 @@ def classify(location: Location) -> Target:
     fs = location.fs
     fs.invalidate_cache(location.path)
     try:
-        entries = fs.ls(location.path, detail=True)
+        with storage_errors("list", location.url):
+            entries = fs.ls(location.path, detail=True)
     except FileNotFoundError:
         entries = []
-    except OSError as e:
-        raise StorageError(f"cannot list {location.url}: {e}") from e
     names = {posixpath.basename(e["name"].rstrip("/")): e.get("type") for e in entries}
-    if commit.METADATA_NAME in names:
+    if METADATA_NAME in names:
         return Target("checkpoint", location)
     iteration = layout.parse_iteration(location.path)
     if iteration is not None and names:
         return Target("iteration", location, run=parent_of(location), iteration=iteration)
-    if commit.POINTER_NAME in names or any(
+    if POINTER_NAME in names or any(
         layout.parse_iteration(n) is not None and kind == "directory" for n, kind in names.items()
     ):
         return Target("run", location)
@@ -84,17 +85,40 @@ def iteration_keys(run: Location, iteration: int) -> tuple[commit.CommitRecord |
         return record, list(record.keys)
     folder = layout.iteration_path(run, iteration)
     try:
-        found = run.fs.find(folder)
+        with storage_errors("list", run.url_of(folder)):
+            found = run.fs.find(folder)
     except FileNotFoundError:
         found = []
-    except OSError as e:
-        raise StorageError(f"cannot list {run.url_of(folder)}: {e}") from e
     keys = sorted(
         posixpath.basename(posixpath.dirname(p))
         for p in found
-        if posixpath.basename(p) == commit.METADATA_NAME and posixpath.dirname(posixpath.dirname(p)) == folder
+        if posixpath.basename(p) == METADATA_NAME and posixpath.dirname(posixpath.dirname(p)) == folder
     )
     return None, keys
+
+
+def iteration_to_read(target: Target, verb: str) -> tuple[Location, int]:
+    """The run and iteration a tool reads for a target: an iteration folder's own, or a
+    save_dirname's latest (the one its pointer names).
+
+    Args:
+        target: an iteration folder or a save_dirname (not a single checkpoint).
+        verb: what the tool does ("inspect", "convert"), for the error's advice.
+
+    Raises:
+        CheckpointNotFoundError: a save_dirname without a pointer.
+        CorruptCheckpointError: the pointer cannot be read.
+    """
+    if target.kind == "iteration":
+        assert target.run is not None and target.iteration is not None
+        return target.run, target.iteration
+    latest = commit.read_pointer(target.location)
+    if latest is None:
+        raise CheckpointNotFoundError(
+            f"{commit.pointer_url(target.location)} does not exist, so {target.location.url} has no latest "
+            f"checkpoint; {verb} one of its iteration folders instead (see `dcp-fsspec ls`)"
+        )
+    return target.location, latest
 
 
 def key_location(run: Location, iteration: int, key: str) -> Location:

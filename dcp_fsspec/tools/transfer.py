@@ -24,7 +24,9 @@ from typing import Any
 
 from ..checkpoint import commit, layout
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
+from ..storage.failures import storage_errors
 from ..storage.fetch import fetch_in_order, plan_spans
+from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME, is_temporary
 from ..storage.uploads import ByteBudget, FileUpload
 from ..storage.urls import Location, resolve
 from . import _cli, targets
@@ -33,9 +35,7 @@ from .progress import Progress, human_bytes
 logger = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-# LocalUpload's "<name>.tmp-<hex>" and commit.write_atomically's ".<name>.<random>.tmp".
-_TEMPORARY = re.compile(r".*\.tmp-[0-9a-f]+|\..*\.tmp")
-_METADATA = re.compile(r"(__\d+)?\.metadata")
+_METADATA = re.compile(r"(__\d+)?" + re.escape(METADATA_NAME))  # names.metadata_name(rank), any rank
 
 
 @dataclass
@@ -52,6 +52,14 @@ class CopyResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def lines(self) -> list[str]:
+        """The result in words, for the terminal."""
+        lines = [f"skipped {folder}: not committed" for folder in self.skipped]
+        lines.append(
+            f"copied {self.src} -> {self.dst}: {self.files} files, {human_bytes(self.bytes)} in {self.seconds:.1f} s"
+        )
+        return lines
 
 
 def copy_checkpoint(
@@ -129,33 +137,32 @@ def _files_to_copy(source: Location, target: targets.Target, skipped: list[str])
         else:
             skipped.append(source.url_of(folder))
             logger.warning("not copying %s: not committed (a save that never finished)", source.url_of(folder))
-    pointer = source.join(commit.POINTER_NAME)
+    pointer = source.join(POINTER_NAME)
     if commit.exists(source, pointer):
-        files[commit.POINTER_NAME] = int(source.fs.info(pointer).get("size") or 0)
+        files[POINTER_NAME] = int(source.fs.info(pointer).get("size") or 0)
     return files
 
 
 def _find(source: Location, folder: str) -> dict[str, int]:
     source.fs.invalidate_cache(folder)
     try:
-        found = source.fs.find(folder, detail=True)
+        with storage_errors("list", source.url_of(folder)):
+            found = source.fs.find(folder, detail=True)
     except FileNotFoundError:
         return {}
-    except OSError as e:
-        raise StorageError(f"cannot list {source.url_of(folder)}: {e}") from e
     prefix = source.path.rstrip("/") + "/"
     return {
         path[len(prefix) :]: int(info.get("size") or 0)
         for path, info in found.items()
-        if path.startswith(prefix) and not _TEMPORARY.fullmatch(posixpath.basename(path))
+        if path.startswith(prefix) and not is_temporary(path)
     }
 
 
 def _phase_of(name: str) -> int:
     base = posixpath.basename(name)
-    if name == commit.POINTER_NAME:
+    if name == POINTER_NAME:
         return 3
-    if base == commit.COMMIT_RECORD_NAME:
+    if base == COMMIT_RECORD_NAME:
         return 2
     if _METADATA.fullmatch(base):
         return 1
@@ -174,12 +181,11 @@ def _clear_destination(dest: Location, files: dict[str, int], overwrite: bool) -
     """Refuse a non-empty destination, or (``overwrite``) un-commit what the copy replaces."""
     dest.fs.invalidate_cache(dest.path)
     try:
-        present = set(dest.fs.find(dest.path, withdirs=False))
-        is_file = not present and dest.fs.isfile(dest.path)
+        with storage_errors("list", dest.url):
+            present = set(dest.fs.find(dest.path, withdirs=False))
+            is_file = not present and dest.fs.isfile(dest.path)
     except FileNotFoundError:
         return
-    except OSError as e:
-        raise StorageError(f"cannot list {dest.url}: {e}") from e
     if is_file:
         raise CheckpointExistsError(f"{dest.url} is a file; copy to a folder URL")
     if not present:
@@ -192,11 +198,10 @@ def _clear_destination(dest: Location, files: dict[str, int], overwrite: bool) -
     replaced = [name for name in files if _phase_of(name) > 0 and dest.join(name) in present]
     for name in sorted(replaced, key=_phase_of, reverse=True):  # pointer first, .metadata last
         try:
-            dest.fs.rm_file(dest.join(name))
+            with storage_errors("remove (before replacing it)", dest.url_of(dest.join(name))):
+                dest.fs.rm_file(dest.join(name))
         except FileNotFoundError:
             pass
-        except OSError as e:
-            raise StorageError(f"cannot remove {dest.url_of(dest.join(name))} before replacing it: {e}") from e
         dest.fs.invalidate_cache(posixpath.dirname(dest.join(name)))
 
 
@@ -261,30 +266,21 @@ class _Copier:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="a DCP checkpoint, an iteration folder, or a save_dirname (a whole run)")
-    parser.add_argument("dst", help="the URL the copy gets (it becomes the copy; it must be empty)")
+    source = ("src", "a DCP checkpoint, an iteration folder, or a save_dirname (a whole run)")
+    destination = ("dst", "the URL the copy gets (it becomes the copy; it must be empty)")
+    _cli.add_standard_arguments(parser, source, destination, destination=True)
     parser.add_argument("--overwrite", action="store_true", help="copy into a destination that is not empty")
     parser.add_argument("--workers", type=int, default=8, help="files copied at once (default: 8)")
-    _cli.add_storage_options(parser, destination=True)
-    _cli.add_json_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise _cli.UsageError(f"--workers must be at least 1, got {args.workers}")
+    source_options, dest_options = _cli.both_storage_options(args, args.src, args.dst)
     with Progress("copying") as progress:
         result = copy_checkpoint(
-            args.src, args.dst, _cli.storage_options(args.storage_options),
-            _cli.destination_options(args, args.src, args.dst),
+            args.src, args.dst, source_options, dest_options,
             overwrite=args.overwrite, workers=args.workers, progress=progress,
         )  # fmt: skip
-    if args.json:
-        _cli.print_json(result.to_dict())
-    else:
-        for folder in result.skipped:
-            print(f"skipped {folder}: not committed")
-        print(
-            f"copied {result.src} -> {result.dst}: {result.files} files, {human_bytes(result.bytes)} "
-            f"in {result.seconds:.1f} s"
-        )
+    _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK

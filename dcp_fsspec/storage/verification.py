@@ -1,0 +1,335 @@
+"""Verifying one DCP checkpoint on storage without loading it: every file, record and CRC-32.
+
+What is checked: ``.metadata`` unpickles (:func:`~.decoding.read_metadata`, as a load reads
+it); every tensor chunk it lists has a storage entry; every data file an entry names exists and
+is long enough for every item in it; every tensor record decodes with the decoder loads use
+(:class:`~.decoding.RecordDecoder`), holds the dtype and shape ``.metadata`` promises, and its
+bytes match the CRC-32 stored in the record (CRC 0 means "not recorded" and is counted, not
+failed). Pickled (non-tensor) entries and transformed records are checked for presence and size
+only: nothing in the format records a checksum for them.
+
+It streams: the tensor records are read in file order as coalesced ranges through
+:func:`~.fetch.fetch_in_order`, so memory stays within ``window_bytes`` whatever the
+checkpoint's size; only a record too odd for our parser (and at most 64 MiB) is held whole, to
+try ``torch.load`` on it.
+
+Damage is reported, not raised: each :class:`VerifyProblem` names the file, the item, the error
+a load would raise and, for a checksum mismatch, both CRC-32s. This module knows one checkpoint
+folder; iterations, commit records and the pointer belong to the checkpoint layer, and
+:func:`dcp_fsspec.tools.verify.verify` walks them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import fsspec
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from .decoding import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_records, read_metadata
+from .failures import storage_errors
+from .fetch import Span, fetch_in_order, plan_spans
+from .names import METADATA_NAME
+from .retry import DEFAULT_RETRY, RetryPolicy
+from .urls import Location, resolve
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+_MAX_WHOLE = 64 * MiB  # an unusual record up to this size is held whole and given to torch.load
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    """One thing wrong with a checkpoint.
+
+    Attributes:
+        url: the file concerned (a data file, ``.metadata``, ``.commit.json``, the pointer).
+        item: the state-dict entry (fqn) concerned, if any.
+        what: what is wrong, in words.
+        stored_crc32: for a checksum mismatch, the CRC-32 stored in the record.
+        actual_crc32: for a checksum mismatch, the CRC-32 of the bytes read.
+        error: the name of the :mod:`dcp_fsspec.errors` class a load of this item raises
+            (``ChecksumMismatchError`` for a checksum mismatch).
+    """
+
+    url: str
+    item: str | None
+    what: str
+    stored_crc32: int | None = None
+    actual_crc32: int | None = None
+    error: str = CorruptCheckpointError.__name__
+
+    def __str__(self) -> str:
+        return f"{self.url}: {self.item + ': ' if self.item else ''}{self.what}{crc_note(self.stored_crc32, self.actual_crc32)}"
+
+
+@dataclass
+class VerifyReport:
+    """What a verification checked and found.
+
+    Attributes:
+        url: the URL verified.
+        kind: ``"checkpoint"``, ``"iteration"`` or ``"run"`` (a save_dirname).
+        checkpoints: the URL of every DCP checkpoint verified.
+        items: entries listed in their ``.metadata`` files.
+        tensors_checked: tensor records whose CRC-32 was compared.
+        unchecked: records present but without a checksum to compare (pickled objects,
+            tensors saved without one, transformed records).
+        bytes_read: bytes of data files downloaded.
+        problems: everything found wrong; empty when the checkpoint is sound.
+        notes: things worth knowing that are not damage (e.g. uncommitted folders skipped).
+    """
+
+    url: str
+    kind: str
+    checkpoints: list[str] = field(default_factory=list)
+    items: int = 0
+    tensors_checked: int = 0
+    unchecked: int = 0
+    bytes_read: int = 0
+    problems: list[VerifyProblem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+    def add(self, other: VerifyReport) -> None:
+        """Count ``other`` (one of the checkpoints verified) into this report."""
+        self.checkpoints += other.checkpoints
+        self.items += other.items
+        self.tensors_checked += other.tensors_checked
+        self.unchecked += other.unchecked
+        self.bytes_read += other.bytes_read
+        self.problems += other.problems
+        self.notes += other.notes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+class ProgressSink(Protocol):
+    """What a verification reports its progress to (e.g. :class:`dcp_fsspec.tools.progress.Progress`)."""
+
+    def add_total(self, n: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+def verify_checkpoint(
+    url: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    fs: fsspec.AbstractFileSystem | None = None,
+    window_bytes: int = 64 * MiB,
+    max_request_bytes: int = 16 * MiB,
+    threads: int = 8,
+    retry: RetryPolicy | None = DEFAULT_RETRY,
+    progress: ProgressSink | None = None,
+) -> VerifyReport:
+    """Check the DCP checkpoint folder at ``url`` (``.metadata`` and its data files).
+
+    Args:
+        url: the checkpoint folder: any fsspec URL or a local path.
+        storage_options: options for the fsspec filesystem.
+        fs: a ready fsspec filesystem to use instead of one built from the URL.
+        window_bytes: downloaded-but-not-yet-checked data held at once (bounds memory).
+        max_request_bytes: the largest single ranged read.
+        threads: concurrent reads on filesystems without an async API.
+        retry: how reads are retried (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`);
+            ``None``: only the driver's own retries.
+        progress: told the bytes to read, and advanced as they are, if given.
+
+    Returns:
+        The report (``kind`` ``"checkpoint"``); ``report.ok`` is False when anything was found
+        wrong, a missing ``.metadata`` included.
+
+    Raises:
+        StorageError: the backend failed while listing or reading.
+        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
+    """
+    location = resolve(url, storage_options, fs, retry=retry)
+    report = VerifyReport(url=location.url, kind="checkpoint")
+    _Checkpoint(location, report, window_bytes, max_request_bytes, threads, progress).verify()
+    return report
+
+
+@dataclass
+class _TensorRecord(RecordPlace):
+    """One tensor record and what ``.metadata`` says it holds."""
+
+    fqn: str
+    dtype: torch.dtype
+    sizes: tuple[int, ...] | None
+
+
+@dataclass
+class _Checkpoint:
+    location: Location
+    report: VerifyReport
+    window_bytes: int
+    max_request_bytes: int
+    threads: int
+    progress: ProgressSink | None
+
+    @property
+    def metadata_url(self) -> str:
+        return self.location.url_of(self.location.join(METADATA_NAME))
+
+    def problem(self, url: str, item: str | None, what: str, *, error: type[Exception] = CorruptCheckpointError) -> None:
+        self.report.problems.append(VerifyProblem(url, item, what, error=error.__name__))
+
+    def verify(self) -> None:
+        start = time.perf_counter()
+        self.report.checkpoints.append(self.location.url)
+        metadata = self._metadata()
+        if metadata is None:
+            return
+        records = self._records(metadata, self._file_sizes())
+        self._check_records(records)
+        logger.info(
+            "verified %s: %d items, %d problems (%.2f s)",
+            self.location.url, self.report.items, len(self.report.problems), time.perf_counter() - start,
+        )  # fmt: skip
+
+    def _metadata(self) -> Metadata | None:
+        try:
+            metadata = read_metadata(self.location)
+        except CheckpointNotFoundError:
+            self.problem(self.metadata_url, None, "does not exist", error=CheckpointNotFoundError)
+            return None
+        except CorruptCheckpointError as e:
+            self.problem(self.metadata_url, None, str(e))
+            return None
+        if not isinstance(metadata.storage_data, dict):
+            self.problem(self.metadata_url, None, "holds DCP metadata without storage data")
+            return None
+        return metadata
+
+    def _file_sizes(self) -> dict[str, int]:
+        fs, path = self.location.fs, self.location.path
+        fs.invalidate_cache(path)
+        try:
+            with storage_errors("list", self.location.url):
+                found = fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {path: int(info.get("size") or 0) for path, info in found.items()}
+
+    def _records(self, metadata: Metadata, sizes: dict[str, int]) -> list[_TensorRecord]:
+        """The tensor records to read; problems for entries that are missing or do not fit."""
+        storage = metadata.storage_data
+        self.report.items += len(storage)
+        # Every chunk .metadata describes must have a place in a data file.
+        for fqn, meta in metadata.state_dict_metadata.items():
+            indices = (
+                [MetadataIndex(fqn)] if isinstance(meta, BytesStorageMetadata)
+                else [MetadataIndex(fqn, chunk.offsets) for chunk in meta.chunks]
+            )  # fmt: skip
+            for index in indices:
+                if index not in storage:
+                    self.problem(self.metadata_url, fqn, "has no storage entry")
+        by_place: dict[tuple[str, int, int], _TensorRecord] = {}
+        missing_files: dict[str, list[str]] = {}
+        for index, info in storage.items():
+            path = self.location.join(info.relative_path)
+            url = self.location.url_of(path)
+            if path not in sizes:
+                missing_files.setdefault(url, []).append(index.fqn)
+                continue
+            end = info.offset + info.length
+            if sizes[path] < end:
+                self.problem(
+                    url, index.fqn,
+                    f"the file is {sizes[path]} bytes, too short for this item at bytes [{info.offset}, {end})",
+                )  # fmt: skip
+                continue
+            tensor_meta = metadata.state_dict_metadata.get(index.fqn)
+            if not isinstance(tensor_meta, TensorStorageMetadata) or info.transform_descriptors:
+                self.report.unchecked += 1  # a pickled object, or transformed bytes: nothing to compare
+                continue
+            chunk = next((c for c in tensor_meta.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
+            key = (path, info.offset, info.length)
+            if key not in by_place:
+                by_place[key] = _TensorRecord(
+                    path, url, info.offset, info.length, index.fqn, tensor_meta.properties.dtype,
+                    None if chunk is None else tuple(chunk.sizes),
+                )  # fmt: skip
+        for url, fqns in missing_files.items():
+            shown = ", ".join(sorted(fqns)[:5]) + (f" and {len(fqns) - 5} more" if len(fqns) > 5 else "")
+            self.problem(url, None, f"does not exist; .metadata places {len(fqns)} item(s) in it: {shown}")
+        return sorted(by_place.values(), key=lambda r: (r.path, r.offset))
+
+    def _check_records(self, records: list[_TensorRecord]) -> None:
+        spans = plan_spans(
+            [(r.path, r.offset, r.end) for r in records], max_gap=64 * 1024, max_span=self.max_request_bytes
+        )
+        if self.progress is not None:
+            self.progress.add_total(sum(s.size for s in spans))
+        decoders: dict[int, RecordDecoder] = {}
+
+        def start(i: int) -> RecordDecoder:
+            decoders[i] = RecordDecoder(records[i], max_whole=_MAX_WHOLE)
+            return decoders[i]
+
+        fetched = fetch_in_order(
+            self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
+        )
+        try:
+            with storage_errors("read the data files of", self.location.url):
+                feed_records(records, self._counted(fetched), start)
+        except FileNotFoundError as e:
+            raise StorageError(f"a data file of {self.location.url} disappeared while verifying it: {e}") from e
+        for i, rec in enumerate(records):
+            decoder = decoders.get(i)
+            fault = _judge(rec, decoder)
+            if fault is not None:
+                self.report.problems.append(
+                    VerifyProblem(rec.url, rec.fqn, fault.what, fault.stored_crc32, fault.actual_crc32, fault.error.__name__)
+                )
+            elif decoder is not None and decoder.compared:
+                self.report.tensors_checked += 1
+            else:
+                self.report.unchecked += 1
+
+    def _counted(self, fetched: Iterator[tuple[Span, bytes | bytearray]]) -> Iterator[tuple[Span, bytes | bytearray]]:
+        for span, data in fetched:
+            self.report.bytes_read += len(data)
+            if self.progress is not None:
+                self.progress.advance(span.size)
+            yield span, data
+
+
+def _judge(rec: _TensorRecord, decoder: RecordDecoder | None) -> RecordFault | None:
+    """What is wrong with a tensor record once all its bytes were fed (``None``: not one came)."""
+    if decoder is not None and decoder.fault is not None:
+        return decoder.fault
+    if decoder is None or not decoder.done:
+        received = 0 if decoder is None else decoder.received
+        return RecordFault(f"the file ended after {received} of the record's {rec.length} bytes")
+    if decoder.whole is not None:
+        tensor = decoder.decode(memoryview(decoder.whole))
+        if isinstance(tensor, RecordFault):
+            return tensor
+        dtype, size = tensor.dtype, tuple(tensor.shape)
+    else:
+        assert decoder.layout is not None
+        dtype, size = decoder.layout.spec.dtype, decoder.layout.spec.size
+    if dtype != rec.dtype or (rec.sizes is not None and size != rec.sizes):
+        expected = "?" if rec.sizes is None else list(rec.sizes)
+        return RecordFault(f"the record holds {dtype} {list(size)} but .metadata says {rec.dtype} {expected}")
+    return None if decoder.whole is not None else decoder.check_streamed()

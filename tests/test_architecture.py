@@ -1,0 +1,101 @@
+"""The package's shape, as docs/architecture.md draws it: layers that only import downwards, no
+import circles, and backend knowledge in one place (``storage/backends/``).
+
+Read from the source with ``ast`` (every import, also those inside functions), so a lazy import
+that closes a circle or reaches up a layer is caught as well as a top-level one.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dcp_fsspec"
+# Bottom up. A module may import from its own layer and the ones below it, never above.
+LAYERS = {"errors": 0, "storage": 1, "checkpoint": 2, "tools": 3, "cli": 4, "demo": 4, "local_s3": 4, "__main__": 4}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports (resolving relative imports), anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("dcp_fsspec."):
+                out.add(target)
+    return out
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    modules = _modules()
+    upward = [
+        f"{name} → {target}"
+        for name, path in modules.items()
+        for target in _imports(name, path, modules)
+        if _layer(name) is not None and _layer(target) is not None and _layer(target) > _layer(name)  # type: ignore[operator]
+    ]
+    assert not upward, f"imports reaching up a layer (storage ← checkpoint ← tools ← CLI): {upward}"
+
+
+def test_no_import_circles() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # A package's __init__ re-exports its modules; it is not a dependency of them.
+    graph = {n: {t for t in targets if not n.startswith(t + ".")} for n, targets in graph.items()}
+    circles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if modules[nxt].name == "__init__.py":
+                continue  # importing a package's public names, not a module cycle
+            if state.get(nxt) == 1:
+                circles.append(" → ".join(trail[trail.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, f"import circles: {circles}"
+
+
+def test_backend_type_tests_and_private_driver_calls_live_only_in_storage_backends() -> None:
+    backend_specific = re.compile(r"_call_s3|call_s3|LocalFileSystem|\.protocol\b|\"sftp\"|\"memory\"|is_s3fs")
+    outside = [
+        f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+        for path in PACKAGE.rglob("*.py")
+        if "backends" not in path.relative_to(PACKAGE).parts
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if backend_specific.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not outside, "backend knowledge outside storage/backends/:\n" + "\n".join(outside)
