@@ -9,6 +9,7 @@ from __future__ import annotations
 from .checkpoint import Checkpointer
 from .checkpoint.events import CheckpointEvent
 from .errors import (
+    BackgroundSaveError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -21,10 +22,12 @@ from .errors import (
 )
 from .storage.reader import FsspecStorageReader
 from .storage.retry import RetryPolicy
+from .storage.settings import ReaderSettings, WriterSettings
 from .storage.writer import FsspecStorageWriter
 from .tools.verify import VerifyProblem, VerifyReport, verify
 
 __all__ = [
+    "BackgroundSaveError",
     "CheckpointEvent",
     "CheckpointExistsError",
     "CheckpointMismatchError",
@@ -37,9 +40,11 @@ __all__ = [
     "FsspecStorageWriter",
     "InvalidURLError",
     "MissingDriverError",
+    "ReaderSettings",
     "RetryPolicy",
     "StorageError",
     "VerifyProblem",
     "VerifyReport",
+    "WriterSettings",
     "verify",
 ]
