@@ -10,6 +10,7 @@ from ._version import __version__
 from .checkpoint import Checkpointer
 from .checkpoint.events import CheckpointEvent
 from .errors import (
+    BackgroundSaveError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -22,11 +23,13 @@ from .errors import (
 )
 from .storage.reader import FsspecStorageReader
 from .storage.retry import RetryPolicy
+from .storage.settings import ReaderSettings, WriterSettings
 from .storage.verification import VerifyProblem, VerifyReport
 from .storage.writer import FsspecStorageWriter
 from .tools.verify import verify
 
 __all__ = [
+    "BackgroundSaveError",
     "CheckpointEvent",
     "CheckpointExistsError",
     "CheckpointMismatchError",
@@ -39,10 +42,12 @@ __all__ = [
     "FsspecStorageWriter",
     "InvalidURLError",
     "MissingDriverError",
+    "ReaderSettings",
     "RetryPolicy",
     "StorageError",
     "__version__",
     "VerifyProblem",
     "VerifyReport",
+    "WriterSettings",
     "verify",
 ]

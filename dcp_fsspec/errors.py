@@ -12,7 +12,8 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── CheckpointMismatchError    (ValueError)         the checkpoint does not fit the state dict
     ├── InvalidURLError            (ValueError)         a URL or path that cannot name a checkpoint
     ├── MissingDriverError         (ImportError)        the fsspec driver for a scheme is missing
-    └── StorageError               (OSError)            the backend failed while reading/writing
+    ├── StorageError               (OSError)            the backend failed while reading/writing
+    └── BackgroundSaveError        (RuntimeError)       the background save process died
 
 Every message names the URL or file concerned and what to do next.
 """
@@ -63,3 +64,7 @@ class MissingDriverError(DcpFsspecError, ImportError):
 
 class StorageError(DcpFsspecError, OSError):
     """The storage backend failed while reading or writing a file."""
+
+
+class BackgroundSaveError(DcpFsspecError, RuntimeError):
+    """The background save process died or could not start."""

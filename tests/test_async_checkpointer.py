@@ -16,8 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from dcp_fsspec import Checkpointer, FsspecStorageReader, StorageError
-from dcp_fsspec.checkpoint.background import BackgroundSaveError
+from dcp_fsspec import BackgroundSaveError, Checkpointer, FsspecStorageReader, StorageError
 from dcp_fsspec.checkpoint.staging import Stager
 
 from .async_child import STEP1

@@ -200,6 +200,41 @@ def test_load_path_may_be_a_single_dcp_checkpoint_of_the_model(backend: Backend)
     assert_equal(target.model.state_dict(), source.model.state_dict())
 
 
+def test_load_path_may_be_a_single_dcp_checkpoint_with_the_model_under_model(backend: Backend) -> None:
+    source = Training(seed=5)
+    url = backend.sub("rl_weights")
+    writer = FsspecStorageWriter(url, storage_options=backend.storage_options)
+    dcp.save({"model": source.model.state_dict()}, storage_writer=writer)  # the original trainer's RL layout
+    target = Training()
+    with Checkpointer(backend.sub("run"), backend.storage_options, load_path=url) as ckpt:
+        assert ckpt.load(**target.keys()) == 0
+    assert_equal(target.model.state_dict(), source.model.state_dict())
+
+
+def test_only_load_scheduler_state_loads_the_model_and_the_scheduler_and_returns_zero(backend: Backend) -> None:
+    source = _save_trained(backend, [4])
+    target = Training(seed=3)
+    with Checkpointer(
+        backend.sub("new_run"),
+        backend.storage_options,
+        load_path=backend.sub("iter_000000004"),
+        only_load_scheduler_state=True,
+    ) as ckpt:
+        assert ckpt.load(**target.keys()) == 0
+    assert_equal(target.model.state_dict(), source.model.state_dict())
+    assert_equal(target.scheduler.state_dict(), source.scheduler.state_dict())
+    assert target.scheduler.state_dict()["last_epoch"] == 4
+    assert target.optim.state_dict()["state"] == {}
+    assert target.trainer["step"] == 0 and target.trainer["note"] == "seed 3"
+
+
+def test_only_load_scheduler_state_with_load_training_state_is_a_value_error_naming_both(memory_backend: Backend) -> None:
+    with pytest.raises(ValueError) as info:
+        _ckpt(memory_backend, load_path=memory_backend.sub("old"), load_training_state=True, only_load_scheduler_state=True)
+    assert "only_load_scheduler_state" in str(info.value) and "load_training_state" in str(info.value)
+    assert memory_backend.url in str(info.value)
+
+
 def test_load_path_without_any_checkpoint_is_an_error_naming_it(memory_backend: Backend) -> None:
     url = memory_backend.sub("nothing_here")
     with pytest.raises(CheckpointNotFoundError) as info, Checkpointer(memory_backend.sub("run"), load_path=url) as ckpt:

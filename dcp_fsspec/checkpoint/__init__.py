@@ -4,7 +4,9 @@ Each module owns one piece, after Orbax's split: ``layout`` names the iteration 
 them; ``commit`` decides what makes an iteration committed and moves the
 ``latest_checkpoint.txt`` pointer atomically; ``retention`` decides which old iterations to
 delete; ``state`` turns modules, optimizers, schedulers and dicts into DCP state dicts and back;
-``_collectives`` holds the few cross-rank steps; ``checkpointer`` composes them.
+``pipeline`` runs one save after staging (prepare, write, commit, retention), in the training
+process or in the ``background`` one; ``resume`` decides what a load reads; ``_collectives``
+holds the few cross-rank steps; ``checkpointer`` composes them.
 """
 
 from __future__ import annotations

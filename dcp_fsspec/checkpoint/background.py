@@ -2,9 +2,11 @@
 
 One process per checkpointer and rank, started with ``spawn`` at the first asynchronous save and
 kept until ``finalize``. It receives staged state dicts (their tensors in shared memory, so only
-handles cross the pipe, and each buffer's only once: :mod:`.handles`) and runs the same save
-pipeline as a synchronous save, on a process group of its own (gloo, over a TCP store that rank
-0's background process hosts): its collectives can never interleave with training's.
+handles cross the pipe, and each buffer's only once: :mod:`.handles`) and runs the same
+:class:`~.pipeline.SavePipeline` as a synchronous save, built from the picklable
+:class:`~.pipeline.SaveSettings` it is started with, on a process group of its own (gloo, over a
+TCP store that rank 0's background process hosts): its collectives can never interleave with
+training's. :class:`ThreadSaver` keeps the same contract in a thread, for ``memory://``.
 
 Failure rules: an exception in the background is sent back and raised in the training process
 at its next ``save``/``wait``/``finalize``; a background process that dies is reported as such
@@ -20,15 +22,16 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ..errors import DcpFsspecError
+from ..errors import BackgroundSaveError
 from ._collectives import Collectives, _picklable
 from .handles import HandleReceiver, HandleSender
+from .pipeline import SavePipeline, SaveSettings
 
 logger = logging.getLogger(__name__)
 
@@ -37,26 +40,11 @@ _POLL_SECONDS = 0.2
 _STORE_TIMEOUT_SECONDS = 300
 
 
-@dataclass(frozen=True)
-class SaverSettings:
-    """What the background process needs to build its own synchronous checkpointer."""
-
-    save_dirname: str
-    storage_options: dict[str, Any]
-    keep_last_n: int | None
-    overwrite: bool
-    verify_before_commit: bool = False
-
-
-class BackgroundSaveError(DcpFsspecError, RuntimeError):
-    """The background save process died or could not start."""
-
-
 class BackgroundSaver:
     """The training side of the background process: submit one save at a time, wait, close."""
 
-    def __init__(self, settings: SaverSettings, collectives: Collectives) -> None:
-        self._url = settings.save_dirname
+    def __init__(self, settings: SaveSettings, collectives: Collectives) -> None:
+        self._url = settings.url
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         self._process = ctx.Process(
@@ -158,10 +146,13 @@ class ThreadSaver:
 
     Only for a single process: with several ranks the saves' collectives would share training's
     process group.
+
+    Args:
+        save: runs one staged save to its commit (:meth:`SavePipeline.run`).
     """
 
-    def __init__(self, saver: Any) -> None:
-        self._saver = saver
+    def __init__(self, save: Callable[[int, dict[str, dict[str, Any]]], object]) -> None:
+        self._save = save
         self._inflight: int | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -175,7 +166,7 @@ class ThreadSaver:
 
         def run() -> None:
             try:
-                self._saver._save_staged(iteration, staged)
+                self._save(iteration, staged)
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self._error = e
 
@@ -207,22 +198,13 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _serve(
-    conn: Connection, settings: SaverSettings, rank: int, world_size: int, distributed: bool, parent_pid: int
+    conn: Connection, settings: SaveSettings, rank: int, world_size: int, distributed: bool, parent_pid: int
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     try:
         if distributed:
             _join_group(conn, rank, world_size)
-        # Imported here: the checkpointer module imports this one.
-        from .checkpointer import Checkpointer
-
-        saver = Checkpointer(
-            settings.save_dirname,
-            settings.storage_options,
-            keep_last_n=settings.keep_last_n,
-            overwrite=settings.overwrite,
-            verify_before_commit=settings.verify_before_commit,
-        )
+        pipeline = SavePipeline(settings, Collectives())
         conn.send(("ready",))
     except BaseException as e:  # noqa: BLE001 - reported to the training process
         conn.send(("error", _picklable(e if isinstance(e, Exception) else RuntimeError(repr(e)), rank), traceback.format_exc()))
@@ -238,7 +220,7 @@ def _serve(
                 return
             _, iteration, packed, used = message
             try:
-                saver._save_staged(iteration, handles.unpack(packed, used))
+                pipeline.run(iteration, handles.unpack(packed, used))
                 conn.send(("done",))
             except Exception as e:  # noqa: BLE001 - reported, then the next request is served
                 conn.send(("error", _picklable(e, rank), traceback.format_exc()))

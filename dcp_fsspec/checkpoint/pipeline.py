@@ -1,0 +1,166 @@
+"""The save pipeline: what happens to staged state until it is a committed, named iteration.
+
+One save, read top to bottom in :meth:`SavePipeline.run`: rank 0 prepares the iteration's
+folder (refusing to replace a committed one, clearing a failed save's leftovers) → every rank
+writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` → rank 0 commits
+and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention. The pointer is read
+twice per save, at the preparation and in the compare-and-swap that moves it; retention takes
+the iteration the move left it on. A synchronous save, the background process of an
+asynchronous one and the thread that stands in for it run this same code, each building it
+from a picklable :class:`SaveSettings`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import CheckpointExistsError, CorruptCheckpointError
+from ..storage.collector import collector_paused
+from ..storage.failures import unwrap_dcp
+from ..storage.retry import DEFAULT_RETRY, RetryPolicy
+from ..storage.settings import WriterSettings
+from ..storage.urls import resolve
+from ..storage.verification import verify_checkpoint
+from ..storage.writer import FsspecStorageWriter
+from . import commit, layout, retention
+from ._collectives import Collectives
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveSettings:
+    """Everything a save needs besides the state; picklable, so a background process can save.
+
+    Args:
+        url: ``save_dirname``, normalized (a local path made absolute, once, by the caller).
+        storage_options: fsspec options for ``url``.
+        keep_last_n: how many committed iterations retention keeps; ``None`` keeps all.
+        overwrite: an iteration that is already committed may be replaced.
+        verify_before_commit: rank 0 re-reads every key and checks every CRC-32 before the commit.
+        retry: how storage calls are retried (every writer's and the commit's).
+        writer: the tuning of every :class:`FsspecStorageWriter`.
+    """
+
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    keep_last_n: int | None = None
+    overwrite: bool = False
+    verify_before_commit: bool = False
+    retry: RetryPolicy | None = DEFAULT_RETRY
+    writer: WriterSettings = WriterSettings()
+
+
+class SavePipeline:
+    """Writes staged state dicts as one iteration, commits it, moves the pointer, prunes.
+
+    Every rank of ``collectives`` calls :meth:`run` with the same iteration and keys.
+
+    Args:
+        settings: where and how to save.
+        collectives: the ranks the checkpoint spans (a background process passes its own group).
+    """
+
+    def __init__(self, settings: SaveSettings, collectives: Collectives) -> None:
+        self.settings = settings
+        self._root = resolve(settings.url, settings.storage_options, retry=settings.retry)
+        self._collectives = collectives
+
+    @collector_paused()
+    def run(self, iteration: int, staged: dict[str, dict[str, Any]]) -> int:
+        """Save ``staged`` (key → state dict) as ``iteration`` and commit it.
+
+        Returns:
+            The iteration the pointer names afterwards: ``iteration``, or a newer one when
+            ``overwrite`` replaced an older iteration.
+
+        Raises:
+            CheckpointExistsError: the iteration is committed already, or the pointer names a
+                newer one, and ``overwrite`` is False.
+            CorruptCheckpointError: ``verify_before_commit`` found damage; nothing was committed.
+            StorageError: the backend failed; nothing was committed.
+        """
+        keys = tuple(staged)
+        self._collectives.run_on_rank0(lambda: self._prepare(iteration))
+        for key in keys:
+            self._write_key(iteration, key, staged[key])
+        latest = self._publish(iteration, keys)
+        if self.settings.keep_last_n is not None and self._collectives.rank == 0:
+            retention.apply_retention(self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest)
+        return latest
+
+    def _prepare(self, iteration: int) -> None:
+        """Rank 0: refuse to replace a committed iteration; clear leftovers of an uncommitted one."""
+        root, overwrite = self._root, self.settings.overwrite
+        folder = root.url_of(layout.iteration_path(root, iteration))
+        latest = commit.read_pointer(root)
+        if latest is not None and latest > iteration and not overwrite:
+            raise CheckpointExistsError(
+                f"cannot save {folder}: {commit.pointer_url(root)} already names the newer "
+                f"{layout.format_iteration(latest)} and never moves backwards; save a later iteration, use "
+                "a new save_dirname, or pass overwrite=True to write it anyway (the pointer stays)"
+            )
+        record, reason = commit.inspect_iteration(root, iteration)
+        # Committed but newer than the pointer: its save died between the commit record and the
+        # pointer, so nothing names it; the resumed run replaces it like any leftover.
+        unpublished = record is not None and (latest is None or latest < iteration)
+        if record is not None and not overwrite and not unpublished:
+            raise CheckpointExistsError(
+                f"{folder} is already a committed checkpoint; save a different iteration, or pass "
+                "overwrite=True to replace it"
+            )
+        if unpublished:
+            logger.info("replacing %s, committed by a save that died before moving the pointer", folder)
+        elif record is not None:
+            logger.warning("overwriting the committed checkpoint %s", folder)
+        elif reason != "does not exist":
+            logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
+        if record is not None or reason != "does not exist":
+            commit.discard_iteration(root, iteration)
+
+    def _write_key(self, iteration: int, key: str, state_dict: dict[str, Any]) -> None:
+        url = self._root.url_of(layout.key_path(self._root, iteration, key))
+        writer = FsspecStorageWriter(
+            url, storage_options=self.settings.storage_options, retry=self.settings.retry, **self.settings.writer.as_kwargs()
+        )
+        try:
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self._collectives.group,
+                no_dist=not self._collectives.distributed,
+            )
+        except CheckpointException as e:
+            raise unwrap_dcp(e, f"saving key {key!r} to {url}", mismatch=False) from e
+
+    def _publish(self, iteration: int, keys: tuple[str, ...]) -> int:
+        """Every rank finished every key → rank 0 writes the commit record, then the pointer."""
+        self._collectives.raise_if_any_failed(None)
+
+        def on_rank0() -> int:
+            if self.settings.verify_before_commit:
+                self._verify_keys(iteration, keys)
+            latest = commit.publish(
+                self._root, iteration, keys, self._collectives.world_size, behind_pointer=self.settings.overwrite
+            )
+            logger.info("committed %s", self._root.url_of(layout.iteration_path(self._root, iteration)))
+            return latest
+
+        return self._collectives.run_on_rank0(on_rank0)
+
+    def _verify_keys(self, iteration: int, keys: tuple[str, ...]) -> None:
+        """Rank 0, before the commit: re-read every key's files and check every CRC-32."""
+        for key in keys:
+            url = self._root.url_of(layout.key_path(self._root, iteration, key))
+            report = verify_checkpoint(url, fs=self._root.fs, retry=self.settings.retry)
+            if not report.ok:
+                raise CorruptCheckpointError(
+                    f"not committing {self._root.url_of(layout.iteration_path(self._root, iteration))}: "
+                    f"verifying key {key!r} found {len(report.problems)} problem(s), first: "
+                    f"{report.problems[0]}; the pointer stays where it was — save again"
+                )

@@ -1,0 +1,269 @@
+"""The resume rules: what ``Checkpointer.load`` reads, decided from a few facts about storage.
+
+Two halves, so the rules can be read and tested without storage: :func:`gather` asks storage the
+few questions the rules need (does ``save_dirname``'s pointer name a committed iteration; if
+not, what is at ``load_path``) and returns :class:`ResumeFacts`; :func:`plan_resume`, a pure
+function of those facts and the :class:`ResumeOptions`, returns a :class:`ResumePlan` (which
+DCP checkpoint each key is read from), ``None`` for a fresh start, or raises an error naming the
+URL. The rules, in order: the iteration the pointer under ``save_dirname`` names, every key
+given that it saved; else ``load_path`` (an iteration folder, another run's ``save_dirname``
+with a pointer, or a single DCP checkpoint of the model, plain or saved as
+``dcp.save({"model": state})``): the model, and the scheduler with
+``only_load_scheduler_state``, or every key with ``load_training_state``; else nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import CheckpointNotFoundError
+from ..storage.names import METADATA_NAME
+from ..storage.reader import FsspecStorageReader
+from ..storage.settings import ReaderSettings
+from ..storage.urls import Location
+from . import commit, layout
+
+MODEL_KEY = "model"
+SCHEDULER_KEY = "scheduler"
+
+# What a URL holds, as far as resuming goes.
+POINTER = "pointer"  # a latest_checkpoint.txt naming a committed iteration folder
+CHECKPOINT = "checkpoint"  # a single DCP checkpoint: .metadata at the URL itself
+FOLDER = "folder"  # neither: taken as an iteration folder, its keys in subfolders
+
+
+@dataclass(frozen=True)
+class Found:
+    """What one URL holds, as far as resuming goes.
+
+    Attributes:
+        kind: :data:`POINTER`, :data:`CHECKPOINT` or :data:`FOLDER`.
+        url: the URL looked at.
+        folder: the iteration folder read (for a pointer, the one it names), for messages.
+        iteration: the iteration the pointer names, or the one in a folder's name (if any).
+        keys: each finished key found → its DCP checkpoint's URL (a pointer's: those its commit
+            record lists; a folder's: those asked about that have ``.metadata``).
+        entries: a single checkpoint's entry names, from its ``.metadata``.
+    """
+
+    kind: str
+    url: str
+    folder: str
+    iteration: int | None = None
+    keys: dict[str, str] = field(default_factory=dict)
+    entries: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResumeFacts:
+    """What :func:`gather` learned from storage.
+
+    Attributes:
+        save_dirname: the committed iteration the pointer under ``save_dirname`` names; ``None``
+            when there is no pointer.
+        load_path: what ``load_path`` holds; ``None`` when there is none, or it was not looked
+            at because the pointer under ``save_dirname`` wins.
+    """
+
+    save_dirname: Found | None
+    load_path: Found | None = None
+
+
+@dataclass(frozen=True)
+class ResumeOptions:
+    """The Checkpointer's options that the resume rules depend on (see its docstring)."""
+
+    load_training_state: bool = False
+    only_load_scheduler_state: bool = False
+    strict_resume: bool = True
+
+
+@dataclass(frozen=True)
+class KeyToLoad:
+    """Where one key is read from.
+
+    Attributes:
+        url: the DCP checkpoint.
+        nested_under: the checkpoint holds ``{nested_under: state_dict}`` (its entries are named
+            ``model.…``), as ``dcp.save({"model": state})`` writes; ``None``: the state dict itself.
+    """
+
+    url: str
+    nested_under: str | None = None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What ``load`` reads, decided on rank 0 and broadcast.
+
+    Attributes:
+        source: the iteration folder (or single checkpoint) read, for messages.
+        iteration: the iteration ``load`` returns.
+        keys: each key to load → where from.
+        from_load_path: read with ``load_storage_options`` rather than ``storage_options``.
+        notes: ``(logging level, message)`` for rank 0 to log: keys skipped, names not understood.
+    """
+
+    source: str
+    iteration: int
+    keys: dict[str, KeyToLoad]
+    from_load_path: bool
+    notes: tuple[tuple[int, str], ...] = ()
+
+
+def load_path_keys(wanted: Sequence[str], options: ResumeOptions) -> list[str]:
+    """The keys of ``wanted`` that ``load_path`` provides under ``options``."""
+    if options.load_training_state:
+        return list(wanted)
+    taken = {MODEL_KEY, SCHEDULER_KEY} if options.only_load_scheduler_state else {MODEL_KEY}
+    return [k for k in wanted if k in taken]
+
+
+# -- facts (storage) ------------------------------------------------------------------------------
+
+
+def gather(
+    root: Location, load_root: Location | None, wanted: Sequence[str], options: ResumeOptions, reader: ReaderSettings
+) -> ResumeFacts:
+    """Ask storage what :func:`plan_resume` needs: a few calls, on rank 0.
+
+    Args:
+        root: the ``save_dirname`` location.
+        load_root: the ``load_path`` location, if any.
+        wanted: the keys ``load`` should restore.
+        options: which keys ``load_path`` provides (only those are looked for there).
+        reader: the reader's tuning, for reading a single checkpoint's ``.metadata``.
+
+    Raises:
+        CheckpointNotFoundError: a pointer names a folder that is not a committed iteration.
+        CorruptCheckpointError: a pointer does not hold an iteration folder name, or a single
+            checkpoint's ``.metadata`` is damaged.
+        StorageError: the backend failed.
+    """
+    own = _named_by_pointer(root)
+    if own is not None or load_root is None:
+        return ResumeFacts(own)
+    return ResumeFacts(None, _look_at_load_path(load_root, load_path_keys(wanted, options), reader))
+
+
+def _named_by_pointer(root: Location) -> Found | None:
+    latest = commit.read_pointer(root)
+    if latest is None:
+        return None
+    record = commit.require_committed(root, latest, named_by=commit.pointer_url(root))
+    keys = {k: root.url_of(layout.key_path(root, latest, k)) for k in record.keys}
+    return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, latest)), latest, keys)
+
+
+def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings) -> Found:
+    entries = _checkpoint_entries(source, reader)
+    if entries is not None:
+        return Found(CHECKPOINT, source.url, source.url, entries=entries)
+    pointed = _named_by_pointer(source)
+    if pointed is not None:
+        return pointed
+    saved = {
+        k: source.url_of(source.join(k))
+        for k in keys
+        if commit.exists(source, posixpath.join(source.join(k), METADATA_NAME))
+    }
+    return Found(FOLDER, source.url, source.url, layout.parse_iteration(source.path), saved)
+
+
+def _checkpoint_entries(source: Location, reader: ReaderSettings) -> tuple[str, ...] | None:
+    """The entry names in the ``.metadata`` of a single DCP checkpoint at ``source``, or None."""
+    try:
+        metadata = FsspecStorageReader(source.url, fs=source.fs, retry=source.retry, **reader.as_kwargs()).read_metadata()
+    except CheckpointNotFoundError:
+        return None
+    return tuple(metadata.state_dict_metadata)
+
+
+# -- the decision (pure) --------------------------------------------------------------------------
+
+
+def plan_resume(facts: ResumeFacts, wanted: Sequence[str], options: ResumeOptions) -> ResumePlan | None:
+    """What ``load`` reads, from ``facts`` alone; ``None``: a fresh start.
+
+    Args:
+        facts: what :func:`gather` learned.
+        wanted: the keys ``load`` should restore (after ``keys_not_to_resume``, ``load_optimizer``).
+        options: the resume options.
+
+    Raises:
+        CheckpointNotFoundError: ``load_path`` holds no checkpoint of the keys it should provide,
+            or (with ``strict_resume``) the checkpoint read lacks a key wanted; the message names
+            the URL.
+    """
+    own, found = facts.save_dirname, facts.load_path
+    if own is not None:
+        return _select(own, own.iteration or 0, list(wanted), options, from_load_path=False)
+    if found is None:
+        return None
+    keys = load_path_keys(wanted, options)
+    if found.kind == CHECKPOINT:
+        return _from_single_checkpoint(found, keys, options)
+    if found.kind == FOLDER and not found.keys:
+        raise CheckpointNotFoundError(
+            f"load_path {found.url} holds no DCP checkpoint of {keys} (no {METADATA_NAME} there nor in "
+            f"a key subfolder, and no {commit.POINTER_NAME}); check the URL"
+        )
+    iteration = 0
+    notes: tuple[tuple[int, str], ...] = ()
+    if options.load_training_state:
+        if found.iteration is None:
+            notes = ((logging.WARNING, f"load_path {found.url} is not named iter_…; resuming at iteration 0"),)
+        iteration = found.iteration or 0
+    return _select(found, iteration, keys, options, from_load_path=True, notes=notes)
+
+
+def _select(
+    found: Found,
+    iteration: int,
+    keys: list[str],
+    options: ResumeOptions,
+    *,
+    from_load_path: bool,
+    notes: tuple[tuple[int, str], ...] = (),
+) -> ResumePlan:
+    missing = [k for k in keys if k not in found.keys]
+    notes += _missing(missing, found.folder, tuple(found.keys), options)
+    chosen = {k: KeyToLoad(found.keys[k]) for k in keys if k in found.keys}
+    return ResumePlan(found.folder, iteration, chosen, from_load_path, notes)
+
+
+def _from_single_checkpoint(found: Found, keys: list[str], options: ResumeOptions) -> ResumePlan:
+    """A single DCP checkpoint is the model's weights, and nothing else.
+
+    Its entries say how it was saved: all named ``model.…`` is ``dcp.save({"model": state})``
+    (the original trainer's layout for RL models), anything else the model's state dict itself.
+    """
+    prefix = MODEL_KEY + "."
+    nested = MODEL_KEY if found.entries and all(e.startswith(prefix) for e in found.entries) else None
+    asked_by = "load_training_state" if options.load_training_state else "only_load_scheduler_state"
+    notes = _missing(
+        [k for k in keys if k != MODEL_KEY],
+        f"load_path {found.url}, a single DCP checkpoint taken as the model,",
+        (MODEL_KEY,),
+        options,
+        fix=f"set {asked_by}=False, or point load_path at an iteration folder",
+    )
+    chosen = {MODEL_KEY: KeyToLoad(found.url, nested)} if MODEL_KEY in keys else {}
+    return ResumePlan(found.url, 0, chosen, True, notes)
+
+
+def _missing(
+    missing: list[str], where: str, saved: tuple[str, ...], options: ResumeOptions, *, fix: str = ""
+) -> tuple[tuple[int, str], ...]:
+    """Keys wanted that the checkpoint lacks: an error if strict, else a note to log."""
+    if not missing:
+        return ()
+    if options.strict_resume:
+        raise CheckpointNotFoundError(
+            f"checkpoint {where} has no key(s) {missing} (it holds {sorted(saved)}); "
+            f"{fix or 'pass strict_resume=False to skip them, or list them in keys_not_to_resume'}"
+        )
+    return ((logging.INFO, f"checkpoint {where} has no key(s) {missing}; they keep their current values"),)
