@@ -11,6 +11,19 @@ holds the few cross-rank steps; ``checkpointer`` composes them.
 
 from __future__ import annotations
 
-from .checkpointer import Checkpointer
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
 
 __all__ = ["Checkpointer"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the tools that only list and delete (``ls``, ``prune``, ``cp``) use
+    # ``commit`` and ``layout`` without loading torch, which the Checkpointer needs.
+    if name == "Checkpointer":
+        from .checkpointer import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

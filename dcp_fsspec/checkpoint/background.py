@@ -16,9 +16,11 @@ its parent), leaving the previous checkpoint and pointer untouched.
 
 from __future__ import annotations
 
+import ast
 import logging
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 import traceback
@@ -35,6 +37,7 @@ from .pipeline import SavePipeline, SaveSettings
 
 logger = logging.getLogger(__name__)
 
+_PACKAGE_LOGGER = "dcp_fsspec"
 # How often each side checks that the other is still alive.
 _POLL_SECONDS = 0.2
 _STORE_TIMEOUT_SECONDS = 300
@@ -49,13 +52,17 @@ class BackgroundSaver:
         self._conn, child_end = ctx.Pipe()
         self._process = ctx.Process(
             target=_serve,
-            args=(child_end, settings, collectives.rank, collectives.world_size, collectives.distributed, os.getpid()),
+            args=(
+                child_end, settings, collectives.rank, collectives.world_size, collectives.distributed, os.getpid(),
+                logging.getLogger(_PACKAGE_LOGGER).getEffectiveLevel(),
+            ),
             name=f"dcp-fsspec-saver-{collectives.rank}",
             daemon=True,
         )
         self._process.start()
         child_end.close()  # so recv() here fails fast if the child dies
         self._inflight: int | None = None
+        self._ready = False
         self._handles = HandleSender()
         if collectives.distributed:
             # Rank 0's background process hosts the store; everyone learns its port from rank 0.
@@ -83,14 +90,23 @@ class BackgroundSaver:
             self._process.join(timeout=5)
             self._died()
 
-    def wait(self) -> None:
-        """Block until the save in flight is committed; raise its error if it failed."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save in flight is committed; raise its error if it failed.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first; the save goes on, still in flight.
+        """
         if self._inflight is None:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._receive("done")
-        finally:
+            self._receive("done", deadline)
+        except TimeoutError:
+            raise
+        except BaseException:
             self._inflight = None
+            raise
+        self._inflight = None
 
     def close(self) -> None:
         """Wait for the save in flight, then stop the process; raise the save's error if any."""
@@ -108,7 +124,7 @@ class BackgroundSaver:
                 self._process.join()
             self._conn.close()
 
-    def _receive(self, expected: str) -> Any:
+    def _receive(self, expected: str, deadline: float | None = None) -> Any:
         while True:
             try:
                 if self._conn.poll(_POLL_SECONDS):
@@ -117,12 +133,19 @@ class BackgroundSaver:
                 break  # recv() below reports it
             if not self._process.is_alive():
                 self._died()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the background save to {self._url} did not finish in time")
         try:
             message = self._conn.recv()
         except (EOFError, OSError):  # the other end is gone
             self._process.join(timeout=5)
             self._died()
         kind, payload = message[0], message[1:]
+        if kind == "ready":
+            self._ready = True
+        if kind in ("done", "error"):
+            *payload, records = payload
+            _replay(records)
         if kind == "error":
             error, trace = payload
             error.add_note(f"(raised in the background save process for {self._url})\n{trace}")
@@ -132,6 +155,16 @@ class BackgroundSaver:
         return payload[0] if payload else None
 
     def _died(self) -> NoReturn:
+        if not self._ready:
+            script = unguarded_main_script()
+            if script is not None:
+                raise BackgroundSaveError(
+                    f"the background save process for {self._url} could not start: it is started with "
+                    f"'spawn', which re-runs {script} from the top, and that script has no "
+                    "`if __name__ == \"__main__\":` block, so the new process ran the training code "
+                    "again instead of saving. Put the script's top-level code (the training) under "
+                    "`if __name__ == \"__main__\":`, or use async_mode=\"disabled\""
+                )
         what = f"saving iteration {self._inflight}" if self._inflight is not None else "idle"
         self._inflight = None
         raise BackgroundSaveError(
@@ -174,9 +207,11 @@ class ThreadSaver:
         self._thread = threading.Thread(target=run, name="dcp-fsspec-saver", daemon=True)
         self._thread.start()
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the save of iteration {self._inflight} did not finish in time")
         self._thread, self._inflight = None, None
         error, self._error = self._error, None
         if error is not None:
@@ -184,6 +219,39 @@ class ThreadSaver:
 
     def close(self) -> None:
         self.wait()
+
+
+def unguarded_main_script() -> str | None:
+    """The running script, if spawning a process would re-run its training code.
+
+    ``spawn`` starts a fresh interpreter that imports the main script as a module; code at its
+    top level runs again unless it sits under ``if __name__ == "__main__":``. Read from the
+    script's syntax (never run): ``None`` when there is no script file (``python -c``, a
+    notebook) or it has that block.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    guarded = any(isinstance(node, ast.If) and _tests_for_main(node.test) for node in tree.body)
+    return None if guarded else str(path)
+
+
+def _tests_for_main(test: ast.expr) -> bool:
+    """Whether ``test`` is ``__name__ == "__main__"`` (either way round, maybe inside an ``and``)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_tests_for_main(v) for v in test.values)
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = {s.id for s in sides if isinstance(s, ast.Name)}
+    values = {s.value for s in sides if isinstance(s, ast.Constant)}
+    return names == {"__name__"} and values == {"__main__"}
 
 
 # --- the background process ------------------------------------------------------------------
@@ -198,16 +266,28 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _serve(
-    conn: Connection, settings: SaveSettings, rank: int, world_size: int, distributed: bool, parent_pid: int
+    conn: Connection,
+    settings: SaveSettings,
+    rank: int,
+    world_size: int,
+    distributed: bool,
+    parent_pid: int,
+    log_level: int,
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    logs = _ForwardedLogs()
+    package_logger = logging.getLogger(_PACKAGE_LOGGER)
+    package_logger.addHandler(logs)
+    package_logger.setLevel(log_level)
+    package_logger.propagate = False
     try:
         if distributed:
             _join_group(conn, rank, world_size)
         pipeline = SavePipeline(settings, Collectives())
         conn.send(("ready",))
     except BaseException as e:  # noqa: BLE001 - reported to the training process
-        conn.send(("error", _picklable(e if isinstance(e, Exception) else RuntimeError(repr(e)), rank), traceback.format_exc()))
+        error = _picklable(e if isinstance(e, Exception) else RuntimeError(repr(e)), rank)
+        conn.send(("error", error, traceback.format_exc(), logs.take()))
         return
     handles = HandleReceiver()
     try:
@@ -221,13 +301,38 @@ def _serve(
             _, iteration, packed, used = message
             try:
                 pipeline.run(iteration, handles.unpack(packed, used))
-                conn.send(("done",))
+                conn.send(("done", logs.take()))
             except Exception as e:  # noqa: BLE001 - reported, then the next request is served
-                conn.send(("error", _picklable(e, rank), traceback.format_exc()))
+                conn.send(("error", _picklable(e, rank), traceback.format_exc(), logs.take()))
             del packed
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _ForwardedLogs(logging.Handler):
+    """The background process's log records of one save, sent back with its outcome.
+
+    The training process's logging configuration is the user's; the background process has none.
+    Its records (commits, retention deletions, warnings) are replayed there, so a user sees them
+    where they see everything else.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._records: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._records.append((record.name, record.levelno, record.getMessage()))
+
+    def take(self) -> list[tuple[str, int, str]]:
+        records, self._records = self._records, []
+        return records
+
+
+def _replay(records: list[tuple[str, int, str]]) -> None:
+    for name, level, message in records:
+        logging.getLogger(name).log(level, "%s (in the background save process)", message)
 
 
 def _join_group(conn: Connection, rank: int, world_size: int) -> None:

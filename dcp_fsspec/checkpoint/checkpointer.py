@@ -9,9 +9,12 @@ those pieces, and the callbacks.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -21,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import BackgroundSaveError, InvalidURLError
+from ..errors import BackgroundSaveError, CorruptCheckpointError, InvalidURLError
 from ..storage.collector import collector_paused
 from ..storage.failures import unwrap_dcp
 from ..storage.reader import FsspecStorageReader
@@ -214,11 +217,16 @@ class Checkpointer:
         self._surviving(lambda: background.submit(iteration, staged))
         self._pending_end = (iteration, tuple(staged), nbytes, start)
 
-    def wait(self) -> None:
-        """Block until the asynchronous save in flight (if any) is committed; raise its error."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the asynchronous save in flight (if any) is committed; raise its error.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first; the save is still in flight.
+        """
+        background = self._background
+        if background is not None:
+            self._surviving(lambda: background.wait(timeout))
         pending, self._pending_end = self._pending_end, None
-        if self._background is not None:
-            self._surviving(self._background.wait)
         if pending is not None:
             iteration, keys, nbytes, start = pending
             self._report("save_end", iteration, keys, nbytes, time.perf_counter() - start)
@@ -249,6 +257,7 @@ class Checkpointer:
                 self._background = ThreadSaver(self._pipeline.run)
             else:
                 self._background = BackgroundSaver(self._save_settings, self._collectives)
+            _EXIT_HOOK.register(self)
         return self._background
 
     def _stage(self, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -265,15 +274,18 @@ class Checkpointer:
     # -- loading ------------------------------------------------------------------------------
 
     @collector_paused()
-    def load(self, **state: Any) -> int:
+    def load(self, iteration: int | None = None, **state: Any) -> int:
         """Restore every keyword in place and return the iteration to continue from.
 
         In order: 1) the iteration ``latest_checkpoint.txt`` names under ``save_dirname``, every
         key given that it saved; 2) else ``load_path`` (``model`` only, also ``scheduler`` with
         ``only_load_scheduler_state``, or every key with ``load_training_state``); 3) else
-        nothing: a fresh run, iteration 0. The rules in full: :mod:`.resume`.
+        nothing: a fresh run, iteration 0, logged as a warning if ``save_dirname`` holds
+        anything. The rules in full: :mod:`.resume`.
 
         Args:
+            iteration: resume this committed iteration of ``save_dirname`` instead of the
+                latest (``dcp-fsspec ls URL`` lists them), e.g. after the latest was damaged.
             **state: key → the live object to restore into, as for :meth:`save`.
 
         Returns:
@@ -281,12 +293,16 @@ class Checkpointer:
 
         Raises:
             ValueError: ``keys_not_to_resume`` names a key not given here.
-            CheckpointNotFoundError: the pointer names a missing or uncommitted folder, or (with
-                ``strict_resume``) the checkpoint lacks a key given here.
+            CheckpointNotFoundError: the pointer (or ``iteration``) names a missing or uncommitted
+                folder, or (with ``strict_resume``) the checkpoint lacks a key given here.
             CorruptCheckpointError: the pointer does not hold an iteration folder name.
             CheckpointMismatchError: a key's tensors do not fit the live objects.
+            CorruptCheckpointError: a file of the checkpoint is damaged; the message names the
+                previous committed iteration to load instead.
         """
         self._check_open("load")
+        if iteration is not None:
+            layout.format_iteration(iteration)
         self.wait()  # an asynchronous save in flight lands first
         for key in state:
             layout.check_key(key)
@@ -304,13 +320,19 @@ class Checkpointer:
         options = self._resume_options
 
         def plan_on_rank0() -> resume.ResumePlan | None:
-            facts = resume.gather(self._root, self._load_root, wanted, options, self._reader_settings)
-            return resume.plan_resume(facts, wanted, options)
+            facts = resume.gather(self._root, self._load_root, wanted, options, self._reader_settings, iteration=iteration)
+            plan = resume.plan_resume(facts, wanted, options)
+            if plan is None and facts.leftovers:
+                logger.warning(
+                    "nothing to resume under %s: it holds %s; training from scratch. If you meant "
+                    "another save_dirname, fix it; to start over here, empty the folder", self.url, facts.leftovers,
+                )  # fmt: skip
+            elif plan is None:
+                logger.info("no checkpoint under %s and no load_path: training from scratch", self.url)
+            return plan
 
         plan = self._collectives.run_on_rank0(plan_on_rank0)
         if plan is None:
-            if self._collectives.rank == 0:
-                logger.info("no checkpoint under %s and no load_path: training from scratch", self.url)
             return 0
         if self._collectives.rank == 0:
             for level, note in plan.notes:
@@ -318,8 +340,13 @@ class Checkpointer:
         # The model first: optimizers are restored by the names of its parameters.
         storage_options = self._load_storage_options if plan.from_load_path else self._storage_options
         start, nbytes = time.perf_counter(), 0
-        for key in sorted(plan.keys, key=lambda k: k != MODEL_KEY):
-            nbytes += self._load_key(key, plan.keys[key], storage_options, state[key], model=state.get(MODEL_KEY))
+        try:
+            for key in sorted(plan.keys, key=lambda k: k != MODEL_KEY):
+                nbytes += self._load_key(key, plan.keys[key], storage_options, state[key], model=state.get(MODEL_KEY))
+        except CorruptCheckpointError as e:
+            if plan.from_load_path:
+                raise
+            raise self._with_fallback_advice(e, plan.iteration) from e
         event = CheckpointEvent("load_end", plan.iteration, plan.source, tuple(plan.keys), nbytes,
                                 time.perf_counter() - start)
         report(event, self._callbacks["load_end"])
@@ -348,6 +375,16 @@ class Checkpointer:
             raise unwrap_dcp(e, f"loading key {key!r} from {where.url}", mismatch=True) from e
         state_mod.restore(key, value, state_dict, model=model, strict=strict)
         return tensor_nbytes(state_dict)
+
+    def _with_fallback_advice(self, error: CorruptCheckpointError, iteration: int) -> CorruptCheckpointError:
+        """``error``, saying which older committed iteration ``load(iteration=…)`` can resume instead."""
+        older = [i for i in commit.committed_iterations(self._root) if i < iteration]
+        advice = (
+            f"; to resume from the previous committed iteration instead, call load(iteration={older[-1]}, ...)"
+            if older
+            else f"; no older committed iteration is under {self.url} to fall back to"
+        )
+        return type(error)(f"{error}{advice}")
 
     # -- inspection and lifetime --------------------------------------------------------------
 
@@ -386,6 +423,47 @@ class Checkpointer:
                     self._stager.close()
                 self._collectives.close()
 
+    def _finish_at_exit(self, timeout: float) -> None:
+        """At interpreter exit: let the save in flight commit (within ``timeout``), then finalize.
+
+        A script that ends without :meth:`finalize` or a ``with`` block would otherwise lose its
+        last asynchronous save; it is waited for here, and named in the log either way.
+        """
+        if self._closed:
+            return
+        if self._pending_end is not None:
+            iteration = self._pending_end[0]
+            logger.warning(
+                "the interpreter is exiting while iteration %d is being saved to %s; waiting up to %.0f s "
+                "for it to commit (call finalize() or use a `with` block to wait where you choose)",
+                iteration, self.url, timeout,
+            )  # fmt: skip
+            try:
+                self.wait(timeout)
+            except TimeoutError:
+                logger.error(
+                    "iteration %d was NOT committed to %s: its save did not finish within %.0f s of the "
+                    "interpreter exiting; the pointer still names the previous checkpoint",
+                    iteration, self.url, timeout,
+                )  # fmt: skip
+                return
+            except Exception as e:  # noqa: BLE001 - the interpreter is exiting; the log is all that is left
+                logger.error("iteration %d was NOT committed to %s: %s", iteration, self.url, e)
+        try:
+            self.finalize()
+        except Exception as e:  # noqa: BLE001 - as above
+            logger.warning("could not finalize the Checkpointer for %s at exit: %s", self.url, e)
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or getattr(self, "_background", None) is None:
+            return
+        warnings.warn(
+            f"the Checkpointer for {self.url} was never finalized; call finalize() or use it in a "
+            "`with` block, or an asynchronous save may be lost",
+            ResourceWarning,
+            stacklevel=2,
+        )
+
     def __enter__(self) -> Checkpointer:
         return self
 
@@ -397,4 +475,33 @@ class Checkpointer:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"cannot {what}: the Checkpointer for {self.url} was finalized")
+
+
+class _ExitHook:
+    """Checkpointers with a background saver, finished when the interpreter exits.
+
+    Registered with ``atexit`` when the first background saver starts, so it runs before
+    ``multiprocessing``'s own exit handler (handlers run last-registered first), which would
+    terminate the background process mid-save. Holds the checkpointers weakly.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+        self._registered = False
+
+    def register(self, checkpointer: Checkpointer) -> None:
+        self._open.add(checkpointer)
+        if not self._registered:
+            atexit.register(self.run)
+            self._registered = True
+
+    def run(self) -> None:
+        for checkpointer in list(self._open):
+            checkpointer._finish_at_exit(self.timeout)
+
+
+# How long the interpreter's exit waits for an asynchronous save in flight.
+EXIT_WAIT_SECONDS = 600.0
+_EXIT_HOOK = _ExitHook(EXIT_WAIT_SECONDS)
 

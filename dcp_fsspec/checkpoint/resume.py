@@ -66,10 +66,15 @@ class ResumeFacts:
             when there is no pointer.
         load_path: what ``load_path`` holds; ``None`` when there is none, or it was not looked
             at because the pointer under ``save_dirname`` wins.
+        leftovers: what ``save_dirname`` holds although it has no pointer (iteration folders of
+            saves that never moved it, other files), in words; ``None`` when it is empty or absent.
+            A fresh start over such a folder is logged as a warning: a mistyped ``save_dirname``
+            must not silently train from scratch.
     """
 
     save_dirname: Found | None
     load_path: Found | None = None
+    leftovers: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,13 @@ def load_path_keys(wanted: Sequence[str], options: ResumeOptions) -> list[str]:
 
 
 def gather(
-    root: Location, load_root: Location | None, wanted: Sequence[str], options: ResumeOptions, reader: ReaderSettings
+    root: Location,
+    load_root: Location | None,
+    wanted: Sequence[str],
+    options: ResumeOptions,
+    reader: ReaderSettings,
+    *,
+    iteration: int | None = None,
 ) -> ResumeFacts:
     """Ask storage what :func:`plan_resume` needs: a few calls, on rank 0.
 
@@ -136,26 +147,59 @@ def gather(
         wanted: the keys ``load`` should restore.
         options: which keys ``load_path`` provides (only those are looked for there).
         reader: the reader's tuning, for reading a single checkpoint's ``.metadata``.
+        iteration: read this committed iteration of ``save_dirname`` instead of the one the
+            pointer names (``load(iteration=N)``); ``load_path`` is then not looked at.
 
     Raises:
-        CheckpointNotFoundError: a pointer names a folder that is not a committed iteration.
+        CheckpointNotFoundError: a pointer (or ``iteration``) names a folder that is not a
+            committed iteration.
         CorruptCheckpointError: a pointer does not hold an iteration folder name, or a single
             checkpoint's ``.metadata`` is damaged.
         StorageError: the backend failed.
     """
+    if iteration is not None:
+        return ResumeFacts(_committed(root, iteration, named_by=f"load(iteration={iteration}) for {root.url}"))
     own = _named_by_pointer(root)
-    if own is not None or load_root is None:
+    if own is not None:
         return ResumeFacts(own)
-    return ResumeFacts(None, _look_at_load_path(load_root, load_path_keys(wanted, options), reader))
+    leftovers = _leftovers(root)
+    if load_root is None:
+        return ResumeFacts(None, leftovers=leftovers)
+    return ResumeFacts(None, _look_at_load_path(load_root, load_path_keys(wanted, options), reader), leftovers)
 
 
 def _named_by_pointer(root: Location) -> Found | None:
     latest = commit.read_pointer(root)
     if latest is None:
         return None
-    record = commit.require_committed(root, latest, named_by=commit.pointer_url(root))
-    keys = {k: root.url_of(layout.key_path(root, latest, k)) for k in record.keys}
-    return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, latest)), latest, keys)
+    return _committed(root, latest, named_by=commit.pointer_url(root))
+
+
+def _committed(root: Location, iteration: int, *, named_by: str) -> Found:
+    record = commit.require_committed(root, iteration, named_by=named_by)
+    keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
+    return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, iteration)), iteration, keys)
+
+
+def _leftovers(root: Location) -> str | None:
+    """What ``save_dirname`` holds without a pointer, in words (None: nothing, or no folder)."""
+    iterations = layout.list_iterations(root)
+    if iterations:
+        names = [layout.format_iteration(i) for i in iterations]
+        shown = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+        return (
+            f"{len(names)} iteration folder(s) ({shown}) but no {commit.POINTER_NAME}, so none of them "
+            "was ever published as the latest checkpoint"
+        )
+    try:
+        entries = root.backend.call("ls", root.path, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    names = sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+    if not names:
+        return None
+    shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+    return f"{len(names)} entries that are not iteration folders ({shown})"
 
 
 def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings) -> Found:

@@ -64,10 +64,12 @@ def read_metadata(location: Location, rank: int | None = None) -> Metadata:
         with storage_errors("read", repr(url)):
             raw = location.retry.run(location.fs, "cat_file", path, url=url)
     except FileNotFoundError as e:
-        raise CheckpointNotFoundError(
-            f"no checkpoint at {location.url!r}: {url!r} does not exist "
-            "(the save never finished, or the URL is wrong)"
-        ) from e
+        why = (
+            "its bucket does not exist; create the bucket or fix the URL"
+            if location.backend.container_missing(e)
+            else f"{url!r} does not exist (the save never finished, or the URL is wrong)"
+        )
+        raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
     return parse_metadata(raw, url)
 
 

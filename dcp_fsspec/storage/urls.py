@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -60,8 +61,24 @@ def normalize_url(url: str | os.PathLike[str]) -> str:
     if not isinstance(text, str) or not text.strip():
         raise InvalidURLError(f"checkpoint URL {url!r} is empty; pass a local path or a URL like s3://bucket/ckpt")
     if "://" in text or "::" in text:
+        _refuse_empty_segments(text)
         return text.rstrip("/") if not text.endswith("://") else text
     return os.path.abspath(os.path.expanduser(text))
+
+
+def _refuse_empty_segments(url: str) -> None:
+    """A ``//`` inside a URL's path names another key prefix on object stores (``s3://b/a//c``
+    is not ``s3://b/a/c``), which listings and retention then miss: refuse it, naming the fix."""
+    fixed = []
+    for part in url.split("::"):
+        scheme, sep, rest = part.partition("://")
+        fixed.append(scheme + sep + re.sub("/{2,}", "/", rest) if sep else part)
+    suggestion = "::".join(fixed)
+    if suggestion != url:
+        raise InvalidURLError(
+            f"checkpoint URL {url!r} has an empty path segment ('//'), which object stores keep as part "
+            f"of the key; did you mean {suggestion!r}?"
+        )
 
 
 def scheme_of(url: str) -> str:

@@ -107,8 +107,16 @@ class Backend:
         except OSError as e:
             raise StorageError(f"cannot {_VERBS.get(method, method)} {url}: {e}") from e
 
+    def container_missing(self, error: FileNotFoundError) -> bool:
+        """Whether ``error`` means the bucket (not the file) does not exist."""
+        return False
+
     def raise_if_no_container(self, error: FileNotFoundError, url: str) -> None:
         """Raise a StorageError if ``error`` means the bucket (not the file) does not exist."""
+        if self.container_missing(error):
+            raise StorageError(
+                f"cannot use {url}: its bucket does not exist ({error}); create the bucket or fix the URL"
+            ) from error
 
     def invalidate(self, path: str) -> None:
         """Forget cached listings of ``path`` (s3fs caches them; other ranks may have written)."""
@@ -117,7 +125,8 @@ class Backend:
     # --- writing ----------------------------------------------------------------------------
 
     def make_folder(self, path: str) -> None:
-        """Create ``path`` where folders are real; never on object stores (where it may create a bucket)."""
+        """Create ``path`` where folders are real; never on object stores (where it may create a
+        bucket; S3 checks its bucket exists instead)."""
         if self.real_folders:
             self.call("makedirs", path, exist_ok=True)
 

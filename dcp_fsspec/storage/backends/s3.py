@@ -32,15 +32,35 @@ class S3Backend(Backend):
     name = "S3"
     conditional_writes = True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._buckets_seen: set[str] = set()  # by make_folder: checked once per backend
+
     @classmethod
     def accepts(cls, fs: fsspec.AbstractFileSystem) -> bool:
         return type(fs).__module__.startswith("s3fs") and callable(getattr(fs, "_call_s3", None))
 
-    def raise_if_no_container(self, error: FileNotFoundError, url: str) -> None:
-        if any(http_status(e)[1] == "NoSuchBucket" for e in causes(error)):
+    def container_missing(self, error: FileNotFoundError) -> bool:
+        return any(http_status(e)[1] == "NoSuchBucket" for e in causes(error))
+
+    def make_folder(self, path: str) -> None:
+        """S3 has no folders to make; check the bucket exists, so a save to a mistyped bucket
+        fails at once with an error that says so, before any data is sent."""
+        bucket, _, _ = self.fs.split_path(path)
+        if bucket in self._buckets_seen:
+            return
+        url = self.url_of(path)
+        try:
+            self.retry.run(self.fs, "call_s3", "head_bucket", Bucket=bucket, url=url)
+        except FileNotFoundError as e:
             raise StorageError(
-                f"cannot use {url}: its bucket does not exist ({error}); create the bucket or fix the URL"
-            ) from error
+                f"cannot use {url}: its bucket {bucket!r} does not exist ({e}); create the bucket or fix the URL"
+            ) from e
+        except DcpFsspecError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot check the bucket of {url}: {e}") from e
+        self._buckets_seen.add(bucket)
 
     def new_upload(self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True) -> FileUpload:
         return S3MultipartUpload(self.fs, path, part_size=part_size, budget=budget, retry=self.retry)
