@@ -5,7 +5,10 @@ backends below; adding a backend is one more ``Backend`` factory here. The S3 ba
 a moto server started once per session on 127.0.0.1 with a port the OS chose; each test gets
 a fresh bucket. GCS (gcp-storage-emulator), Azure Blob (Azurite) and SFTP (OpenSSH's sshd) are
 real servers too, started once per session from ``tests/servers/``; one whose program is
-missing skips its tests with a message that says what to install.
+missing skips its tests with a message that says what to install, except under ``CI=true``,
+where it fails them: a CI run that silently skipped a backend would still read as green
+(``.ci/run`` installs every server first). The run ends with one line per backend: how many
+tests used it, passed, skipped and failed.
 """
 
 from __future__ import annotations
@@ -92,7 +95,13 @@ def _start_or_skip(server: Any) -> Any:
     try:
         return server.start()
     except ServerUnavailable as e:
+        if _in_ci():
+            pytest.fail(f"{e} (CI=true: every backend must run; .ci/run installs its servers)", pytrace=False)
         pytest.skip(str(e))
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="session")
@@ -169,3 +178,36 @@ def _no_stray_env_changes() -> Iterator[None]:
     yield
     after = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     assert after == before, "a test changed os.environ without restoring it"
+
+
+# -- one line per backend at the end of the run ---------------------------------------------------
+
+_BACKEND_OF_FIXTURE = {f"{name}_{kind}": name for name in BACKENDS for kind in ("backend", "server")}
+_backends_of_test: dict[str, set[str]] = {}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = {_BACKEND_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in _BACKEND_OF_FIXTURE}
+        callspec = getattr(item, "callspec", None)
+        for name in ("backend", "shared_backend"):
+            if callspec is not None and name in callspec.params:
+                used.add(callspec.params[name])
+        _backends_of_test[item.nodeid] = used
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    outcomes: dict[str, dict[str, str]] = {name: {} for name in BACKENDS}
+    for kind in ("passed", "failed", "skipped", "error", "xfailed", "xpassed"):
+        for report in terminalreporter.stats.get(kind, []):
+            for name in _backends_of_test.get(getattr(report, "nodeid", ""), ()):
+                # A test's outcome is its worst phase: a failed teardown after a passed call fails it.
+                if outcomes[name].get(report.nodeid) not in ("failed", "error"):
+                    outcomes[name][report.nodeid] = kind
+    terminalreporter.section("tests per backend")
+    for name, by_test in outcomes.items():
+        counts = {k: sum(1 for v in by_test.values() if v == k) for k in ("passed", "skipped", "failed", "error", "xfailed")}
+        terminalreporter.write_line(
+            f"{name:>6}: {len(by_test)} run, {counts['passed']} passed, {counts['skipped']} skipped, "
+            f"{counts['failed'] + counts['error']} failed, {counts['xfailed']} xfailed"
+        )

@@ -24,7 +24,7 @@ from . import ServerUnavailable, dying_with_parent, stop_process
 ACCOUNT_NAME = "devstoreaccount1"
 # Azurite's published development key (the same in every installation; not a secret).
 ACCOUNT_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-AZURITE_PACKAGE = "azurite@3"
+AZURITE_PACKAGE = "azurite@3.35.0"  # pinned: the version the suite was last run against
 _LISTENING = re.compile(r"Azurite Blob service successfully listens on (http://\S+)")
 
 
