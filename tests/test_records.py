@@ -20,6 +20,7 @@ from dcp_fsspec.storage.records import (
     tensor_from_record,
 )
 from tests.states import DTYPES, random_tensor
+from tests.helpers import differences_outside_the_serialization_id
 
 GEN = torch.Generator().manual_seed(3)
 CASES = {
@@ -89,18 +90,6 @@ def _torch_save(tensor: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-def _differences_outside_the_serialization_id(ours: bytes, theirs: bytes) -> list[int]:
-    """Byte positions where two archives differ, other than torch's per-archive id (40 digits)
-    and its CRC-32 (in the entry's data descriptor and its central directory entry)."""
-    name = b"archive/.data/serialization_id"
-    local = theirs.find(name)
-    start = local + len(name) + 4 + int.from_bytes(theirs[local + len(name) + 2 : local + len(name) + 4], "little")
-    central = theirs.rfind(name) - 46
-    allowed = set(range(start, start + 40)) | set(range(start + 44, start + 48)) | set(range(central + 16, central + 20))
-    assert len(ours) == len(theirs)
-    return [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b and i not in allowed]
-
-
 SHAPES = [(), (1,), (7,), (300, 2), (2, 3, 4, 5), (70_000,)]
 
 
@@ -114,7 +103,7 @@ def test_records_are_torch_save_byte_for_byte_but_its_serialization_id(
     for shape in SHAPES:
         tensor = random_tensor(shape, dtype, GEN)
         ours = b"".join(bytes(b) for b in encode_tensor(tensor).buffers())
-        assert _differences_outside_the_serialization_id(ours, _torch_save(tensor)) == [], shape
+        assert differences_outside_the_serialization_id(ours, _torch_save(tensor)) == [], shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
