@@ -190,9 +190,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         used = {_BACKEND_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in _BACKEND_OF_FIXTURE}
         callspec = getattr(item, "callspec", None)
-        for name in ("backend", "shared_backend"):
-            if callspec is not None and name in callspec.params:
-                used.add(callspec.params[name])
+        # A fixture parametrized over backend names (backend, shared_backend, a test's own).
+        used |= {v for v in (callspec.params.values() if callspec else ()) if isinstance(v, str) and v in BACKENDS}
         _backends_of_test[item.nodeid] = used
 
 

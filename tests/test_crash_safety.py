@@ -25,7 +25,7 @@ import fsspec
 import pytest
 import torch
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, StorageError
+from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, StorageError
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
@@ -269,7 +269,19 @@ def _watch_pointer(backend: Backend, stop: threading.Event) -> list[int]:
     return seen
 
 
-def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(any_backend: Backend) -> None:
+def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The odd run commits a moment later in every round, so the even run's newer iteration
+    # moves the pointer past it at least once: the race is certain to happen, not only likely.
+    real_publish = commit.publish
+
+    def odd_runs_commit_late(root: Any, iteration: int, *args: Any, **kwargs: Any) -> int:
+        if iteration % 2:
+            threading.Event().wait(0.3)
+        return real_publish(root, iteration, *args, **kwargs)
+
+    monkeypatch.setattr(commit, "publish", odd_runs_commit_late)
     rounds, stop = threading.Barrier(2), threading.Event()
     with ThreadPoolExecutor(3) as pool:
         watcher = pool.submit(_watch_pointer, any_backend, stop)
@@ -281,6 +293,7 @@ def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(any_b
             stop.set()
         seen = watcher.result(timeout=60)
     assert seen == sorted(seen), "the pointer moved backwards"
+    assert "CheckpointExistsError" in {outcomes[i] for i in (1, 3, 5, 7, 9, 11)}, outcomes  # the race happened
     saved = sorted(i for i, how in outcomes.items() if how == "saved")
     with Checkpointer(any_backend.url, any_backend.storage_options) as ckpt:
         committed = ckpt.committed_iterations()
@@ -298,3 +311,52 @@ def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(any_b
         ) as reader:
             assert reader.load(trainer=target) == iteration
         assert target["step"] == iteration and torch.equal(target["w"], torch.full((4096,), float(iteration)))
+
+
+def test_an_iteration_the_other_runs_pointer_passed_while_it_was_written_is_not_committed(
+    any_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = resolve(any_backend.url, any_backend.storage_options)
+    real_finish = FsspecStorageWriter.finish
+
+    def other_run_moves_the_pointer_first(self: FsspecStorageWriter, *args: Any, **kwargs: Any) -> None:
+        real_finish(self, *args, **kwargs)
+        commit.write_pointer(root, 7)  # another run, saving into the same folder, published 7
+
+    with Checkpointer(any_backend.url, any_backend.storage_options) as ckpt:
+        monkeypatch.setattr(FsspecStorageWriter, "finish", other_run_moves_the_pointer_first)
+        with pytest.raises(CheckpointExistsError) as raised:
+            ckpt.save(5, trainer={"w": torch.ones(4)})
+        monkeypatch.undo()
+        assert "iter_000000007" in str(raised.value) and any_backend.url in str(raised.value)
+        assert ckpt.latest_checkpoint() == "iter_000000007"
+        assert 5 not in ckpt.committed_iterations()
+    assert not commit.exists(root, root.join("iter_000000005", commit.COMMIT_RECORD_NAME))
+
+
+def _point_in_turn(url: str, values: list[int], start: Any) -> None:
+    root = resolve(url)
+    start.wait()
+    for value in values:
+        commit.write_pointer(root, value)
+
+
+def test_several_processes_moving_one_local_pointer_leave_it_on_the_newest_and_never_back(
+    local_backend: Backend,
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    writers = [ctx.Process(target=_point_in_turn, args=(local_backend.url, list(range(k, 120, 4)), start)) for k in range(4)]
+    for writer in writers:
+        writer.start()
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        watcher = pool.submit(_watch_pointer, local_backend, stop)
+        start.set()
+        for writer in writers:
+            writer.join(timeout=120)
+        stop.set()
+        seen = watcher.result(timeout=60)
+    assert [w.exitcode for w in writers] == [0, 0, 0, 0]
+    assert seen == sorted(seen), "the pointer moved backwards"
+    assert commit.read_pointer(resolve(local_backend.url)) == 119
