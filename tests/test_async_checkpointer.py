@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from dcp_fsspec import BackgroundSaveError, Checkpointer, FsspecStorageReader, StorageError
 from dcp_fsspec.checkpoint.staging import Stager
 
-from .async_child import STEP1
+from .async_child import STEP1, STEP2, STOP_AT_ENV
 from .ckpt_fsdp import Phase, run_phase
 from .ckpt_helpers import Training, assert_equal, assert_same_training
 from .conftest import Backend
@@ -131,34 +131,44 @@ def test_finalize_waits_and_leaves_no_process_behind(local_backend: Backend) -> 
     assert Checkpointer(local_backend.url).latest_checkpoint() == "iter_000000007"
 
 
-def test_a_killed_training_process_leaves_the_previous_checkpoint_and_no_orphan(shared_backend: Backend) -> None:
+@pytest.mark.parametrize("phase", ["before-commit", "after-commit"])
+def test_a_killed_training_process_leaves_a_whole_checkpoint_and_no_orphan(
+    shared_backend: Backend, tmp_path: Path, phase: str
+) -> None:
+    env = {**os.environ, STOP_AT_ENV: f"{phase}:{tmp_path}"}
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.async_child", shared_backend.url, json.dumps(shared_backend.storage_options)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    )
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1], env=env,
+    )  # fmt: skip
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
         assert line.startswith("SAVING"), line
         background_pid = int(line.split()[1])
+        deadline = time.monotonic() + 120
+        while not (tmp_path / phase).exists():  # the background process reached the phase
+            assert time.monotonic() < deadline and child.poll() is None, f"never reached {phase}"
+            time.sleep(0.02)
     finally:
         child.kill()
         child.wait()
-    assert _wait_until_gone(background_pid), "the background process outlived its training process"
+    killed = time.monotonic()
+    assert _wait_until_gone(background_pid, within=5.0), "the background process outlived its training process"
+    assert time.monotonic() - killed < 2.0  # it watches its parent every 0.2 s
 
     with Checkpointer(shared_backend.url, shared_backend.storage_options) as ckpt:
-        latest = ckpt.latest_checkpoint()
-        assert latest in ("iter_000000001", "iter_000000002")  # killed before or after the commit
-        if latest == "iter_000000001":
-            target = {"w": torch.zeros(1000)}
-            assert ckpt.load(trainer=target) == 1
-            assert torch.equal(target["w"], STEP1["w"])
-        # The next run saves on, clearing what the killed save left half-written.
+        target = {"w": torch.zeros(1000)}
+        if phase == "before-commit":
+            assert ckpt.latest_checkpoint() == "iter_000000001" and ckpt.committed_iterations() == [1]
+            assert ckpt.load(trainer=target) == 1 and torch.equal(target["w"], STEP1["w"])
+            # The resumed run saves iteration 2 again: what the killed save left is cleared first.
+            ckpt.save(2, trainer={"w": torch.full((1000,), 7.0)})
+            assert ckpt.load(trainer=target) == 2 and torch.equal(target["w"], torch.full((1000,), 7.0))
+        else:
+            assert ckpt.latest_checkpoint() == "iter_000000002" and ckpt.committed_iterations() == [1, 2]
+            assert ckpt.load(trainer=target) == 2 and torch.equal(target["w"], STEP2["w"])
         ckpt.save(3, trainer={"w": torch.ones(2)})
-        assert ckpt.committed_iterations()[-1] == 3
-        assert ckpt.latest_checkpoint() == "iter_000000003"
+        assert ckpt.committed_iterations() == [1, 2, 3] and ckpt.latest_checkpoint() == "iter_000000003"
 
 
 def test_staging_reuses_its_buffers_while_shapes_stay_the_same() -> None:
