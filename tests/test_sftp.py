@@ -94,3 +94,20 @@ def test_an_sftp_pointer_update_that_fails_before_its_rename_leaves_the_old_poin
     monkeypatch.undo()
     assert commit.read_pointer(root) == 3  # the new bytes never replaced the old ones in place
     assert os.listdir(_local_path(sftp_backend)) == [commit.POINTER_NAME]  # no temporary file left
+
+
+def test_an_sshfs_filesystem_unpickled_in_another_process_still_gets_the_sftp_backend(sftp_backend: Backend) -> None:
+    # sshfs leaves protocol = "abstract" on its class until fsspec's registry sets it; a class
+    # imported by unpickling (DCP's process executor) never had it set.
+    import sshfs
+
+    from dcp_fsspec.storage.backends import backend_for
+    from dcp_fsspec.storage.backends.sftp import SftpBackend
+
+    fs = sftp_backend.fs
+    class_protocol = sshfs.SSHFileSystem.protocol
+    try:
+        sshfs.SSHFileSystem.protocol = "abstract"
+        assert isinstance(backend_for(fs), SftpBackend)
+    finally:
+        sshfs.SSHFileSystem.protocol = class_protocol

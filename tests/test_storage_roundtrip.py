@@ -96,14 +96,10 @@ def one_rank_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
 @pytest.mark.parametrize("executor", [AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS])
 def test_async_save_lands_a_loadable_checkpoint(
-    backend: Backend, executor: AsyncCheckpointerType, one_rank_group: None, request: pytest.FixtureRequest
+    backend: Backend, executor: AsyncCheckpointerType, one_rank_group: None
 ) -> None:
     if executor is AsyncCheckpointerType.PROCESS and not backend.shared_between_processes:
         pytest.skip("memory:// lives in one process; a background process cannot write to it")
-    if executor is AsyncCheckpointerType.PROCESS and backend.name == "sftp":
-        # Known bug, kept visible: in DCP's executor process, sshfs fails to open the first data
-        # file ("No such file or directory") although the folder was created; strict, so a fix shows.
-        request.applymarker(pytest.mark.xfail(strict=True, raises=BaseException, reason="sftp in DCP's process executor"))
     state = sample_state()
     writer = FsspecStorageWriter(backend.url, storage_options=backend.storage_options)
     response = dcp.async_save(state, storage_writer=writer, async_checkpointer_type=executor)

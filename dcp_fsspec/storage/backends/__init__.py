@@ -19,6 +19,7 @@ import importlib
 from collections.abc import Callable
 
 import fsspec
+from fsspec.registry import known_implementations
 
 from ..retry import NO_RETRY, RetryPolicy
 from .base import Backend, RangeReader, Versioned
@@ -62,8 +63,7 @@ def backend_for(
         retry: how its calls are retried.
         url_of: how messages spell a path (a Location's, so they show the URL the user wrote).
     """
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    for protocol in protocols:
+    for protocol in _protocols_of(fs):
         entry = BACKENDS.get(protocol)
         if entry is not None:
             module_name, class_name = entry.split(":")
@@ -71,6 +71,20 @@ def backend_for(
             if cls.accepts(fs):
                 return cls(fs, retry, url_of)
     return Backend(fs, retry, url_of)
+
+
+def _protocols_of(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    """``fs``'s protocols; from fsspec's table of implementations where the class does not say.
+
+    Some drivers (sshfs) leave ``protocol = "abstract"`` and rely on fsspec's registry to set it
+    when the class is looked up by scheme; a filesystem unpickled in another process (DCP's
+    process executor) has a class that was imported directly, and still says "abstract".
+    """
+    declared = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if declared not in (("abstract",), ()):
+        return declared
+    name = f"{type(fs).__module__}.{type(fs).__qualname__}"
+    return tuple(p for p, spec in known_implementations.items() if spec.get("class") == name)
 
 
 __all__ = ["BACKENDS", "DRIVER_PACKAGES", "Backend", "RangeReader", "Versioned", "backend_for"]
