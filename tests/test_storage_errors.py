@@ -137,10 +137,13 @@ def test_a_flipped_byte_is_caught_when_the_record_is_buffered_too(backend: Backe
 
 
 def test_a_shape_mismatch_is_an_error_not_silent_data(backend: Backend) -> None:
-    save({"w": torch.randn(4, 4)}, backend)
+    save({"decoder_weight": torch.randn(4, 4)}, backend)
+    target = torch.zeros(4, 5)
     with raises_through_dcp(ValueError) as raised:
-        load({"w": torch.zeros(4, 5)}, backend)
-    assert "w" in str(raised.value)
+        load({"decoder_weight": target}, backend)
+    message = str(raised.value)
+    assert "decoder_weight" in message and "[4, 4]" in message and "[4, 5]" in message
+    assert not target.any()  # nothing landed in the target
 
 
 def test_a_dtype_mismatch_is_converted_like_torch_does(backend: Backend) -> None:
@@ -151,7 +154,20 @@ def test_a_dtype_mismatch_is_converted_like_torch_does(backend: Backend) -> None
     assert torch.equal(loaded["w"], tensor.double())
 
 
-def test_error_types_are_also_builtin_types() -> None:
-    assert issubclass(CheckpointNotFoundError, FileNotFoundError)
-    assert issubclass(CheckpointMismatchError, ValueError)
-    assert issubclass(MissingDriverError, ImportError)
+def test_every_error_class_has_the_bases_the_tree_in_errors_py_draws() -> None:
+    import re
+
+    from dcp_fsspec import errors
+
+    tree = errors.__doc__ or ""
+    drawn = re.findall(r"[├└]── (\w+)(?:\s+\((\w+)\))?", tree)
+    assert len(drawn) >= 9, tree
+    classes = {name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, Exception)}
+    assert {name for name, _ in drawn} == classes - {"DcpFsspecError"}, "a class is missing from the tree"
+    builtins = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError, "ValueError": ValueError,
+                "ImportError": ImportError, "OSError": OSError, "RuntimeError": RuntimeError}  # fmt: skip
+    for name, builtin in drawn:
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.DcpFsspecError), name
+        if builtin:
+            assert issubclass(cls, builtins[builtin]), f"{name} should derive from {builtin}"

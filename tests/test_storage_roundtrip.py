@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec.storage import reader as reader_module
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
 from tests.states import assert_state_equal, empty_like_state, sample_state
@@ -67,13 +69,30 @@ def test_overwrite_replaces_the_checkpoint(backend: Backend) -> None:
     assert torch.equal(load({"w": torch.empty(3)}, backend)["w"], torch.full((3,), 7.0))
 
 
-def test_load_of_a_subset_and_of_resized_chunks_reads_what_is_needed(backend: Backend) -> None:
+def test_load_of_a_subset_and_of_resized_chunks_reads_what_is_needed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = sample_state()
     save(state, backend)
+    fetched: list[int] = []
+    real_fetch = reader_module.fetch_in_order
+
+    def counting(fs: Any, spans: list[Any], **kwargs: Any) -> Any:
+        fetched.extend(span.size for span in spans)
+        return real_fetch(fs, spans, **kwargs)
+
+    monkeypatch.setattr(reader_module, "fetch_in_order", counting)
     subset = {"matrix": torch.zeros(257, 129), "small": {"t4": torch.zeros(5)}}
     loaded = load(subset, backend)
     assert torch.equal(loaded["matrix"], state["matrix"])
     assert torch.equal(loaded["small"]["t4"], state["small"]["t4"])
+    storage = FsspecStorageReader(backend.url, storage_options=backend.storage_options).read_metadata().storage_data
+    needed = sum(info.length for index, info in storage.items() if index.fqn in ("matrix", "small.t4"))
+    everything = sum(info.length for info in storage.values())
+    gap = FsspecStorageReader(backend.url, storage_options=backend.storage_options).max_gap_bytes
+    # The two records, and at most a gap's worth of neighbours per request: not the whole files.
+    assert needed <= sum(fetched) <= needed + gap * len(fetched) < everything
+    assert len(fetched) <= 2
 
 
 def test_loading_without_checksum_verification_gives_the_same_state(backend: Backend) -> None:
