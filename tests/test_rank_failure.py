@@ -174,7 +174,11 @@ def test_when_a_rank_is_killed_or_hangs_mid_save_the_other_rank_fails_in_bounded
     with open(report) as f:
         result = json.load(f)
     assert result["from_the_group"], result
-    bound = 60.0 if how == "killed" else timeout + 60
-    assert result["seconds"] < bound, result  # generous; the point is that it ends
+    if how == "killed":
+        # Seen from the reset connection, not the group's timeout: that would take `timeout`.
+        assert result["seconds"] < timeout, result
+    else:
+        # Only the group's timeout can end it (a hung peer resets nothing); generous above.
+        assert 0.9 * timeout <= result["seconds"] < timeout + 60, result
     with Checkpointer(local_backend.url) as ckpt:
         assert ckpt.latest_checkpoint() == "iter_000000001" and ckpt.committed_iterations() == [1]
