@@ -21,6 +21,7 @@ from ..errors import (
     InvalidURLError,
     MissingDriverError,
     StorageError,
+    UsageError,  # also used as _cli.UsageError by the tools, from before errors.py held it
 )
 from ..storage.urls import normalize_url, scheme_of
 
@@ -38,10 +39,6 @@ EXIT_CODES_HELP = """exit codes:
   3  nothing at the URL (no checkpoint, iteration folder or save_dirname)
   4  the storage backend failed (network, permissions, ...)
   5  a needed package is missing (an fsspec driver such as gcsfs, or safetensors)"""
-
-
-class UsageError(DcpFsspecError, ValueError):
-    """A command-line argument that cannot be used (exit code 2)."""
 
 
 def exit_code_for(error: BaseException) -> int:

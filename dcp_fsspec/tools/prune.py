@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..checkpoint import commit, layout, retention
-from ..errors import CheckpointNotFoundError, DcpFsspecError, StorageError
+from ..errors import CheckpointNotFoundError, DcpFsspecError, StorageError, UsageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import resolve
 from . import _cli, targets
@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.keep < 1:
-        raise _cli.UsageError(f"--keep must be at least 1, got {args.keep}")
+        raise UsageError(f"--keep must be at least 1, got {args.keep}")
     result = prune(args.url, args.keep, _cli.storage_options(args.storage_options), dry_run=args.dry_run)
     if args.json:
         _cli.print_json(result.to_dict())
