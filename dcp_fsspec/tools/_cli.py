@@ -24,6 +24,7 @@ from ..errors import (
     UsageError,  # also used as _cli.UsageError by the tools, from before errors.py held it
 )
 from ..storage.urls import normalize_url, scheme_of
+from .progress import human_bytes
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -117,7 +118,7 @@ def print_json(document: Any) -> None:
 
 def report(args: argparse.Namespace, document: dict[str, Any], lines: Sequence[str]) -> None:
     """Print what a subcommand found: ``document`` as JSON with ``--json``, else ``lines``."""
-    if args.json:
+    if getattr(args, "json", False):
         print_json(document)
     else:
         print("\n".join(lines))
@@ -127,6 +128,12 @@ def table(rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns, two spaces apart; the first row is the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def size(n: int) -> str:
+    """A size for a table column, as ``ls -h`` writes it: bytes below 1 KiB (``"288"``), else
+    ``"1.5 KiB"``, ``"12.0 MiB"``, ``"3.2 GiB"``."""
+    return str(n) if n < 1024 else human_bytes(n)
 
 
 def age(seconds: float | None) -> str:
