@@ -132,3 +132,21 @@ def test_long_commands_draw_a_bar_that_reaches_100_percent_on_a_terminal(
     assert cli.main([command, memory_backend.sub("iter_000000001", "model"), *extra]) == 0
     last = terminal.getvalue().split("\r")[-1]
     assert "100%" in last and "/s" in last and last.endswith("\n")
+
+
+# -- help ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["demo", "ls", "inspect", "verify", "cp", "prune", "to-torch", "to-safetensors"])
+def test_subcommand_help_is_plain_text(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith(f"usage: dcp-fsspec {command}")
+    assert "``" not in out and ":class:" not in out and ":func:" not in out and ":mod:" not in out
+    assert "--debug" in out and "-v, --verbose" in out
+
+
+def test_demo_help_describes_the_demo() -> None:
+    text = cli.plain_text("starts ``LocalS3Server``, saves with :class:`Checkpointer` and :func:`~a.b.verify`")
+    assert text == "starts LocalS3Server, saves with Checkpointer and verify"

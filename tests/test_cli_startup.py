@@ -58,6 +58,12 @@ def _command(tmp_path: Path, *argv: str) -> dict[str, object]:
     return result
 
 
+def test_help_does_not_import_torch(tmp_path: Path) -> None:
+    result = _command(tmp_path, "--help")
+    assert result["code"] == 0 and "to-safetensors" in str(result["out"])
+    assert result["torch"] is False
+
+
 def test_importing_the_package_does_not_import_torch(tmp_path: Path) -> None:
     code = "import sys, dcp_fsspec; print('torch' in sys.modules, dcp_fsspec.__version__)"
     env = dict(os.environ)
