@@ -2,31 +2,42 @@
 
 Layers, bottom up: ``storage`` (DCP StorageWriter/StorageReader over fsspec) ← ``checkpoint``
 (iteration layout, commit pointer, retention, background saves) ← ``Checkpointer`` ← CLI.
+
+The public names are imported on first use (PEP 562), not with the package: most of them need
+torch, which takes seconds to import, and the ``dcp-fsspec`` command imports this package before
+it knows whether the subcommand needs torch at all.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__
-from .checkpoint import Checkpointer
-from .checkpoint.events import CheckpointEvent
-from .errors import (
-    BackgroundSaveError,
-    CheckpointExistsError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    DcpFsspecError,
-    InvalidURLError,
-    MissingDriverError,
-    StorageError,
-)
-from .storage.reader import FsspecStorageReader
-from .storage.retry import RetryPolicy
-from .storage.settings import ReaderSettings, WriterSettings
-from .storage.verification import VerifyProblem, VerifyReport
-from .storage.writer import FsspecStorageWriter
-from .tools.verify import verify
+
+# Public name → the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "BackgroundSaveError": ".errors",
+    "CheckpointEvent": ".checkpoint.events",
+    "CheckpointExistsError": ".errors",
+    "CheckpointMismatchError": ".errors",
+    "CheckpointNotFoundError": ".errors",
+    "Checkpointer": ".checkpoint",
+    "ChecksumMismatchError": ".errors",
+    "CorruptCheckpointError": ".errors",
+    "DcpFsspecError": ".errors",
+    "FsspecStorageReader": ".storage.reader",
+    "FsspecStorageWriter": ".storage.writer",
+    "InvalidURLError": ".errors",
+    "MissingDriverError": ".errors",
+    "ReaderSettings": ".storage.settings",
+    "RetryPolicy": ".storage.retry",
+    "StorageError": ".errors",
+    "VerifyProblem": ".storage.verification",
+    "VerifyReport": ".storage.verification",
+    "WriterSettings": ".storage.settings",
+    "verify": ".tools.verify",
+}
 
 __all__ = [
     "BackgroundSaveError",
@@ -45,9 +56,45 @@ __all__ = [
     "ReaderSettings",
     "RetryPolicy",
     "StorageError",
-    "__version__",
     "VerifyProblem",
     "VerifyReport",
     "WriterSettings",
+    "__version__",
     "verify",
 ]
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
+    from .checkpoint.events import CheckpointEvent
+    from .errors import (
+        BackgroundSaveError,
+        CheckpointExistsError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        ChecksumMismatchError,
+        CorruptCheckpointError,
+        DcpFsspecError,
+        InvalidURLError,
+        MissingDriverError,
+        StorageError,
+    )
+    from .storage.reader import FsspecStorageReader
+    from .storage.retry import RetryPolicy
+    from .storage.settings import ReaderSettings, WriterSettings
+    from .storage.verification import VerifyProblem, VerifyReport
+    from .storage.writer import FsspecStorageWriter
+    from .tools.verify import verify
+else:
+
+    def __getattr__(name: str) -> Any:
+        """Import a public name's module on first use, and keep the name here."""
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -218,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=50, help="checkpoint every this many steps (default: 50)")
     parser.add_argument("--stop-at", type=int, default=170, help="the first process stops after this step (default: 170)")
     parser.add_argument("--keep-last-n", type=int, default=3, help="checkpoints to keep (default: 3)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the teacher (default: 0)")
     parser.add_argument("--resume-worker", action="store_true", help=argparse.SUPPRESS)
 
 

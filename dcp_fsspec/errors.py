@@ -11,6 +11,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── RecordFormatError          (ValueError)         internal: bytes we do not decode ourselves (torch.load does)
     ├── CheckpointMismatchError    (ValueError)         the checkpoint does not fit the state dict
     ├── InvalidURLError            (ValueError)         a URL or path that cannot name a checkpoint
+    ├── UsageError                 (ValueError)         a command-line argument that cannot be used
     ├── MissingDriverError         (ImportError)        the fsspec driver for a scheme is missing
     ├── StorageError               (OSError)            the backend failed while reading/writing
     └── BackgroundSaveError        (RuntimeError)       the background save process died
@@ -55,6 +56,10 @@ class CheckpointMismatchError(DcpFsspecError, ValueError):
 
 class InvalidURLError(DcpFsspecError, ValueError):
     """A URL or path that cannot name a checkpoint location."""
+
+
+class UsageError(DcpFsspecError, ValueError):
+    """A command-line argument that cannot be used (``dcp-fsspec`` exits with code 2)."""
 
 
 class MissingDriverError(DcpFsspecError, ImportError):

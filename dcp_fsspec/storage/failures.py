@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-from torch.distributed.checkpoint.api import CheckpointException
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointMismatchError, DcpFsspecError, StorageError
+
+if TYPE_CHECKING:  # only for a type: tools that never run DCP (ls, prune, cp) must not import torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
 
 @contextmanager

@@ -1,17 +1,30 @@
-"""What the tool subcommands share: storage-option flags, JSON and table output, exit codes.
+"""What the tool subcommands share: storage-option flags, JSON and table output, exit codes, and
+how an error becomes one line.
 
 Exit codes (also in ``dcp-fsspec --help`` and the README): 0 ok; 1 a problem was found (damage,
-a checkpoint that does not fit); 2 a usage error (bad arguments, bad ``--storage-options``, an
-unknown URL scheme, an output in the way without ``--overwrite``); 3 nothing at the URL; 4 the
-storage backend failed; 5 a needed package is missing.
+a checkpoint that does not fit) or an unexpected error; 2 a usage error (bad arguments, bad
+``--storage-options``, an unknown URL scheme, an output in the way without ``--overwrite``); 3
+nothing at the URL; 4 the storage backend failed (unreachable, no credentials, refused); 5 a
+needed package is missing.
+
+An error is one line on stderr, ``dcp-fsspec <command>: error: <what happened and what to do>``,
+naming the URL; with ``--json`` it is one JSON object on stdout instead (where a script reading
+``--json`` already looks), ``{"error": …, "kind": …, "url": …, "exit_code": …}``. ``--debug`` (or
+``-v``) adds the traceback on stderr. :func:`failure_for` decides by the exception's type and its
+causes' types, never by its text.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import socket
 import sys
+import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import (
@@ -21,8 +34,12 @@ from ..errors import (
     InvalidURLError,
     MissingDriverError,
     StorageError,
+    UsageError,  # also used as _cli.UsageError by the tools, from before errors.py held it
 )
+from ..storage.backends import DRIVER_PACKAGES
+from ..storage.retry import causes
 from ..storage.urls import normalize_url, scheme_of
+from .progress import human_bytes
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1
@@ -33,28 +50,153 @@ EXIT_MISSING_PACKAGE = 5
 
 EXIT_CODES_HELP = """exit codes:
   0  ok
-  1  a problem was found (verify: damage; a checkpoint that does not fit or cannot be decoded)
+  1  a problem was found (verify: damage; a checkpoint that does not fit or cannot be decoded),
+     or an unexpected error (--debug shows its traceback)
   2  usage error (bad arguments or --storage-options, unknown URL scheme, output exists: --overwrite)
   3  nothing at the URL (no checkpoint, iteration folder or save_dirname)
-  4  the storage backend failed (network, permissions, ...)
-  5  a needed package is missing (an fsspec driver such as gcsfs, or safetensors)"""
+  4  the storage backend failed (unreachable, no credentials, permissions, ...)
+  5  a needed package is missing (an fsspec driver such as gcsfs, or safetensors)
+
+errors: one line on stderr; with --json, a JSON object {"error", "kind", "url", "exit_code"} on
+stdout; with --debug (or -v), the traceback too"""
+
+# Drivers' own exception types that mean the same whatever the command: (module, class, advice).
+# Only modules already imported are looked in, since an error cannot be of a type never loaded,
+# and nothing here imports a driver.
+_NO_CREDENTIALS = (
+    ("botocore.exceptions", "NoCredentialsError",
+     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), pass '{\"key\": …, \"secret\": …}' "
+     "in --storage-options, or '{\"anon\": true}' for a public bucket"),
+    ("botocore.exceptions", "PartialCredentialsError",
+     "the credentials found are incomplete: set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+     "(or fix the profile in ~/.aws)"),
+)  # fmt: skip
+_UNREACHABLE = (
+    ("botocore.exceptions", "EndpointConnectionError"),
+    ("botocore.exceptions", "ConnectTimeoutError"),
+    ("aiohttp", "ClientConnectorError"),
+)
+# What a connection that never got through says, on the built-in OSError drivers raise.
+_UNREACHABLE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
-class UsageError(DcpFsspecError, ValueError):
-    """A command-line argument that cannot be used (exit code 2)."""
+@dataclass(frozen=True)
+class Failure:
+    """How the command line reports an error.
+
+    Attributes:
+        kind: ``usage``, ``storage_options``, ``not_found``, ``storage``, ``unreachable``,
+            ``credentials``, ``missing_package``, ``problem`` or ``unexpected``.
+        exit_code: one of the ``EXIT_*`` codes.
+        message: one line naming the URL and what to do.
+        url: the URL the command was given (for ``cp`` and the conversions, the source).
+    """
+
+    kind: str
+    exit_code: int
+    message: str
+    url: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": self.message, "kind": self.kind, "url": self.url, "exit_code": self.exit_code}
+
+
+def failure_for(error: BaseException, urls: Sequence[str] = (), *, storage_options_given: bool = False) -> Failure:
+    """How to report ``error``, raised by a command given ``urls``.
+
+    Args:
+        error: what the command raised.
+        urls: the command's URLs, in the order given (named in messages that lack one).
+        storage_options_given: whether the user passed storage options; only then can a
+            ``TypeError`` from a driver mean a wrong option name.
+    """
+    url = urls[0] if urls else None
+    where = " → ".join(urls) if urls else "the URL"
+    for cause in causes(error):
+        advice = _credentials_advice(cause)
+        if advice is not None:
+            return Failure("credentials", EXIT_STORAGE, f"no credentials to access {where} ({cause}); {advice}", url)
+        if _is_unreachable(cause):
+            return Failure(
+                "unreachable", EXIT_STORAGE,
+                f"cannot reach the storage of {where} ({type(cause).__name__}: {cause}); check the address "
+                "(endpoint_url in --storage-options), the network, and that the server is up",
+                url,
+            )  # fmt: skip
+    if isinstance(error, MissingDriverError):
+        return Failure("missing_package", EXIT_MISSING_PACKAGE, str(error), url)
+    if isinstance(error, (UsageError, InvalidURLError, CheckpointExistsError)):
+        return Failure("usage", EXIT_USAGE, str(error), url)
+    if isinstance(error, CheckpointNotFoundError):
+        return Failure("not_found", EXIT_NOT_FOUND, str(error), url)
+    if isinstance(error, StorageError):
+        return Failure("storage", EXIT_STORAGE, str(error), url)
+    if isinstance(error, DcpFsspecError):
+        return Failure("problem", EXIT_PROBLEM, str(error), url)
+    if isinstance(error, OSError):  # a driver's own, not wrapped: it may not name the URL
+        return Failure("storage", EXIT_STORAGE, f"{where}: {type(error).__name__}: {error}", url)
+    if isinstance(error, TypeError) and storage_options_given and not _raised_in_package(error):
+        package = DRIVER_PACKAGES.get(scheme_of(url or ""), "the fsspec driver")
+        return Failure(
+            "storage_options", EXIT_USAGE,
+            f"the storage driver for {where} refused the storage options ({error}); check their names "
+            f"in the documentation of {package}",
+            url,
+        )  # fmt: skip
+    return Failure(
+        "unexpected", EXIT_PROBLEM,
+        f"unexpected {type(error).__name__} while working on {where}: {error} (run again with --debug for the "
+        "traceback, and please report it)",
+        url,
+    )  # fmt: skip
 
 
 def exit_code_for(error: BaseException) -> int:
     """The exit code for an error a subcommand raised."""
-    if isinstance(error, MissingDriverError):
-        return EXIT_MISSING_PACKAGE
-    if isinstance(error, (UsageError, InvalidURLError, CheckpointExistsError)):
-        return EXIT_USAGE
-    if isinstance(error, CheckpointNotFoundError):
-        return EXIT_NOT_FOUND
-    if isinstance(error, (StorageError, OSError)):
-        return EXIT_STORAGE
-    return EXIT_PROBLEM
+    return failure_for(error).exit_code
+
+
+def report_failure(command: str, failure: Failure, error: BaseException, *, as_json: bool, debug: bool) -> None:
+    """Print ``failure``: one line on stderr, or with ``as_json`` a JSON object on stdout;
+    ``debug`` prints the traceback first (on stderr)."""
+    if debug:
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    if as_json:
+        print_json(failure.to_dict())
+    else:
+        print(f"dcp-fsspec {command}: error: {failure.message}", file=sys.stderr)
+
+
+def _loaded(module: str, name: str) -> type[BaseException] | None:
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
+
+
+def _credentials_advice(error: BaseException) -> str | None:
+    for module, name, advice in _NO_CREDENTIALS:
+        cls = _loaded(module, name)
+        if cls is not None and isinstance(error, cls):
+            return advice
+    return None
+
+
+def _is_unreachable(error: BaseException) -> bool:
+    if isinstance(error, (ConnectionRefusedError, socket.gaierror)):
+        return True
+    if isinstance(error, OSError) and not isinstance(error, DcpFsspecError) and error.errno in _UNREACHABLE_ERRNOS:
+        return True
+    types = tuple(cls for cls in (_loaded(m, n) for m, n in _UNREACHABLE) if cls is not None)
+    return bool(types) and isinstance(error, types)
+
+
+def _raised_in_package(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is in this package (a bug of ours,
+    not a driver refusing an argument)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
 
 
 def add_standard_arguments(
@@ -110,7 +252,12 @@ def both_storage_options(args: argparse.Namespace, src: str, dst: str) -> tuple[
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    """``--json`` after the subcommand. Its default is left to the top-level parser, which takes
+    ``--json`` before the subcommand too (a subcommand's default would overwrite that one)."""
+    parser.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS,
+        help="print one JSON document instead of text (errors too: a JSON object on stdout)",
+    )  # fmt: skip
 
 
 def print_json(document: Any) -> None:
@@ -120,7 +267,7 @@ def print_json(document: Any) -> None:
 
 def report(args: argparse.Namespace, document: dict[str, Any], lines: Sequence[str]) -> None:
     """Print what a subcommand found: ``document`` as JSON with ``--json``, else ``lines``."""
-    if args.json:
+    if getattr(args, "json", False):
         print_json(document)
     else:
         print("\n".join(lines))
@@ -130,6 +277,12 @@ def table(rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns, two spaces apart; the first row is the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def size(n: int) -> str:
+    """A size for a table column, as ``ls -h`` writes it: bytes below 1 KiB (``"288"``), else
+    ``"1.5 KiB"``, ``"12.0 MiB"``, ``"3.2 GiB"``."""
+    return str(n) if n < 1024 else human_bytes(n)
 
 
 def age(seconds: float | None) -> str:

@@ -1,4 +1,4 @@
-"""``inspect``: what a checkpoint holds — keys, entries, dtypes, shapes, bytes — from ``.metadata`` only.
+"""``inspect``: what a checkpoint holds — keys, entries, dtypes, shapes, sizes — from ``.metadata`` only.
 
 Nothing but the ``.metadata`` files is read. A save_dirname is shown at the iteration its
 pointer names; an iteration folder key by key; a single DCP checkpoint as one unnamed key.
@@ -59,6 +59,7 @@ class CheckpointSummary:
         doc = asdict(self)
         for key, summary in zip(doc["keys"], self.keys):
             key["tensor_bytes"] = summary.tensor_bytes
+            key["param_groups"] = param_groups(summary.entries)
         return doc
 
     def lines(self) -> list[str]:
@@ -71,11 +72,19 @@ class CheckpointSummary:
                 f"{tensors} tensors ({human_bytes(key.tensor_bytes)}), "
                 f"{len(key.entries) - tensors} objects, {human_bytes(key.stored_bytes)} stored"
             )]  # fmt: skip
-            rows = [("entry", "dtype", "shape", "bytes", "chunks")]
+            rows = [("entry", "dtype", "shape", "size", "chunks")]
             for e in key.entries:
+                if e.fqn.startswith(_PARAM_GROUPS):
+                    continue  # summarized below: one line, not a row per parameter and setting
                 shape = "-" if e.shape is None else "(" + ", ".join(map(str, e.shape)) + ")"
-                rows.append((e.fqn, e.dtype or "object", shape, str(e.nbytes), str(e.chunks)))
+                rows.append((e.fqn, e.dtype or "object", shape, _cli.size(e.nbytes), str(e.chunks)))
             lines.append(_cli.table(rows))
+            groups = param_groups(key.entries)
+            if groups is not None:
+                lines.append(
+                    f"param_groups: {groups['entries']} entries, the settings of {groups['count']} {groups['of']}: "
+                    f"{', '.join(groups['keys'])} (--json lists every entry)"
+                )
         return lines
 
 
@@ -118,6 +127,28 @@ def summarize(location: Location, key: str | None) -> KeySummary:
         elif isinstance(meta, BytesStorageMetadata):
             summary.entries.append(Entry(fqn, "object", None, None, stored_by_fqn.get(fqn, 0), 1))
     return summary
+
+
+_PARAM_GROUPS = "param_groups."
+
+
+def param_groups(entries: list[Entry]) -> dict[str, Any] | None:
+    """An optimizer's ``param_groups`` entries in short: how many, for how many parameters (a
+    flattened optimizer state dict, ``param_groups.<param>.<setting>``) or groups
+    (``param_groups.<i>.<setting>``), and which settings; ``None`` when there are none."""
+    owners: set[str] = set()
+    keys: set[str] = set()
+    count = 0
+    for e in entries:
+        if e.fqn.startswith(_PARAM_GROUPS):
+            owner, _, setting = e.fqn[len(_PARAM_GROUPS) :].rpartition(".")
+            owners.add(owner)
+            keys.add(setting)
+            count += 1
+    if not count:
+        return None
+    of = "groups" if all(o.isdigit() for o in owners) else "parameters"
+    return {"entries": count, "count": len(owners), "of": of, "keys": sorted(keys)}
 
 
 # --- the subcommand ------------------------------------------------------------------------------

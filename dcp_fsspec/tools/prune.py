@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..checkpoint import commit, layout, retention
-from ..errors import CheckpointNotFoundError, DcpFsspecError, StorageError
+from ..errors import CheckpointNotFoundError, DcpFsspecError, StorageError, UsageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import resolve
 from . import _cli, targets
@@ -37,7 +37,11 @@ class PruneResult:
     failed: dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """As JSON; a dry run's plan is ``would_delete``, and its ``deleted`` is empty (true)."""
+        doc = asdict(self)
+        if self.dry_run:
+            doc["would_delete"], doc["deleted"] = doc["deleted"], []
+        return doc
 
 
 def prune(
@@ -90,9 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.keep < 1:
-        raise _cli.UsageError(f"--keep must be at least 1, got {args.keep}")
+        raise UsageError(f"--keep must be at least 1, got {args.keep}")
     result = prune(args.url, args.keep, _cli.storage_options(args.storage_options), dry_run=args.dry_run)
-    if args.json:
+    if getattr(args, "json", False):
         _cli.print_json(result.to_dict())
     else:
         verb = "would delete" if result.dry_run else "deleted"
@@ -103,7 +107,10 @@ def main(args: argparse.Namespace) -> int:
         for iteration, error in result.failed.items():
             print(f"FAILED to delete {layout.format_iteration(iteration)}: {error}")
         kept = ", ".join(layout.format_iteration(i) for i in result.kept) or "nothing"
-        print(f"{result.url}: kept {kept}")
+        if result.dry_run:
+            print(f"{result.url}: would keep {kept}; dry run, nothing was deleted")
+        else:
+            print(f"{result.url}: kept {kept}")
     if result.failed:
         raise StorageError(
             f"{len(result.failed)} iteration(s) of {result.url} could not be deleted (they are uncommitted now); "

@@ -147,8 +147,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     with Progress("verifying") as progress:
         report = verify(args.url, _cli.storage_options(args.storage_options), progress=progress)
+    # Counted as the user saved them: an iteration is one checkpoint, however many keys it holds.
+    saved, keys = len({posixpath.dirname(url) for url in report.checkpoints}), len(report.checkpoints)
+    counted = f"{keys} checkpoint" if report.kind == "checkpoint" else f"{saved} checkpoint(s) ({keys} keys)"
     summary = (
-        f"{len(report.checkpoints)} checkpoint(s), {report.items} items, {report.tensors_checked} tensors "
+        f"{counted}, {report.items} items, {report.tensors_checked} tensors "
         f"checked against their CRC-32, {report.unchecked} without a checksum, {human_bytes(report.bytes_read)} read"
     )
     lines = [f"note: {note}" for note in report.notes] + [f"PROBLEM {problem}" for problem in report.problems]
