@@ -37,13 +37,6 @@ with open(report, "w") as f:
     json.dump({"code": code, "torch": "torch" in sys.modules}, f)
 """
 
-# checkpoint/__init__.py imports the Checkpointer (and torch) eagerly, and ls, prune and cp
-# import checkpoint.commit/layout/retention through it; it is outside this change.
-_NEEDS_LAZY_CHECKPOINT_PACKAGE = pytest.mark.xfail(
-    strict=True, reason="dcp_fsspec/checkpoint/__init__.py still imports the Checkpointer (torch) eagerly"
-)
-
-
 def _command(tmp_path: Path, *argv: str) -> dict[str, object]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
@@ -72,7 +65,6 @@ def test_importing_the_package_does_not_import_torch(tmp_path: Path) -> None:
     assert done.stdout.split() == ["False", dcp_fsspec.__version__]
 
 
-@_NEEDS_LAZY_CHECKPOINT_PACKAGE
 def test_ls_does_not_import_torch(tmp_path: Path) -> None:
     backend = Backend("local", str(tmp_path / "run"))
     _run(backend, [1])
@@ -81,7 +73,6 @@ def test_ls_does_not_import_torch(tmp_path: Path) -> None:
     assert result["torch"] is False
 
 
-@_NEEDS_LAZY_CHECKPOINT_PACKAGE
 def test_prune_and_cp_do_not_import_torch(tmp_path: Path) -> None:
     backend = Backend("local", str(tmp_path / "run"))
     _run(backend, [1, 2])
