@@ -24,6 +24,7 @@ from .errors import (
 from .storage.reader import FsspecStorageReader
 from .storage.retry import RetryPolicy
 from .storage.settings import ReaderSettings, WriterSettings
+from .storage.trust import SafeLoadPlanner
 from .storage.verification import VerifyProblem, VerifyReport
 from .storage.writer import FsspecStorageWriter
 from .tools.verify import verify
@@ -44,6 +45,7 @@ __all__ = [
     "MissingDriverError",
     "ReaderSettings",
     "RetryPolicy",
+    "SafeLoadPlanner",
     "StorageError",
     "__version__",
     "VerifyProblem",

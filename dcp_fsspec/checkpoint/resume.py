@@ -126,7 +126,13 @@ def load_path_keys(wanted: Sequence[str], options: ResumeOptions) -> list[str]:
 
 
 def gather(
-    root: Location, load_root: Location | None, wanted: Sequence[str], options: ResumeOptions, reader: ReaderSettings
+    root: Location,
+    load_root: Location | None,
+    wanted: Sequence[str],
+    options: ResumeOptions,
+    reader: ReaderSettings,
+    *,
+    trust_checkpoint: bool = False,
 ) -> ResumeFacts:
     """Ask storage what :func:`plan_resume` needs: a few calls, on rank 0.
 
@@ -136,6 +142,7 @@ def gather(
         wanted: the keys ``load`` should restore.
         options: which keys ``load_path`` provides (only those are looked for there).
         reader: the reader's tuning, for reading a single checkpoint's ``.metadata``.
+        trust_checkpoint: unpickle that ``.metadata`` in full (the Checkpointer's keyword).
 
     Raises:
         CheckpointNotFoundError: a pointer names a folder that is not a committed iteration.
@@ -146,7 +153,7 @@ def gather(
     own = _named_by_pointer(root)
     if own is not None or load_root is None:
         return ResumeFacts(own)
-    return ResumeFacts(None, _look_at_load_path(load_root, load_path_keys(wanted, options), reader))
+    return ResumeFacts(None, _look_at_load_path(load_root, load_path_keys(wanted, options), reader, trust_checkpoint))
 
 
 def _named_by_pointer(root: Location) -> Found | None:
@@ -158,8 +165,8 @@ def _named_by_pointer(root: Location) -> Found | None:
     return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, latest)), latest, keys)
 
 
-def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings) -> Found:
-    entries = _checkpoint_entries(source, reader)
+def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings, trust_checkpoint: bool) -> Found:
+    entries = _checkpoint_entries(source, reader, trust_checkpoint)
     if entries is not None:
         return Found(CHECKPOINT, source.url, source.url, entries=entries)
     pointed = _named_by_pointer(source)
@@ -173,10 +180,12 @@ def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings
     return Found(FOLDER, source.url, source.url, layout.parse_iteration(source.path), saved)
 
 
-def _checkpoint_entries(source: Location, reader: ReaderSettings) -> tuple[str, ...] | None:
+def _checkpoint_entries(source: Location, reader: ReaderSettings, trust_checkpoint: bool) -> tuple[str, ...] | None:
     """The entry names in the ``.metadata`` of a single DCP checkpoint at ``source``, or None."""
     try:
-        metadata = FsspecStorageReader(source.url, fs=source.fs, retry=source.retry, **reader.as_kwargs()).read_metadata()
+        metadata = FsspecStorageReader(
+            source.url, fs=source.fs, retry=source.retry, trust_checkpoint=trust_checkpoint, **reader.as_kwargs()
+        ).read_metadata()
     except CheckpointNotFoundError:
         return None
     return tuple(metadata.state_dict_metadata)
