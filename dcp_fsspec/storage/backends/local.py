@@ -94,6 +94,10 @@ class LocalBackend(Backend):
                     pass
         return True
 
+    def link_out_of(self, path: str, folder: str) -> str | None:
+        real, root = os.path.realpath(path), os.path.realpath(folder)
+        return None if real == root or real.startswith(root.rstrip(os.sep) + os.sep) else real
+
     def range_reader(self) -> RangeReader:
         return LocalFiles()
 
