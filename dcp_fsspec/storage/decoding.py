@@ -274,7 +274,7 @@ class RecordDecoder:
         if self.fault is not None:
             return
         if self.whole is not None:
-            self.whole[start : self.received] = view
+            self.whole[start : self.received] = view  # appends, until reserve_whole
         elif self._streaming:
             self._take(start, view)
         else:
@@ -291,10 +291,24 @@ class RecordDecoder:
         self._streaming, self._dest = True, dest
 
     def hold_whole(self) -> None:
-        """Keep every byte of the record (from the first), to decode it once complete."""
+        """Keep every byte of the record (from the first), to decode it once complete.
+
+        The buffer grows as the bytes arrive (:meth:`feed` appends), so a ``.metadata`` that
+        claims a huge record costs the bytes actually stored, not the claim, before the
+        truncation is noticed; :meth:`reserve_whole` sizes it at once where the size is known.
+        """
         head = self._head
-        self.whole, self._head = bytearray(self.place.length), bytearray()
-        self.whole[: len(head)] = head
+        self.whole, self._head = bytearray(head), bytearray()
+
+    def reserve_whole(self) -> memoryview:
+        """The held buffer at the record's full length (the caller checked the bytes exist),
+        as a view from the first byte not yet received, to be filled in place."""
+        assert self.whole is not None
+        if len(self.whole) < self.place.length:
+            full = bytearray(self.place.length)
+            full[: len(self.whole)] = self.whole
+            self.whole = full
+        return memoryview(self.whole)[self.received :]
 
     def _read_header(self, view: memoryview) -> None:
         # Parse from the piece itself when it holds the whole header (the usual case); only a

@@ -223,6 +223,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         started = []
         for rec, head_read in zip(big, heads):
             head = head_read.result()
+            # Before a buffer is sized by what .metadata claims, the bytes must be there.
+            self._check_read(rec, min(files.size(rec.path) - rec.offset, rec.length), rec.length)
             self._check_read(rec, len(head), min(rec.length, _HEAD_BYTES))
             decoder = _LoadDecoder(rec, planner, self)
             decoder.feed(memoryview(head))
@@ -354,7 +356,7 @@ class _LoadDecoder(RecordDecoder):
         if self.whole is None and (self.layout is None or self._dest is None):
             self.hold_whole()  # header longer than read, or no data
         if self.whole is not None:
-            return memoryview(self.whole)[self.received :], self.received
+            return self.reserve_whole(), self.received
         assert self.layout is not None and self._dest is not None
         start = max(self.received, self.layout.data_start)
         return self._dest[start - self.layout.data_start :], start
