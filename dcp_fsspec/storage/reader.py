@@ -138,7 +138,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 record with a negative offset or no length, or (unless ``trust_checkpoint``) names
                 a class DCP metadata does not consist of; nothing it names was run.
         """
-        if self.metadata_failure is not None:
+        if isinstance(self.metadata_failure, CorruptCheckpointError):
             # DCP retries a failed read with the rank's own ``__{rank}.metadata``; a .metadata that
             # is there but damaged or refused is not a reason to read another file instead.
             raise self.metadata_failure
@@ -147,7 +147,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         except CheckpointNotFoundError:
             raise
         except DcpFsspecError as e:
-            self.metadata_failure = e
+            self.metadata_failure = self.metadata_failure or e
             raise
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
