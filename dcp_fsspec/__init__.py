@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "MissingDriverError": ".errors",
     "ReaderSettings": ".storage.settings",
     "RetryPolicy": ".storage.retry",
+    "SafeLoadPlanner": ".storage.trust",
     "StorageError": ".errors",
     "VerifyProblem": ".storage.verification",
     "VerifyReport": ".storage.verification",
@@ -55,6 +56,7 @@ __all__ = [
     "MissingDriverError",
     "ReaderSettings",
     "RetryPolicy",
+    "SafeLoadPlanner",
     "StorageError",
     "VerifyProblem",
     "VerifyReport",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
     from .storage.reader import FsspecStorageReader
     from .storage.retry import RetryPolicy
     from .storage.settings import ReaderSettings, WriterSettings
+    from .storage.trust import SafeLoadPlanner
     from .storage.verification import VerifyProblem, VerifyReport
     from .storage.writer import FsspecStorageWriter
     from .tools.verify import verify

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import BackgroundSaveError, CorruptCheckpointError, InvalidURLError
@@ -30,6 +29,7 @@ from ..storage.failures import unwrap_dcp
 from ..storage.reader import FsspecStorageReader
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
+from ..storage.trust import SafeLoadPlanner
 from ..storage.urls import resolve
 from . import commit, layout, resume
 from . import state as state_mod
@@ -93,6 +93,14 @@ class Checkpointer:
         writer_settings: the tuning of every writer, the background process's included; default
             ``WriterSettings()`` (:mod:`dcp_fsspec.storage.settings`).
         reader_settings: the tuning of every reader; default ``ReaderSettings()``.
+        trust_checkpoint: what :meth:`load` reads (``save_dirname`` and ``load_path``) was written
+            by you: unpickle ``.metadata`` and non-tensor entries in full, whatever classes they
+            name, which runs any code they hold. By default only DCP metadata's classes, and for
+            non-tensor entries what ``torch.load(weights_only=True)`` constructs (plain values,
+            tensors, ``torch.serialization.add_safe_globals``), are loaded; anything else is a
+            ``CorruptCheckpointError`` naming it. Its own keyword, not a ``ReaderSettings`` field:
+            it is a decision about the checkpoint's source rather than tuning, and it governs the
+            load planner (non-tensor entries) as well as the reader.
 
     Raises:
         ValueError: an unknown ``async_mode``, ``keep_last_n`` below 1, or both
@@ -123,6 +131,7 @@ class Checkpointer:
         retry: RetryPolicy | None = DEFAULT_RETRY,
         writer_settings: WriterSettings | None = None,
         reader_settings: ReaderSettings | None = None,
+        trust_checkpoint: bool = False,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
@@ -143,6 +152,7 @@ class Checkpointer:
         self._async_mode = async_mode
         self._retry = retry
         self._reader_settings = reader_settings or ReaderSettings()
+        self._trust_checkpoint = trust_checkpoint
         self._resume_options = ResumeOptions(load_training_state, only_load_scheduler_state, strict_resume)
         self._load_optimizer = load_optimizer
         self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
@@ -320,7 +330,10 @@ class Checkpointer:
         options = self._resume_options
 
         def plan_on_rank0() -> resume.ResumePlan | None:
-            facts = resume.gather(self._root, self._load_root, wanted, options, self._reader_settings, iteration=iteration)
+            facts = resume.gather(
+                self._root, self._load_root, wanted, options, self._reader_settings,
+                iteration=iteration, trust_checkpoint=self._trust_checkpoint,
+            )  # fmt: skip
             plan = resume.plan_resume(facts, wanted, options)
             if plan is None and facts.leftovers:
                 logger.warning(
@@ -361,18 +374,20 @@ class Checkpointer:
         # DCP flattens nested dicts, so {"model": sd} receives the entries saved as "model.…".
         target = state_dict if where.nested_under is None else {where.nested_under: state_dict}
         reader = FsspecStorageReader(
-            where.url, storage_options=storage_options, retry=self._retry, **self._reader_settings.as_kwargs()
-        )
+            where.url, storage_options=storage_options, retry=self._retry, trust_checkpoint=self._trust_checkpoint,
+            **self._reader_settings.as_kwargs(),
+        )  # fmt: skip
         try:
             dcp.load(
                 target,
                 storage_reader=reader,
-                planner=DefaultLoadPlanner(allow_partial_load=not strict),
+                planner=SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=self._trust_checkpoint),
                 process_group=self._collectives.group,
                 no_dist=not self._collectives.distributed,
             )
         except CheckpointException as e:
-            raise unwrap_dcp(e, f"loading key {key!r} from {where.url}", mismatch=True) from e
+            action = f"loading key {key!r} from {where.url}"
+            raise unwrap_dcp(e, action, mismatch=True, metadata_failure=reader.metadata_failure) from e
         state_mod.restore(key, value, state_dict, model=model, strict=strict)
         return tensor_nbytes(state_dict)
 

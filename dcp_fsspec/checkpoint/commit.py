@@ -32,6 +32,9 @@ from . import layout
 logger = logging.getLogger(__name__)
 
 _RECORD_FORMAT = 1
+# A record is a few hundred bytes (a key name each); anything far bigger was not written by us,
+# and is not parsed (json's nesting depth is bounded by its length).
+_MAX_RECORD_BYTES = 1024 * 1024
 # How often a pointer update re-reads and tries again after losing a race to another writer.
 _POINTER_ROUNDS = 20
 
@@ -90,10 +93,14 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
     except FileNotFoundError:
         return None
     try:
+        if len(raw) > _MAX_RECORD_BYTES:
+            raise ValueError(f"{len(raw)} bytes, more than a commit record's {_MAX_RECORD_BYTES}")
         doc = json.loads(raw)
+        if not isinstance(doc, dict) or not isinstance(doc["keys"], list):
+            raise TypeError("not an object with a list of keys")
         keys = tuple(layout.check_key(k) for k in doc["keys"])
         return CommitRecord(int(doc["iteration"]), keys, int(doc["world_size"]), float(doc["saved_at"]))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"commit record {root.url_of(path)} is unreadable ({e}); delete the folder "
             f"{root.url_of(posixpath.dirname(path))} if that iteration is not needed"

@@ -18,7 +18,11 @@ from ..storage.urls import Location
 
 ITERATION_PREFIX = "iter_"
 _ITERATION_DIGITS = 9
-_ITERATION_RE = re.compile(r"iter_(\d{9,})")
+# At most 18 digits: every iteration fits an int64, and a name read from storage (the pointer, a
+# listing) is never handed to int() at a length where that costs time or raises. ASCII digits
+# only: int() would also read other scripts' digits, naming a folder that is not the one found.
+_MAX_ITERATION_DIGITS = 18
+_ITERATION_RE = re.compile(rf"iter_([0-9]{{{_ITERATION_DIGITS},{_MAX_ITERATION_DIGITS}}})")
 # Key names become folder names on every backend, so they stay portable and never collide with
 # DCP's hidden ``.metadata`` or with our own hidden files.
 _KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -28,15 +32,16 @@ def format_iteration(iteration: int) -> str:
     """The folder name of ``iteration`` (``5`` → ``"iter_000000005"``).
 
     Raises:
-        ValueError: ``iteration`` is negative or not an int.
+        ValueError: ``iteration`` is negative, not an int, or has more than 18 digits.
     """
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-        raise ValueError(f"iteration must be an int >= 0, got {iteration!r}")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or not 0 <= iteration < 10**_MAX_ITERATION_DIGITS:
+        raise ValueError(f"iteration must be an int >= 0 of at most {_MAX_ITERATION_DIGITS} digits, got {iteration!r}")
     return f"{ITERATION_PREFIX}{iteration:0{_ITERATION_DIGITS}d}"
 
 
 def parse_iteration(name: str) -> int | None:
-    """The iteration named by a folder name or path (its last component), or ``None``."""
+    """The iteration named by a folder name or path (its last component), or ``None`` (also for
+    a name too long to be one we write: more than 18 digits)."""
     match = _ITERATION_RE.fullmatch(posixpath.basename(name.rstrip("/")))
     return int(match.group(1)) if match else None
 

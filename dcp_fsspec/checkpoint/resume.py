@@ -138,6 +138,7 @@ def gather(
     reader: ReaderSettings,
     *,
     iteration: int | None = None,
+    trust_checkpoint: bool = False,
 ) -> ResumeFacts:
     """Ask storage what :func:`plan_resume` needs: a few calls, on rank 0.
 
@@ -149,6 +150,7 @@ def gather(
         reader: the reader's tuning, for reading a single checkpoint's ``.metadata``.
         iteration: read this committed iteration of ``save_dirname`` instead of the one the
             pointer names (``load(iteration=N)``); ``load_path`` is then not looked at.
+        trust_checkpoint: unpickle that ``.metadata`` in full (the Checkpointer's keyword).
 
     Raises:
         CheckpointNotFoundError: a pointer (or ``iteration``) names a folder that is not a
@@ -165,7 +167,8 @@ def gather(
     leftovers = _leftovers(root)
     if load_root is None:
         return ResumeFacts(None, leftovers=leftovers)
-    return ResumeFacts(None, _look_at_load_path(load_root, load_path_keys(wanted, options), reader), leftovers)
+    found = _look_at_load_path(load_root, load_path_keys(wanted, options), reader, trust_checkpoint)
+    return ResumeFacts(None, found, leftovers)
 
 
 def _named_by_pointer(root: Location) -> Found | None:
@@ -202,8 +205,8 @@ def _leftovers(root: Location) -> str | None:
     return f"{len(names)} entries that are not iteration folders ({shown})"
 
 
-def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings) -> Found:
-    entries = _checkpoint_entries(source, reader)
+def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings, trust_checkpoint: bool) -> Found:
+    entries = _checkpoint_entries(source, reader, trust_checkpoint)
     if entries is not None:
         return Found(CHECKPOINT, source.url, source.url, entries=entries)
     pointed = _named_by_pointer(source)
@@ -217,10 +220,12 @@ def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings
     return Found(FOLDER, source.url, source.url, layout.parse_iteration(source.path), saved)
 
 
-def _checkpoint_entries(source: Location, reader: ReaderSettings) -> tuple[str, ...] | None:
+def _checkpoint_entries(source: Location, reader: ReaderSettings, trust_checkpoint: bool) -> tuple[str, ...] | None:
     """The entry names in the ``.metadata`` of a single DCP checkpoint at ``source``, or None."""
     try:
-        metadata = FsspecStorageReader(source.url, fs=source.fs, retry=source.retry, **reader.as_kwargs()).read_metadata()
+        metadata = FsspecStorageReader(
+            source.url, fs=source.fs, retry=source.retry, trust_checkpoint=trust_checkpoint, **reader.as_kwargs()
+        ).read_metadata()
     except CheckpointNotFoundError:
         return None
     return tuple(metadata.state_dict_metadata)

@@ -2,27 +2,36 @@
 
 Loads (:mod:`.reader`) and verification (:mod:`.verification`) read the same files, so what
 the bytes mean is decided once, here. :func:`read_metadata` is the one place ``.metadata`` is
-unpickled. :class:`RecordDecoder` receives one record's bytes in order: it finds the tensor's
-header in the first bytes (:func:`~.records.parse_layout`), hands each piece of the tensor's
-bytes to a destination (a load's target tensor, or none when only verifying) while computing
-their CRC-32, and keeps the data descriptor after them, where torch's writer stores the CRC. A
-record it cannot stream (an archive our parser does not know, a record a load must reshape) is
-held whole and decoded once, with ``torch.load`` as the fallback. What is wrong with a record is
-a :class:`RecordFault` naming the error class a load raises for it, so a load and a verification
-reject the same damage the same way. :func:`feed_records` walks fetched spans onto the records
-they hold.
+unpickled (with :mod:`.trust`'s allow-list) and checked (every entry inside the checkpoint
+folder, at a real offset and length). :class:`RecordDecoder` receives one record's bytes in
+order: it finds the tensor's header in the first bytes (:func:`~.records.parse_layout`), hands
+each piece of the tensor's bytes to a destination (a load's target tensor, or none when only
+verifying) while computing their CRC-32, and keeps the data descriptor after them, where
+torch's writer stores the CRC. A record it cannot stream (an archive our parser does not know, a
+record a load must reshape) is held whole and decoded once, with ``torch.load`` as the fallback.
+What is wrong with a record is a :class:`RecordFault` naming the error class a load raises for
+it, so a load and a verification reject the same damage the same way. :func:`feed_records`
+walks fetched spans onto the records they hold.
 """
 
 from __future__ import annotations
 
-import pickle
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from ..errors import (
     CheckpointNotFoundError,
@@ -32,8 +41,9 @@ from ..errors import (
 )
 from .failures import storage_errors
 from .fetch import Span
-from .names import metadata_name
+from .names import metadata_name, relative_path_problem
 from .records import RecordLayout, descriptor_crc, parse_layout, tensor_from_record
+from .trust import unpickle_metadata
 from .urls import Location
 
 MiB = 1024 * 1024
@@ -46,16 +56,18 @@ _MAX_HEADER = MiB
 # --- .metadata -----------------------------------------------------------------------------------
 
 
-def read_metadata(location: Location, rank: int | None = None) -> Metadata:
-    """Read and unpickle the ``.metadata`` of the DCP checkpoint at ``location``.
+def read_metadata(location: Location, rank: int | None = None, *, trust_checkpoint: bool = False) -> Metadata:
+    """Read, unpickle and check the ``.metadata`` of the DCP checkpoint at ``location``.
 
     Args:
         location: the checkpoint folder.
         rank: read ``__{rank}.metadata`` instead (saves made without collectives).
+        trust_checkpoint: unpickle any class it names (see :func:`parse_metadata`).
 
     Raises:
         CheckpointNotFoundError: there is no ``.metadata``: no committed checkpoint here.
-        CorruptCheckpointError: it is not DCP metadata (see :func:`parse_metadata`).
+        CorruptCheckpointError: it is not DCP metadata, or names a class outside the allow-list
+            (see :func:`parse_metadata`).
         StorageError: the backend failed.
     """
     path = location.join(metadata_name(rank))
@@ -70,26 +82,109 @@ def read_metadata(location: Location, rank: int | None = None) -> Metadata:
             else f"{url!r} does not exist (the save never finished, or the URL is wrong)"
         )
         raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
-    return parse_metadata(raw, url)
+    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint)
 
 
-def parse_metadata(raw: bytes, url: str) -> Metadata:
-    """Unpickle ``.metadata``'s bytes, read from ``url`` (named in errors).
+def parse_metadata(raw: bytes, url: str, *, trust_checkpoint: bool = False) -> Metadata:
+    """Unpickle ``.metadata``'s bytes, read from ``url`` (named in errors), and check what they say.
+
+    Unless ``trust_checkpoint``, only the classes DCP metadata consists of are unpickled
+    (:func:`~.trust.unpickle_metadata`): a crafted file cannot run code. Either way, every entry
+    is checked before any data file is opened (:func:`check_metadata`): a storage entry names a
+    file inside the checkpoint folder, at an offset >= 0, with a length > 0.
 
     Raises:
-        CorruptCheckpointError: the bytes do not unpickle, or hold something else than DCP's
-            ``Metadata``.
+        CorruptCheckpointError: the bytes do not unpickle, name a class outside the allow-list,
+            or hold something else than well-formed DCP ``Metadata``.
     """
-    try:
-        metadata = pickle.loads(raw)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
-        raise CorruptCheckpointError(
-            f"{url!r} is truncated or corrupt ({len(raw)} bytes: {type(e).__name__}: {e}); "
-            "restore it or load another checkpoint"
-        ) from e
+    metadata = unpickle_metadata(raw, url, trust_checkpoint=trust_checkpoint)
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url!r} does not hold DCP metadata (found {type(metadata).__name__})")
+    check_metadata(metadata, url)
     return metadata
+
+
+def check_metadata(metadata: Metadata, url: str) -> None:
+    """Check that ``metadata`` (from ``url``) is shaped as DCP writes it, so that nothing reading it
+    fails later with a misleading error, reads outside the checkpoint folder, or reads nothing.
+
+    Raises:
+        CorruptCheckpointError: naming the entry and what is wrong with it.
+    """
+
+    def bad(entry: object, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{url!r} is corrupt: entry {entry!r} {what}; restore it or load another checkpoint"
+        )
+
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        raise bad("state_dict_metadata", f"is a {type(entries).__name__}, not a dict")
+    for fqn, meta in entries.items():
+        if not isinstance(fqn, str):
+            raise bad(fqn, "is not named by a string")
+        if isinstance(meta, TensorStorageMetadata):
+            _check_tensor(fqn, meta, bad)
+        elif not isinstance(meta, BytesStorageMetadata):
+            raise bad(fqn, f"is described by a {type(meta).__name__}, not a tensor's or an object's metadata")
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+        raise bad("storage_meta", f"is a {type(metadata.storage_meta).__name__}, not DCP's StorageMeta")
+    storage = metadata.storage_data
+    if storage is None:
+        return  # the reader and verification say so, naming what they need it for
+    if not isinstance(storage, dict):
+        raise bad("storage_data", f"is a {type(storage).__name__}, not a dict")
+    checked_paths: set[str] = set()
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise bad(getattr(index, "fqn", index), "has a storage key that is not a MetadataIndex")
+        fqn = index.fqn
+        if not isinstance(info, _StorageInfo):
+            raise bad(fqn, f"has storage info of type {type(info).__name__}")
+        path = info.relative_path
+        if path not in checked_paths:
+            problem = relative_path_problem(path)
+            if problem is not None:
+                raise bad(fqn, f"names the data file {path!r}, which is outside the checkpoint folder: {problem}")
+            checked_paths.add(path)
+        if not _is_int(info.offset) or info.offset < 0:
+            raise bad(fqn, f"is stored at offset {info.offset!r} of {path!r}; an offset must be an int >= 0")
+        if not _is_int(info.length) or info.length <= 0:
+            raise bad(fqn, f"is stored as {info.length!r} bytes of {path!r}; a record is at least 1 byte")
+        descriptors = info.transform_descriptors
+        if descriptors is not None and (
+            not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)
+        ):
+            raise bad(fqn, f"has transform descriptors {descriptors!r}, not a list of strings")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_tensor(fqn: str, meta: TensorStorageMetadata, bad: Callable[[object, str], CorruptCheckpointError]) -> None:
+    properties = getattr(meta, "properties", None)
+    if not isinstance(properties, TensorProperties) or not isinstance(getattr(properties, "dtype", None), torch.dtype):
+        raise bad(fqn, "has no tensor dtype")
+    size = getattr(meta, "size", None)
+    if not _is_shape(size):
+        raise bad(fqn, f"has the shape {size!r}, not a tuple of ints >= 0")
+    chunks = getattr(meta, "chunks", None)
+    if not isinstance(chunks, list):
+        raise bad(fqn, f"has chunks {chunks!r}, not a list")
+    for chunk in chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if (
+            not isinstance(chunk, ChunkStorageMetadata)
+            or not _is_shape(offsets) or not _is_shape(sizes)
+            or not len(offsets) == len(sizes) == len(size)
+            or any(o + s > whole for o, s, whole in zip(offsets, sizes, size))
+        ):  # fmt: skip
+            raise bad(fqn, f"has a chunk at {offsets!r} of {sizes!r} that does not lie within its shape {tuple(size)}")
+
+
+def _is_shape(value: object) -> TypeGuard[tuple[int, ...]]:
+    return isinstance(value, tuple) and all(_is_int(v) and v >= 0 for v in value)
 
 
 # --- records -------------------------------------------------------------------------------------
@@ -181,7 +276,7 @@ class RecordDecoder:
         if self.fault is not None:
             return
         if self.whole is not None:
-            self.whole[start : self.received] = view
+            self.whole[start : self.received] = view  # appends, until reserve_whole
         elif self._streaming:
             self._take(start, view)
         else:
@@ -198,10 +293,24 @@ class RecordDecoder:
         self._streaming, self._dest = True, dest
 
     def hold_whole(self) -> None:
-        """Keep every byte of the record (from the first), to decode it once complete."""
+        """Keep every byte of the record (from the first), to decode it once complete.
+
+        The buffer grows as the bytes arrive (:meth:`feed` appends), so a ``.metadata`` that
+        claims a huge record costs the bytes actually stored, not the claim, before the
+        truncation is noticed; :meth:`reserve_whole` sizes it at once where the size is known.
+        """
         head = self._head
-        self.whole, self._head = bytearray(self.place.length), bytearray()
-        self.whole[: len(head)] = head
+        self.whole, self._head = bytearray(head), bytearray()
+
+    def reserve_whole(self) -> memoryview:
+        """The held buffer at the record's full length (the caller checked the bytes exist),
+        as a view from the first byte not yet received, to be filled in place."""
+        assert self.whole is not None
+        if len(self.whole) < self.place.length:
+            full = bytearray(self.place.length)
+            full[: len(self.whole)] = self.whole
+            self.whole = full
+        return memoryview(self.whole)[self.received :]
 
     def _read_header(self, view: memoryview) -> None:
         # Parse from the piece itself when it holds the whole header (the usual case); only a

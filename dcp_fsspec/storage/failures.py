@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointMismatchError, DcpFsspecError, StorageError
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError, RecordFormatError, StorageError
 
 if TYPE_CHECKING:  # only for a type: tools that never run DCP (ls, prune, cp) must not import torch
     from torch.distributed.checkpoint.api import CheckpointException
@@ -39,20 +39,30 @@ def storage_errors(verb: str, url: str, *, also: tuple[type[BaseException], ...]
         raise StorageError(f"cannot {verb} {url}: {e}") from e
 
 
-def unwrap_dcp(error: CheckpointException, action: str, *, mismatch: bool) -> Exception:
+def unwrap_dcp(
+    error: CheckpointException, action: str, *, mismatch: bool, metadata_failure: DcpFsspecError | None = None
+) -> Exception:
     """One of our exceptions for DCP's per-rank ``CheckpointException``.
 
-    Our storage layer's own errors pass through unchanged; backend ``OSError``s become
-    ``StorageError``; anything else on load (``mismatch``) means the checkpoint does not fit the
-    live objects, and on save it is reported as it is.
+    Our storage layer's own errors pass through unchanged, but for the decoder's internal
+    ``RecordFormatError``, which becomes the ``CorruptCheckpointError`` it means; backend
+    ``OSError``s become ``StorageError``; anything else on load (``mismatch``) means the checkpoint
+    does not fit the live objects, and on save it is reported as it is.
 
     Args:
         error: what ``dcp.save``/``dcp.load`` raised.
         action: what was being done, naming the URL ("loading key 'model' from s3://…").
         mismatch: whether an unknown failure means the checkpoint does not fit (loads).
+        metadata_failure: the reader's ``metadata_failure``: why its ``.metadata`` could not be
+            used. torch >= 2.9 reports that as an ``AssertionError`` of its own, which would read
+            as a mismatch; this is the error to raise instead.
     """
+    if metadata_failure is not None:
+        return metadata_failure
     ranks = sorted(error.failures)
     first, _traceback = error.failures[ranks[0]]
+    if isinstance(first, RecordFormatError):
+        return CorruptCheckpointError(f"{action} failed on rank(s) {ranks}: {first}")
     if isinstance(first, DcpFsspecError):
         return first
     if isinstance(first, OSError):

@@ -4,7 +4,9 @@ DCP's own (``.metadata``, ``__{rank}_{n}.distcp``), the commit protocol's (``.co
 an iteration folder, ``latest_checkpoint.txt`` beside the iteration folders), and the one
 scheme for temporary names: every file written under a temporary name first (local files,
 SFTP uploads, the pointer) is ``.{name}.{random}.tmp`` in the final name's folder, so readers,
-listings and copies can recognise and skip them with :func:`is_temporary`.
+listings and copies can recognise and skip them with :func:`is_temporary`. And the one rule for a
+relative name read from storage (a data file in ``.metadata``, a key listed by a copy): it stays
+inside its folder (:func:`relative_path_problem`).
 """
 
 from __future__ import annotations
@@ -39,3 +41,21 @@ def is_temporary(name: str) -> bool:
     """Whether a file name (or path) is one :func:`temporary_path` makes."""
     base = posixpath.basename(name)
     return base.startswith(".") and base.endswith(_TEMP_SUFFIX) and base.count(".") >= 3
+
+
+def relative_path_problem(name: object) -> str | None:
+    """Why ``name``, a path read from storage, could leave the folder it is relative to; ``None`` if it cannot.
+
+    Allowed: ``/``-separated names, none of them empty, ``.`` or ``..``; nothing absolute, no
+    scheme or drive (no ``:``), no backslash (a separator on Windows), no NUL.
+    """
+    if not isinstance(name, str) or not name:
+        return "it is not a non-empty string"
+    if name.startswith("/"):
+        return "it is absolute"
+    for char, what in ((":", "a scheme or drive (':')"), ("\\", "a backslash"), ("\0", "a NUL character")):
+        if char in name:
+            return f"it holds {what}"
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        return "it has an empty, '.' or '..' component"
+    return None

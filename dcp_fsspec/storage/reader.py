@@ -27,16 +27,25 @@ import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError, StorageError
+from ..errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpFsspecError,
+    RecordFormatError,
+    StorageError,
+)
 from .collector import collector_paused
 from .decoding import CRC_TAIL, RecordDecoder, RecordFault, RecordPlace, feed_records, read_metadata
 from .backends.local import LocalFiles
 from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
+from .trust import load_object
 from .urls import UrlBound
 
 MiB = 1024 * 1024
@@ -71,6 +80,18 @@ class FsspecStorageReader(UrlBound, StorageReader):
         retry: how reads are retried on throttling, 5xx and dropped connections, and the
             deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`); ``None``:
             only the driver's own retries.
+        trust_checkpoint: unpickle ``.metadata`` in full, whatever classes it names (which runs
+            any code it holds): only for checkpoints you wrote yourself. By default only DCP
+            metadata's own classes are admitted (:mod:`~dcp_fsspec.storage.trust`), and a
+            non-tensor entry is handed to torch's ``DefaultLoadPlanner`` (``dcp.load``'s default,
+            which unpickles it in full) only once it loaded with ``torch.load(weights_only=True)``.
+            Other planners load non-tensor entries their own way:
+            :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner` as ``weights_only`` does.
+
+    Attributes:
+        metadata_failure: why ``.metadata`` could not be used, once a read of it failed (not
+            for a missing one). ``dcp.load`` in torch >= 2.9 turns that error into an
+            ``AssertionError`` of its own; pass this to :func:`~.failures.unwrap_dcp` to raise ours.
     """
 
     def __init__(
@@ -85,9 +106,11 @@ class FsspecStorageReader(UrlBound, StorageReader):
         max_gap_bytes: int = 64 * 1024,
         threads: int = 16,
         retry: RetryPolicy | None = DEFAULT_RETRY,
+        trust_checkpoint: bool = False,
     ) -> None:
         super().__init__()
         self._bind(path, storage_options, fs, retry)
+        self.trust_checkpoint = trust_checkpoint
         self.verify_checksums = verify_checksums
         self.window_bytes = window_bytes
         self.max_request_bytes = max_request_bytes
@@ -95,6 +118,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.threads = threads
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.load_id = uuid.uuid4().hex
+        self.metadata_failure: DcpFsspecError | None = None
 
     # --- DCP protocol -----------------------------------------------------------------------
 
@@ -102,11 +126,29 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.storage_data = {}
         self._rebind(checkpoint_id)
         self.load_id = uuid.uuid4().hex
+        self.metadata_failure = None
 
     @collector_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Read ``.metadata``; a missing one means there is no committed checkpoint here."""
-        metadata = read_metadata(self.location, kwargs.get("rank"))
+        """Read ``.metadata``; a missing one means there is no committed checkpoint here.
+
+        Raises:
+            CheckpointNotFoundError: there is no ``.metadata``.
+            CorruptCheckpointError: it is damaged, names a data file outside the folder or a
+                record with a negative offset or no length, or (unless ``trust_checkpoint``) names
+                a class DCP metadata does not consist of; nothing it names was run.
+        """
+        if isinstance(self.metadata_failure, CorruptCheckpointError):
+            # DCP retries a failed read with the rank's own ``__{rank}.metadata``; a .metadata that
+            # is there but damaged or refused is not a reason to read another file instead.
+            raise self.metadata_failure
+        try:
+            metadata = read_metadata(self.location, kwargs.get("rank"), trust_checkpoint=self.trust_checkpoint)
+        except CheckpointNotFoundError:
+            raise
+        except DcpFsspecError as e:
+            self.metadata_failure = self.metadata_failure or e
+            raise
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -147,6 +189,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
             raise CorruptCheckpointError(
                 f"a data file of checkpoint {self.location.url!r} is missing: {e}"
             ) from e
+        except RecordFormatError as e:  # the decoder's own; never the user's to see
+            raise CorruptCheckpointError(f"a record of checkpoint {self.location.url!r} cannot be decoded: {e}") from e
         except DcpFsspecError:
             raise
         except OSError as e:
@@ -179,6 +223,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         started = []
         for rec, head_read in zip(big, heads):
             head = head_read.result()
+            # Before a buffer is sized by what .metadata claims, the bytes must be there.
+            self._check_read(rec, min(files.size(rec.path) - rec.offset, rec.length), rec.length)
             self._check_read(rec, len(head), min(rec.length, _HEAD_BYTES))
             decoder = _LoadDecoder(rec, planner, self)
             decoder.feed(memoryview(head))
@@ -275,6 +321,7 @@ class _LoadDecoder(RecordDecoder):
         super().__init__(record, checksum=reader.verify_checksums)
         self.record = record
         self.planner = planner
+        self.trust_checkpoint = reader.trust_checkpoint
         self._target: torch.Tensor | None = None
         tensor_items = [i for i in record.items if i.type != LoadItemType.BYTE_IO]
         if not (len(record.items) == 1 and len(tensor_items) == 1 and not record.transforms):
@@ -309,7 +356,7 @@ class _LoadDecoder(RecordDecoder):
         if self.whole is None and (self.layout is None or self._dest is None):
             self.hold_whole()  # header longer than read, or no data
         if self.whole is not None:
-            return memoryview(self.whole)[self.received :], self.received
+            return self.reserve_whole(), self.received
         assert self.layout is not None and self._dest is not None
         start = max(self.received, self.layout.data_start)
         return self._dest[start - self.layout.data_start :], start
@@ -356,7 +403,7 @@ class _LoadDecoder(RecordDecoder):
         tensor: torch.Tensor | None = None
         for item in rec.items:
             if item.type == LoadItemType.BYTE_IO:
-                self.planner.load_bytes(item, io.BytesIO(bytes(data)))
+                self._deliver_bytes(item, bytes(data))
                 continue
             if tensor is None:
                 decoded = self.decode(data)
@@ -364,6 +411,18 @@ class _LoadDecoder(RecordDecoder):
                     raise self._error(decoded)
                 tensor = decoded
             self._deliver(item, tensor)
+
+    def _deliver_bytes(self, item: ReadItem, data: bytes) -> None:
+        """Hand a non-tensor entry to the planner. torch's own ``DefaultLoadPlanner.load_bytes``
+        unpickles it in full, so unless the checkpoint is trusted it first has to load with
+        ``weights_only`` (:func:`~.trust.load_object`); planners of our own or the user's decide."""
+        rec = self.record
+        try:
+            if not self.trust_checkpoint and type(self.planner).load_bytes is DefaultLoadPlanner.load_bytes:
+                load_object(data, item.dest_index.fqn)
+            self.planner.load_bytes(item, io.BytesIO(data))
+        except CorruptCheckpointError as e:  # it names the entry; add the file
+            raise type(e)(f"{rec.url!r} at bytes [{rec.offset}, {rec.end}): {e}") from e
 
     def _deliver(self, item: ReadItem, tensor: torch.Tensor) -> None:
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
@@ -381,10 +440,14 @@ class _LoadDecoder(RecordDecoder):
 
     def _untransform(self, data: memoryview) -> bytes:
         """Undo torch's experimental stream transforms (e.g. compression) the record was saved with."""
-        stream = _StorageReaderTransforms().transform_load_stream(
-            self.record.items[0], self.record.transforms, io.BytesIO(bytes(data))
-        )
-        return stream.read()
+        try:
+            stream = _StorageReaderTransforms().transform_load_stream(
+                self.record.items[0], self.record.transforms, io.BytesIO(bytes(data))
+            )
+            return bytes(stream.read())
+        except Exception as e:  # noqa: BLE001 - an unknown descriptor or undecodable bytes: damage
+            what = f"cannot undo the transforms {list(self.record.transforms)} ({type(e).__name__}: {e})"
+            raise self._error(RecordFault(what)) from e
 
     def _error(self, fault: RecordFault) -> CorruptCheckpointError:
         fqns = ", ".join(repr(fqn) for fqn in sorted({i.storage_index.fqn for i in self.record.items}))

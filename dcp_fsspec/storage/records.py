@@ -263,19 +263,43 @@ class _StorageRef:
 
 
 def _rebuild_v2(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *_: Any) -> TensorSpec:
-    return TensorSpec(storage.dtype, storage.numel, int(storage_offset), tuple(size), tuple(stride))
+    if not isinstance(storage, _StorageRef):
+        raise RecordFormatError("data.pkl rebuilds a tensor from something else than its storage")
+    return _spec(storage.dtype, storage.numel, storage_offset, size, stride)
 
 
 def _rebuild_v3(
     storage: _StorageRef, storage_offset: int, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_: Any
 ) -> TensorSpec:
+    if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
+        raise RecordFormatError("data.pkl rebuilds a tensor from something else than its storage and dtype")
     # Newer dtypes (float8, uint16, …) pickle an untyped storage counted in bytes.
-    numel = storage.numel // _element_size(dtype)
-    return TensorSpec(dtype, numel, int(storage_offset), tuple(size), tuple(stride))
+    return _spec(dtype, storage.numel // _element_size(dtype), storage_offset, size, stride)
+
+
+def _spec(dtype: torch.dtype, numel: int, storage_offset: Any, size: Any, stride: Any) -> TensorSpec:
+    """A :class:`TensorSpec` of plain non-negative ints, or RecordFormatError (a crafted data.pkl)."""
+    size, stride = tuple(size), tuple(stride)
+    if len(size) != len(stride) or not all(type(v) is int and v >= 0 for v in (numel, storage_offset, *size, *stride)):
+        raise RecordFormatError("data.pkl gives a tensor an offset, shape or strides that are not ints >= 0")
+    return TensorSpec(dtype, numel, storage_offset, size, stride)
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """Stands in for a storage class named in ``data.pkl``: its dtype, and nothing to call."""
+
+    dtype: torch.dtype
 
 
 class _SpecUnpickler(pickle.Unpickler):
-    """Reads a tensor record's ``data.pkl`` into a :class:`TensorSpec`, refusing anything else."""
+    """Reads a tensor record's ``data.pkl`` into a :class:`TensorSpec`, refusing anything else.
+
+    Nothing the pickle names is called except our own two rebuild functions (which only build a
+    :class:`TensorSpec`) and ``OrderedDict`` (torch pickles a tensor's hooks as one): storage
+    classes come back as :class:`_StorageType` values and dtypes as themselves, neither callable,
+    so a crafted record can neither run code nor allocate.
+    """
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
@@ -283,25 +307,28 @@ class _SpecUnpickler(pickle.Unpickler):
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
             return _rebuild_v3
         if module in ("torch", "torch.storage") and name == "UntypedStorage":
-            return torch.UntypedStorage
+            return _StorageType(torch.uint8)
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
+        # vars(), not getattr(): torch's module __getattr__ imports submodules on first use.
         if module == "torch" and name.endswith("Storage"):
-            storage_type = getattr(torch, name, None)
-            if storage_type is not None and hasattr(storage_type, "_dtype"):
-                return storage_type
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            dtype = getattr(vars(torch).get(name), "_dtype", None)
+            if isinstance(dtype, torch.dtype):
+                return _StorageType(dtype)
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
         raise RecordFormatError(f"unexpected global {module}.{name} in a tensor record")
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise RecordFormatError(f"unexpected persistent id {pid!r}")
+            raise RecordFormatError("unexpected persistent id in a tensor record")
         _, storage_type, key, _location, numel = pid
-        if storage_type is torch.UntypedStorage:
-            dtype = torch.uint8
+        if isinstance(storage_type, _StorageType):
+            dtype = storage_type.dtype
+        elif isinstance(storage_type, torch.dtype):
+            dtype = storage_type
         else:
-            dtype = storage_type if isinstance(storage_type, torch.dtype) else storage_type._dtype
+            raise RecordFormatError("unexpected storage type in a tensor record")
         return _StorageRef(dtype, str(key), int(numel))
 
 
@@ -396,6 +423,10 @@ def _parse_pickle(buf: memoryview) -> tuple[TensorSpec, int] | None:
         if len(buf) < _PICKLE_WINDOW:
             return None
         raise RecordFormatError("unreadable data.pkl") from e
+    except RecordFormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - arguments of the wrong type for what it names: not ours to read
+        raise RecordFormatError(f"data.pkl does not describe a tensor ({type(e).__name__})") from e
     if not isinstance(spec, TensorSpec):
         raise RecordFormatError("data.pkl does not hold a single tensor")
     return spec, stream.tell()

@@ -1,7 +1,7 @@
 """Verifying one DCP checkpoint on storage without loading it: every file, record and CRC-32.
 
 What is checked: ``.metadata`` unpickles (:func:`~.decoding.read_metadata`, as a load reads
-it); every tensor chunk it lists has a storage entry; every data file an entry names exists and
+it: only DCP metadata's classes, every entry inside the folder at a real offset and length); every tensor chunk it lists has a storage entry; every data file an entry names exists and
 is long enough for every item in it; every tensor record decodes with the decoder loads use
 (:class:`~.decoding.RecordDecoder`), holds the dtype and shape ``.metadata`` promises, and its
 bytes match the CRC-32 stored in the record (CRC 0 means "not recorded" and is counted, not
@@ -140,6 +140,7 @@ def verify_checkpoint(
     threads: int = 8,
     retry: RetryPolicy | None = DEFAULT_RETRY,
     progress: ProgressSink | None = None,
+    trust_checkpoint: bool = False,
 ) -> VerifyReport:
     """Check the DCP checkpoint folder at ``url`` (``.metadata`` and its data files).
 
@@ -153,6 +154,10 @@ def verify_checkpoint(
         retry: how reads are retried (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`);
             ``None``: only the driver's own retries.
         progress: told the bytes to read, and advanced as they are, if given.
+        trust_checkpoint: unpickle ``.metadata`` in full, whatever classes it names (runs any
+            code it holds). By default a ``.metadata`` naming a class DCP metadata does not
+            consist of is reported as a problem, and nothing it names is run. Non-tensor entries
+            are never unpickled here (only their presence and size are checked).
 
     Returns:
         The report (``kind`` ``"checkpoint"``); ``report.ok`` is False when anything was found
@@ -164,7 +169,7 @@ def verify_checkpoint(
     """
     location = resolve(url, storage_options, fs, retry=retry)
     report = VerifyReport(url=location.url, kind="checkpoint")
-    _Checkpoint(location, report, window_bytes, max_request_bytes, threads, progress).verify()
+    _Checkpoint(location, report, window_bytes, max_request_bytes, threads, progress, trust_checkpoint).verify()
     return report
 
 
@@ -185,6 +190,7 @@ class _Checkpoint:
     max_request_bytes: int
     threads: int
     progress: ProgressSink | None
+    trust_checkpoint: bool = False
 
     @property
     def metadata_url(self) -> str:
@@ -208,7 +214,7 @@ class _Checkpoint:
 
     def _metadata(self) -> Metadata | None:
         try:
-            metadata = read_metadata(self.location)
+            metadata = read_metadata(self.location, trust_checkpoint=self.trust_checkpoint)
         except CheckpointNotFoundError:
             self.problem(self.metadata_url, None, "does not exist", error=CheckpointNotFoundError)
             return None

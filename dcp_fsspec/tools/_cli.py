@@ -293,3 +293,12 @@ def age(seconds: float | None) -> str:
         if seconds >= size:
             return f"{int(seconds // size)}{unit}"
     return f"{max(0, int(seconds))}s"
+
+
+def add_trust_flag(parser: argparse.ArgumentParser) -> None:
+    """``--trust``: for commands that read checkpoints, unpickle them in full (``trust_checkpoint=True``)."""
+    parser.add_argument(
+        "--trust", action="store_true",
+        help="the checkpoint is your own: unpickle .metadata and non-tensor entries in full, whatever "
+        "classes they name (this runs any code they hold; without it such a checkpoint is refused, exit 1)",
+    )  # fmt: skip

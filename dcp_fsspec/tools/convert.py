@@ -2,7 +2,8 @@
 
 The checkpoint is read with our :class:`~dcp_fsspec.storage.reader.FsspecStorageReader` and
 DCP's ``_EmptyStateDictLoadPlanner`` (what torch's ``dcp_to_torch_save`` does with its local-only
-reader), so any URL works. The whole state dict is held in memory once. A single checkpoint
+reader), so any URL works; non-tensor entries load as :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner`
+loads them (no code from the checkpoint runs) unless ``trust_checkpoint``. The whole state dict is held in memory once. A single checkpoint
 becomes its state dict; an iteration folder (or a save_dirname's latest) becomes
 ``{key: state_dict}``. The output is written through the storage layer's atomic uploads, so it
 is complete or absent, on any URL too.
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ..errors import CheckpointExistsError, MissingDriverError
 from ..storage.failures import storage_errors, unwrap_dcp
 from ..storage.reader import FsspecStorageReader
+from ..storage.trust import SafeLoadPlanner
 from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
 from . import _cli, targets
@@ -71,11 +73,12 @@ class ConvertResult:
         return [*(f"left out {entry}: safetensors holds only tensors and plain values" for entry in self.left_out), written]
 
 
-class _CountingPlanner(_EmptyStateDictLoadPlanner):
-    """DCP's planner that rebuilds the state dict from ``.metadata``, advancing a progress bar."""
+class _CountingPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
+    """DCP's planner that rebuilds the state dict from ``.metadata``, advancing a progress bar;
+    non-tensor entries are loaded as :class:`SafeLoadPlanner` loads them."""
 
-    def __init__(self, progress: Progress | None) -> None:
-        super().__init__()
+    def __init__(self, progress: Progress | None, *, trust_checkpoint: bool = False) -> None:
+        super().__init__(trust_checkpoint=trust_checkpoint)
         self.progress = progress
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
@@ -92,40 +95,50 @@ class _CountingPlanner(_EmptyStateDictLoadPlanner):
 
 
 def load_state_dict(
-    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, progress: Progress | None = None
+    url: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    progress: Progress | None = None,
+    trust_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """The whole state dict at ``url``, without a model to load into.
 
     A DCP checkpoint gives its state dict; an iteration folder or a save_dirname (its latest
     iteration) gives ``{key: state_dict}`` for every key.
 
+    Args:
+        trust_checkpoint: unpickle ``.metadata`` and non-tensor entries in full (runs any code
+            they hold); by default only DCP metadata's classes and ``weights_only`` values load.
+
     Raises:
         CheckpointNotFoundError: nothing there, or a save_dirname without a pointer.
-        CorruptCheckpointError: damaged data (a checksum mismatch, an unreadable record).
+        CorruptCheckpointError: damaged data (a checksum mismatch, an unreadable record), or a
+            class refused because the checkpoint is not trusted.
         StorageError: the backend failed.
     """
     location = resolve(url, storage_options)
     target = targets.classify(location)
     if target.kind == "checkpoint":
-        return _load_one(location, progress)
+        return _load_one(location, progress, trust_checkpoint)
     run, iteration = targets.iteration_to_read(target, "convert")
     _, keys = targets.iteration_keys(run, iteration)
-    return {key: _load_one(targets.key_location(run, iteration, key), progress) for key in keys}
+    return {key: _load_one(targets.key_location(run, iteration, key), progress, trust_checkpoint) for key in keys}
 
 
-def _load_one(location: Location, progress: Progress | None) -> dict[str, Any]:
+def _load_one(location: Location, progress: Progress | None, trust_checkpoint: bool) -> dict[str, Any]:
     start = time.perf_counter()
     state_dict: dict[str, Any] = {}
+    reader = FsspecStorageReader(location.url, fs=location.fs, trust_checkpoint=trust_checkpoint)
     try:
         _load_state_dict(
             state_dict,
-            storage_reader=FsspecStorageReader(location.url, fs=location.fs),
-            planner=_CountingPlanner(progress),
+            storage_reader=reader,
+            planner=_CountingPlanner(progress, trust_checkpoint=trust_checkpoint),
             no_dist=True,
         )
     except CheckpointException as e:
         # DCP wraps what the reader raised; ours already name the file and what to do.
-        raise unwrap_dcp(e, f"loading {location.url}", mismatch=False) from e
+        raise unwrap_dcp(e, f"loading {location.url}", mismatch=False, metadata_failure=reader.metadata_failure) from e
     logger.info("loaded %s (%.2f s)", location.url, time.perf_counter() - start)
     return state_dict
 
@@ -142,11 +155,13 @@ def convert(
     fmt: Format,
     overwrite: bool = False,
     progress: Progress | None = None,
+    trust_checkpoint: bool = False,
 ) -> ConvertResult:
     """Write the state dict at ``url`` as one file at ``out`` (any URL), in format ``fmt``.
 
     ``"torch"``: one ``torch.save`` file of the state dict. ``"safetensors"``: its tensors,
     with plain values as metadata and anything else left out (listed in the result).
+    ``trust_checkpoint``: see :func:`load_state_dict`.
 
     Raises:
         MissingDriverError: the ``safetensors`` package is not installed (``"safetensors"``).
@@ -156,7 +171,7 @@ def convert(
     encode = _encoder(fmt, out)
     start = time.perf_counter()
     target = _output(out, out_storage_options, overwrite)
-    state_dict = load_state_dict(url, storage_options, progress=progress)
+    state_dict = load_state_dict(url, storage_options, progress=progress, trust_checkpoint=trust_checkpoint)
     result = ConvertResult(resolve(url, storage_options).url, target.url, fmt)
     with _Output(target) as stream:
         encode(state_dict, stream, result)
@@ -270,14 +285,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
     _cli.add_standard_arguments(parser, source, ("out", "the file to write (any fsspec URL or local path)"), destination=True)
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    _cli.add_trust_flag(parser)
 
 
 def _main(args: argparse.Namespace, fmt: Format) -> int:
     source_options, out_options = _cli.both_storage_options(args, args.url, args.out)
     with Progress("converting") as progress:
         result = convert(
-            args.url, args.out, source_options, out_options, fmt=fmt, overwrite=args.overwrite, progress=progress
-        )
+            args.url, args.out, source_options, out_options,
+            fmt=fmt, overwrite=args.overwrite, progress=progress, trust_checkpoint=args.trust,
+        )  # fmt: skip
     _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK
 

@@ -88,7 +88,9 @@ class CheckpointSummary:
         return lines
 
 
-def describe(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> CheckpointSummary:
+def describe(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, trust_checkpoint: bool = False
+) -> CheckpointSummary:
     """Summarize the checkpoint, iteration folder or save_dirname (its latest) at ``url``.
 
     Raises:
@@ -99,17 +101,17 @@ def describe(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
     location = resolve(url, storage_options)
     target = targets.classify(location)
     if target.kind == "checkpoint":
-        return CheckpointSummary(location.url, target.kind, None, [summarize(location, None)])
+        return CheckpointSummary(location.url, target.kind, None, [summarize(location, None, trust_checkpoint)])
     run, iteration = targets.iteration_to_read(target, "inspect")
     _, keys = targets.iteration_keys(run, iteration)
     summary = CheckpointSummary(run.url_of(layout.iteration_path(run, iteration)), target.kind, iteration)
-    summary.keys = [summarize(targets.key_location(run, iteration, key), key) for key in keys]
+    summary.keys = [summarize(targets.key_location(run, iteration, key), key, trust_checkpoint) for key in keys]
     return summary
 
 
-def summarize(location: Location, key: str | None) -> KeySummary:
-    """One DCP checkpoint's entries, from its ``.metadata``."""
-    metadata = read_metadata(location)
+def summarize(location: Location, key: str | None, trust_checkpoint: bool = False) -> KeySummary:
+    """One DCP checkpoint's entries, from its ``.metadata`` (unpickled in full with ``trust_checkpoint``)."""
+    metadata = read_metadata(location, trust_checkpoint=trust_checkpoint)
     storage = metadata.storage_data or {}
     summary = KeySummary(key, location.url, sum(info.length for info in storage.values()))
     stored_by_fqn: dict[str, int] = {}
@@ -158,9 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _cli.add_standard_arguments(
         parser, ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
     )
+    _cli.add_trust_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    summary = describe(args.url, _cli.storage_options(args.storage_options))
+    summary = describe(args.url, _cli.storage_options(args.storage_options), trust_checkpoint=args.trust)
     _cli.report(args, summary.to_dict(), summary.lines())
     return _cli.EXIT_OK

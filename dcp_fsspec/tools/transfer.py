@@ -7,6 +7,12 @@ and ``latest_checkpoint.txt`` last, so a copy that dies part-way leaves a destin
 reader takes for a checkpoint. A run is copied as its committed iterations and its pointer;
 folders of saves that never finished are left behind (and listed). Temporary files of writes in
 progress are never copied.
+
+Every listed name is checked before anything is written: a name that would land outside the
+destination (a ``..`` component, an absolute path, a scheme, a backslash: an S3 key may hold any
+of them) is refused, and so is a symbolic link in a local source that leads out of it. Both are
+errors naming the file, not files skipped with a warning: a copy missing a data file that
+``.metadata`` lists would still be committed at the destination, and damaged.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..checkpoint import commit, layout
-from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
+from ..errors import CheckpointExistsError, CorruptCheckpointError, DcpFsspecError, StorageError
 from ..storage.failures import storage_errors
 from ..storage.fetch import fetch_in_order, plan_spans
-from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME, is_temporary
+from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME, is_temporary, relative_path_problem
 from ..storage.uploads import ByteBudget, FileUpload
 from ..storage.urls import Location, resolve
 from . import _cli, targets
@@ -90,6 +96,8 @@ def copy_checkpoint(
     Raises:
         CheckpointNotFoundError: nothing at ``src`` to copy.
         CheckpointExistsError: ``dst`` is not empty and ``overwrite`` is False.
+        CorruptCheckpointError: a file at ``src`` would be written outside ``dst`` (a name with
+            ``..``, say), or is a symbolic link leading out of ``src``; nothing was written.
         StorageError: reading or writing failed; the destination is left uncommitted.
     """
     start = time.perf_counter()
@@ -98,6 +106,7 @@ def copy_checkpoint(
     target = targets.classify(source)
     result = CopyResult(source.url, dest.url, target.kind)
     files = _files_to_copy(source, target, result.skipped)
+    _check_inside(source, files)
     _clear_destination(dest, files, overwrite)
     if progress is not None:
         progress.add_total(sum(files.values()))
@@ -156,6 +165,24 @@ def _find(source: Location, folder: str) -> dict[str, int]:
         for path, info in found.items()
         if path.startswith(prefix) and not is_temporary(path)
     }
+
+
+def _check_inside(source: Location, files: dict[str, int]) -> None:
+    """Refuse, before anything is written, a name that would leave the destination or a link out of the source."""
+    for name in sorted(files):
+        url = source.url_of(source.join(name))
+        problem = relative_path_problem(name)
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"refusing to copy {source.url}: it lists {url!r}, which would be written outside the "
+                f"destination ({problem}); remove that file from the source"
+            )
+        real = source.backend.link_out_of(source.join(name), source.path)
+        if real is not None:
+            raise CorruptCheckpointError(
+                f"refusing to copy {source.url}: {url} is a symbolic link to {real}, outside the folder "
+                "being copied; replace the link with the file itself, or remove it"
+            )
 
 
 def _phase_of(name: str) -> int:

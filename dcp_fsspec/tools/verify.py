@@ -36,6 +36,7 @@ def verify(
     max_request_bytes: int = 16 * MiB,
     threads: int = 8,
     progress: Progress | None = None,
+    trust_checkpoint: bool = False,
 ) -> VerifyReport:
     """Check the checkpoint, iteration folder or save_dirname at ``url``; report what is wrong.
 
@@ -46,6 +47,9 @@ def verify(
         max_request_bytes: the largest single ranged read.
         threads: concurrent reads on filesystems without an async API.
         progress: advanced by the bytes read, if given.
+        trust_checkpoint: unpickle each ``.metadata`` in full, whatever classes it names (runs
+            any code it holds); by default one naming a class DCP metadata does not consist of is
+            a problem, and nothing it names runs.
 
     Returns:
         The report; ``report.ok`` is False when anything was found wrong.
@@ -63,7 +67,7 @@ def verify(
     def one_checkpoint(key: Location) -> VerifyReport:
         return verify_checkpoint(
             key.url, fs=key.fs, window_bytes=window_bytes, max_request_bytes=max_request_bytes, threads=threads,
-            retry=key.retry, progress=progress,
+            retry=key.retry, progress=progress, trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
 
     checker = _Checker(report, one_checkpoint)
@@ -142,11 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         ("url", "a DCP checkpoint, an iteration folder (every key), or a save_dirname (every committed iteration)"),
     )
+    _cli.add_trust_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     with Progress("verifying") as progress:
-        report = verify(args.url, _cli.storage_options(args.storage_options), progress=progress)
+        report = verify(
+            args.url, _cli.storage_options(args.storage_options), progress=progress, trust_checkpoint=args.trust
+        )
     # Counted as the user saved them: an iteration is one checkpoint, however many keys it holds.
     saved, keys = len({posixpath.dirname(url) for url in report.checkpoints}), len(report.checkpoints)
     counted = f"{keys} checkpoint" if report.kind == "checkpoint" else f"{saved} checkpoint(s) ({keys} keys)"

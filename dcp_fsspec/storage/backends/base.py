@@ -172,6 +172,11 @@ class Backend:
 
     # --- reading ----------------------------------------------------------------------------
 
+    def link_out_of(self, path: str, folder: str) -> str | None:
+        """Where ``path`` really is, if the store resolves it (through a symbolic link) to a place
+        outside ``folder``; ``None`` while it stays inside (generic: stores without links)."""
+        return None
+
     @property
     def async_reads(self) -> bool:
         """Whether ranges are fetched on the filesystem's event loop (s3fs, gcsfs, adlfs)."""

@@ -94,6 +94,10 @@ class LocalBackend(Backend):
                     pass
         return True
 
+    def link_out_of(self, path: str, folder: str) -> str | None:
+        real, root = os.path.realpath(path), os.path.realpath(folder)
+        return None if real == root or real.startswith(root.rstrip(os.sep) + os.sep) else real
+
     def range_reader(self) -> RangeReader:
         return LocalFiles()
 
@@ -166,6 +170,10 @@ class LocalFiles(RangeReader):
 
     def read(self, path: str, size: int, offset: int) -> bytes:
         return os.pread(self._fd(path), size, offset)
+
+    def size(self, path: str) -> int:
+        """The file's length now (of the file opened, whatever its name points to later)."""
+        return os.fstat(self._fd(path)).st_size
 
     def read_into(self, path: str, offset: int, view: memoryview) -> int:
         """Fill ``view`` from ``path`` at ``offset``: the bytes read, fewer only at the end of the file."""
