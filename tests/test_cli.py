@@ -309,3 +309,16 @@ def test_progress_is_drawn_on_a_terminal_only() -> None:
         if drawn:
             assert text.startswith("\rcopying [") and "100%" in text and text.endswith("\n")
 
+
+
+def test_ls_says_an_uncommitted_folder_older_than_the_pointer_may_be_a_deletion_retention_began(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend
+) -> None:
+    _run(memory_backend, [1, 2, 3])
+    _uncommit(memory_backend, "iter_000000001")  # retention removes the record first, then the files
+    _uncommit(memory_backend, "iter_000000003")  # not yet published: its save never finished
+    memory_backend.fs.pipe_file(memory_backend.fs._strip_protocol(memory_backend.sub("latest_checkpoint.txt")), b"iter_000000002\n")
+    code, out, _ = _cli(capsys, "ls", memory_backend.url)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("iter_")}
+    assert code == 0 and "interrupted" in rows["iter_000000001"] and "retention deletes it" in rows["iter_000000001"]
+    assert "never finished" in rows["iter_000000003"] and "interrupted" not in rows["iter_000000003"]

@@ -129,13 +129,27 @@ def unfinished_keys(root: Location, iteration: int, keys: tuple[str, ...]) -> li
     return [k for k in absent if not key_is_committed(root, iteration, k)]
 
 
-def inspect_iteration(root: Location, iteration: int) -> tuple[CommitRecord | None, str | None]:
-    """``(record, None)`` if ``iteration`` is committed, else ``(None, why not)`` in words."""
+def inspect_iteration(
+    root: Location, iteration: int, *, latest: int | None = None
+) -> tuple[CommitRecord | None, str | None]:
+    """``(record, None)`` if ``iteration`` is committed, else ``(None, why not)`` in words.
+
+    Args:
+        root: the ``save_dirname`` location.
+        iteration: the iteration to look at.
+        latest: the iteration the pointer names, if known: a folder without a record older than
+            it may also be one that retention began to delete (it removes the record first).
+    """
     record = read_commit_record(root, iteration)
     folder = layout.iteration_path(root, iteration)
     if record is None:
         if not exists(root, folder):
             return None, "does not exist"
+        if latest is not None and iteration < latest:
+            return None, (
+                f"has no {COMMIT_RECORD_NAME}: a save that failed, or a deletion by retention that was "
+                "interrupted, left it; retention deletes it at the next save"
+            )
         return None, f"has no {COMMIT_RECORD_NAME} (its save never finished)"
     unfinished = unfinished_keys(root, iteration, record.keys)
     if unfinished:

@@ -99,7 +99,7 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
 def _describe(root: Location, iteration: int, latest: int | None) -> IterationInfo:
     folder = layout.iteration_path(root, iteration)
     try:
-        record, why = commit.inspect_iteration(root, iteration)
+        record, why = commit.inspect_iteration(root, iteration, latest=latest)
     except CorruptCheckpointError as e:
         record, why = None, str(e)
     try:
