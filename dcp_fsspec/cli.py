@@ -14,6 +14,7 @@ import importlib
 import logging
 import re
 import sys
+import warnings
 from collections.abc import Collection, Sequence
 from types import ModuleType
 from typing import NoReturn
@@ -166,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _report_bad_command_line(e, as_json=_wants_json(argv))
     level = logging.INFO if args.verbose or args.debug else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # torch warns at import when numpy is absent; nothing here needs numpy (a clean install has
+    # none), so the warning would only be noise above every command's output.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     if args.debug:
         logging.getLogger(__package__).setLevel(logging.DEBUG)
     return _run(args)
