@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from ..errors import BackgroundSaveError
+from ..storage.urls import redact_url
 from ._collectives import Collectives, _picklable
 from .handles import HandleReceiver, HandleSender
 from .pipeline import SavePipeline, SaveSettings
@@ -47,7 +48,7 @@ class BackgroundSaver:
     """The training side of the background process: submit one save at a time, wait, close."""
 
     def __init__(self, settings: SaveSettings, collectives: Collectives) -> None:
-        self._url = settings.url
+        self._url = redact_url(settings.url)  # for messages; settings keep the password to connect
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         self._process = ctx.Process(

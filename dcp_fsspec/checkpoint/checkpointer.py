@@ -157,7 +157,7 @@ class Checkpointer:
         self._load_optimizer = load_optimizer
         self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
         self._save_settings = SaveSettings(
-            self._root.url,
+            self._root.secret_url,  # the background process connects by itself: keep the password
             self._storage_options,
             keep_last_n=keep_last_n,
             overwrite=overwrite,
