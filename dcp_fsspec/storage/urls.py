@@ -101,7 +101,7 @@ def normalize_url(url: str | os.PathLike[str]) -> str:
     """
     text = os.fspath(url)
     if not isinstance(text, str) or not text.strip():
-        raise InvalidURLError(f"checkpoint URL {redact_url(str(url))!r} is empty; pass a local path or a URL like s3://bucket/ckpt")
+        raise InvalidURLError(f"checkpoint URL {url!r} is empty; pass a local path or a URL like s3://bucket/ckpt")
     if "://" in text or "::" in text:
         _refuse_empty_segments(text)
         return text.rstrip("/") if not text.endswith("://") else text
