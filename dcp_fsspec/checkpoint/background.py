@@ -20,6 +20,7 @@ import ast
 import logging
 import multiprocessing as mp
 import os
+import socket
 import sys
 import threading
 import time
@@ -31,6 +32,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from ..errors import BackgroundSaveError
+from ..storage.urls import redact_url
 from ._collectives import Collectives, _picklable
 from .handles import HandleReceiver, HandleSender
 from .pipeline import SavePipeline, SaveSettings
@@ -47,7 +49,7 @@ class BackgroundSaver:
     """The training side of the background process: submit one save at a time, wait, close."""
 
     def __init__(self, settings: SaveSettings, collectives: Collectives) -> None:
-        self._url = settings.url
+        self._url = redact_url(settings.url)  # for messages; settings keep the password to connect
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
         self._process = ctx.Process(
@@ -342,13 +344,22 @@ def _join_group(conn: Connection, rank: int, world_size: int) -> None:
     timeout = timedelta(seconds=_STORE_TIMEOUT_SECONDS)
     store = None
     if rank == 0:
+        # TCPStore binds every interface when it opens its own socket, whatever its host_name;
+        # handed a socket already bound to the training group's address, it listens only there.
+        master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        family, _, _, _, address = socket.getaddrinfo(master, 0, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.bind(address)  # port 0: the OS picks it; the training ranks pass it on
+        listener.listen()
+        port = listener.getsockname()[1]
         store = dist.TCPStore(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            0,  # the OS picks the port; the training ranks pass it on
+            master,
+            port,
             world_size,
             is_master=True,
             timeout=timeout,
             wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns the socket from here on
         )
         conn.send(("port", store.port))
     kind, host, port = conn.recv()

@@ -30,7 +30,7 @@ from ..storage.reader import FsspecStorageReader
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
 from ..storage.trust import SafeLoadPlanner
-from ..storage.urls import resolve
+from ..storage.urls import redact_url, resolve
 from . import commit, layout, resume
 from . import state as state_mod
 from ._collectives import Collectives
@@ -141,7 +141,7 @@ class Checkpointer:
             raise TypeError(f"keys_not_to_resume must be a list of keys, got the string {keys_not_to_resume!r}")
         if load_training_state and only_load_scheduler_state:
             raise ValueError(
-                f"Checkpointer({os.fspath(save_dirname)!r}): load_training_state=True loads every key from "
+                f"Checkpointer({redact_url(os.fspath(save_dirname))!r}): load_training_state=True loads every key from "
                 "load_path, the scheduler included, and only_load_scheduler_state=True only the model and "
                 "the scheduler; pass one of them"
             )
@@ -157,7 +157,7 @@ class Checkpointer:
         self._load_optimizer = load_optimizer
         self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
         self._save_settings = SaveSettings(
-            self._root.url,
+            self._root.secret_url,  # the background process connects by itself: keep the password
             self._storage_options,
             keep_last_n=keep_last_n,
             overwrite=overwrite,

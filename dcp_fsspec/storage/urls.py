@@ -3,6 +3,11 @@
 This is the one place that talks to fsspec's URL registry, so every layer above reports a bad
 scheme or a missing driver the same way, and joins paths with ``posixpath`` rather than
 ``os.path`` (URLs use ``/`` on every platform).
+
+It also keeps credentials out of sight: a password in a URL's userinfo
+(``sftp://user:pw@host/…``) reaches the fsspec driver, but every URL a :class:`Location` gives
+back (``url``, ``url_of``, and so DCP's ``checkpoint_id``) is :func:`redact_url`'s form,
+``user:***@host``, the only form that messages, logs, events, CLI output and ``.metadata`` see.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -21,15 +26,51 @@ from ..errors import InvalidURLError, MissingDriverError
 from .backends import DRIVER_PACKAGES, Backend, backend_for
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 
+REDACTED = "***"
+# scheme://userinfo@ — the userinfo ends at the last "@" before the path, so a password holding
+# an unescaped "@" is still hidden whole.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/?#@:]*):(?P<password>[^/?#]*)@")
+# Real userinfo of the URLs this process resolved, by their redacted form: a redacted URL that
+# comes back to resolve() (``url_of`` handed to a new writer or reader) connects as the original.
+_CREDENTIALS: dict[str, str] = {}
+
+
+def redact_url(url: str | os.PathLike[str]) -> str:
+    """``url`` with the password of every ``scheme://user:password@`` replaced by ``***``.
+
+    Works on chained URLs (``simplecache::sftp://u:pw@host/x``) and on any text that holds URLs,
+    so messages can pass through it whole. A URL without a password comes back unchanged.
+    """
+    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", os.fspath(url))
+
+
+def _remember_credentials(url: str) -> str:
+    """Record the userinfo of ``url`` under its redacted form; return the redacted URL."""
+    for m in _USERINFO.finditer(url):
+        if m["password"] != REDACTED:
+            _CREDENTIALS[f"{m['scheme']}{m['user']}:{REDACTED}@"] = m.group(0)
+    return redact_url(url)
+
+
+def _restore_credentials(url: str) -> str:
+    """The URL a redacted ``url`` stood for, where this process resolved it (else ``url``)."""
+    return _USERINFO.sub(lambda m: _CREDENTIALS.get(m.group(0), m.group(0)), url)
+
+
 @dataclass(frozen=True)
 class Location:
-    """A filesystem and a scheme-less root path on it, the URL the user gave, how calls retry,
-    and (``backend``) what the store can do."""
+    """A filesystem and a scheme-less root path on it, the URL the user gave with any password
+    redacted (``url``), how calls retry, and (``backend``) what the store can do.
+
+    ``secret_url`` is the URL as given, credentials included, for a process that must connect
+    again by itself (the background saver); it never goes into a message, a log or a file.
+    """
 
     fs: fsspec.AbstractFileSystem
     path: str
     url: str
     retry: RetryPolicy = DEFAULT_RETRY
+    secret_url: str = field(default="", repr=False, compare=False)
 
     def join(self, *names: str) -> str:
         """The path of ``names`` below the root (always ``/``-separated)."""
@@ -41,7 +82,8 @@ class Location:
         return backend_for(self.fs, self.retry, self.url_of)
 
     def url_of(self, path: str) -> str:
-        """The full URL of a path on this filesystem, for messages (in the form the user wrote)."""
+        """The full URL of a path on this filesystem, for messages (in the form the user wrote,
+        any password redacted); :func:`resolve` in this process connects it with the password."""
         if path == self.path or path.startswith(self.path.rstrip("/") + "/"):
             return self.url.rstrip("/") + path[len(self.path.rstrip("/")) :]
         return self.backend.plain_url(path)
@@ -76,8 +118,8 @@ def _refuse_empty_segments(url: str) -> None:
     suggestion = "::".join(fixed)
     if suggestion != url:
         raise InvalidURLError(
-            f"checkpoint URL {url!r} has an empty path segment ('//'), which object stores keep as part "
-            f"of the key; did you mean {suggestion!r}?"
+            f"checkpoint URL {redact_url(url)!r} has an empty path segment ('//'), which object stores keep "
+            f"as part of the key; did you mean {redact_url(suggestion)!r}?"
         )
 
 
@@ -121,21 +163,26 @@ def resolve(
         retry: how storage calls on it are retried (:mod:`.retry`); ``None``: not at all beyond
             the driver's own retries.
 
+    A password in the URL goes to the driver; the Location's ``url`` shows it as ``***``. A URL
+    already redacted by a Location of this process connects with the password it stood for.
+
     Raises:
         InvalidURLError: the scheme is unknown to fsspec, or the URL is empty.
         MissingDriverError: the scheme is known but its driver package is not installed.
     """
     if storage_options is not None and not isinstance(storage_options, dict):
         raise InvalidURLError(
-            f"storage_options for {url!r} must be a dict, got {type(storage_options).__name__}"
+            f"storage_options for {redact_url(str(url))!r} must be a dict, got {type(storage_options).__name__}"
         )
-    text = normalize_url(url)
+    text = _restore_credentials(normalize_url(url))
+    shown = _remember_credentials(text)
     retry = retry or NO_RETRY
     if fs is not None:
-        return Location(fs=fs, path=fs._strip_protocol(text).rstrip("/") or "/", url=text, retry=retry)
+        path = fs._strip_protocol(text).rstrip("/") or "/"
+        return Location(fs=fs, path=path, url=shown, retry=retry, secret_url=text)
     if not is_known_scheme(text):
         raise InvalidURLError(
-            f"checkpoint URL {text!r} has scheme {scheme_of(text)!r}, which fsspec does not know; "
+            f"checkpoint URL {shown!r} has scheme {scheme_of(text)!r}, which fsspec does not know; "
             "use a local path or one of fsspec's schemes (s3://, gs://, az://, memory://, file://, …)"
         )
     try:
@@ -143,12 +190,14 @@ def resolve(
     except ImportError as e:
         package = DRIVER_PACKAGES.get(scheme_of(text), "the fsspec driver for this scheme")
         raise MissingDriverError(
-            f"cannot open {text!r}: the driver for {scheme_of(text)}:// is not installed; "
+            f"cannot open {shown!r}: the driver for {scheme_of(text)}:// is not installed; "
             f"run `pip install {package}`"
         ) from e
     except (TypeError, ValueError) as e:
-        raise InvalidURLError(f"cannot open {text!r} with storage_options {sorted(storage_options or {})}: {e}") from e
-    return Location(fs=filesystem, path=path.rstrip("/") or "/", url=text, retry=retry)
+        raise InvalidURLError(
+            f"cannot open {shown!r} with storage_options {sorted(storage_options or {})}: {redact_url(str(e))}"
+        ) from e
+    return Location(fs=filesystem, path=path.rstrip("/") or "/", url=shown, retry=retry, secret_url=text)
 
 
 class UrlBound:
@@ -177,6 +226,7 @@ class UrlBound:
 
     @property
     def checkpoint_id(self) -> str:
+        """The checkpoint's URL, any password redacted: DCP stores it in ``.metadata``."""
         return self.location.url
 
     @classmethod

@@ -38,7 +38,7 @@ from ..errors import (
 )
 from ..storage.backends import DRIVER_PACKAGES
 from ..storage.retry import causes
-from ..storage.urls import normalize_url, scheme_of
+from ..storage.urls import normalize_url, redact_url, scheme_of
 from .progress import human_bytes
 
 EXIT_OK = 0
@@ -111,6 +111,7 @@ def failure_for(error: BaseException, urls: Sequence[str] = (), *, storage_optio
         storage_options_given: whether the user passed storage options; only then can a
             ``TypeError`` from a driver mean a wrong option name.
     """
+    urls = [redact_url(u) for u in urls]  # as given on the command line: passwords and all
     url = urls[0] if urls else None
     where = " → ".join(urls) if urls else "the URL"
     for cause in causes(error):
@@ -162,6 +163,8 @@ def report_failure(command: str, failure: Failure, error: BaseException, *, as_j
     ``debug`` prints the traceback first (on stderr)."""
     if debug:
         traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    # A driver's own error may quote the URL it was given, password included.
+    failure = Failure(failure.kind, failure.exit_code, redact_url(failure.message), failure.url)
     if as_json:
         print_json(failure.to_dict())
     else:
@@ -225,15 +228,23 @@ def add_storage_options(parser: argparse.ArgumentParser, *, destination: bool = 
 
 
 def storage_options(text: str | None, flag: str = "--storage-options") -> dict[str, Any]:
-    """Parse a ``--storage-options`` value: a JSON object, or ``{}`` when not given."""
+    """Parse a ``--storage-options`` value: a JSON object, or ``{}`` when not given.
+
+    Its values are credentials often, so an error says where the JSON is wrong (line, column)
+    or what type it is, never the text itself.
+    """
     if text is None:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"{flag} is not valid JSON ({e}): {text!r}") from e
+        # e.msg and the position only: str(e) is the same, but the doc (the secrets) stays out.
+        raise UsageError(
+            f"{flag} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (character {e.pos} "
+            f"of {len(text)}); its text is not shown, since it may hold credentials"
+        ) from e
     if not isinstance(value, dict):
-        raise UsageError(f"{flag} must be a JSON object like '{{\"anon\": true}}', got {text!r}")
+        raise UsageError(f"{flag} must be a JSON object like '{{\"anon\": true}}', got a JSON {type(value).__name__}")
     return value
 
 
