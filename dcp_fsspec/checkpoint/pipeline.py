@@ -47,7 +47,7 @@ class SaveSettings:
         writer: the tuning of every :class:`FsspecStorageWriter`.
     """
 
-    url: str
+    url: str = field(repr=False)  # the real URL (a password in it reaches the driver, never a message)
     storage_options: dict[str, Any] = field(default_factory=dict)
     keep_last_n: int | None = None
     overwrite: bool = False
