@@ -17,9 +17,7 @@ causes' types, never by its text.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import socket
 import sys
 import traceback
 from collections.abc import Sequence
@@ -37,6 +35,7 @@ from ..errors import (
     UsageError,  # also used as _cli.UsageError by the tools, from before errors.py held it
 )
 from ..storage.backends import DRIVER_PACKAGES
+from ..storage.backends.driver_errors import credentials_advice, is_unreachable
 from ..storage.retry import causes
 from ..storage.urls import normalize_url, redact_url, scheme_of
 from .progress import human_bytes
@@ -60,24 +59,6 @@ EXIT_CODES_HELP = """exit codes:
 errors: one line on stderr; with --json, a JSON object {"error", "kind", "url", "exit_code"} on
 stdout; with --debug (or -v), the traceback too"""
 
-# Drivers' own exception types that mean the same whatever the command: (module, class, advice).
-# Only modules already imported are looked in, since an error cannot be of a type never loaded,
-# and nothing here imports a driver.
-_NO_CREDENTIALS = (
-    ("botocore.exceptions", "NoCredentialsError",
-     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), pass '{\"key\": …, \"secret\": …}' "
-     "in --storage-options, or '{\"anon\": true}' for a public bucket"),
-    ("botocore.exceptions", "PartialCredentialsError",
-     "the credentials found are incomplete: set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-     "(or fix the profile in ~/.aws)"),
-)  # fmt: skip
-_UNREACHABLE = (
-    ("botocore.exceptions", "EndpointConnectionError"),
-    ("botocore.exceptions", "ConnectTimeoutError"),
-    ("aiohttp", "ClientConnectorError"),
-)
-# What a connection that never got through says, on the built-in OSError drivers raise.
-_UNREACHABLE_ERRNOS = {errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT}
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
@@ -115,10 +96,10 @@ def failure_for(error: BaseException, urls: Sequence[str] = (), *, storage_optio
     url = urls[0] if urls else None
     where = " → ".join(urls) if urls else "the URL"
     for cause in causes(error):
-        advice = _credentials_advice(cause)
+        advice = credentials_advice(cause)
         if advice is not None:
             return Failure("credentials", EXIT_STORAGE, f"no credentials to access {where} ({cause}); {advice}", url)
-        if _is_unreachable(cause):
+        if is_unreachable(cause):
             return Failure(
                 "unreachable", EXIT_STORAGE,
                 f"cannot reach the storage of {where} ({type(cause).__name__}: {cause}); check the address "
@@ -169,28 +150,6 @@ def report_failure(command: str, failure: Failure, error: BaseException, *, as_j
         print_json(failure.to_dict())
     else:
         print(f"dcp-fsspec {command}: error: {failure.message}", file=sys.stderr)
-
-
-def _loaded(module: str, name: str) -> type[BaseException] | None:
-    cls = getattr(sys.modules.get(module), name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
-
-
-def _credentials_advice(error: BaseException) -> str | None:
-    for module, name, advice in _NO_CREDENTIALS:
-        cls = _loaded(module, name)
-        if cls is not None and isinstance(error, cls):
-            return advice
-    return None
-
-
-def _is_unreachable(error: BaseException) -> bool:
-    if isinstance(error, (ConnectionRefusedError, socket.gaierror)):
-        return True
-    if isinstance(error, OSError) and not isinstance(error, DcpFsspecError) and error.errno in _UNREACHABLE_ERRNOS:
-        return True
-    types = tuple(cls for cls in (_loaded(m, n) for m, n in _UNREACHABLE) if cls is not None)
-    return bool(types) and isinstance(error, types)
 
 
 def _raised_in_package(error: BaseException) -> bool:
