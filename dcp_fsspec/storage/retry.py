@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from ..errors import DcpFsspecError, StorageError
+from .backends.driver_errors import is_network_error
 
 T = TypeVar("T")
 
@@ -194,7 +195,7 @@ def is_transient(error: BaseException) -> bool:
             return True
         if status is not None:
             return status in _TRANSIENT_4XX or (status >= 500 and status not in _PERMANENT_5XX)
-        if isinstance(cause, (ConnectionError, TimeoutError)) or _is_network_error(cause):
+        if isinstance(cause, (ConnectionError, TimeoutError)) or is_network_error(cause):
             return True
     return False
 
@@ -225,25 +226,3 @@ def causes(error: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
-
-
-def _is_network_error(error: BaseException) -> bool:
-    """Connection-level failures of the HTTP stacks fsspec drivers use (botocore, aiohttp, http.client)."""
-    kinds: list[type[BaseException]] = []
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError, IncompleteReadError
-
-        kinds += [BotoConnectionError, HTTPClientError, IncompleteReadError]
-    except ImportError:  # pragma: no cover - botocore comes with s3fs
-        pass
-    try:
-        from aiohttp import ClientConnectionError, ClientPayloadError
-
-        kinds += [ClientConnectionError, ClientPayloadError]
-    except ImportError:  # pragma: no cover - aiohttp comes with s3fs
-        pass
-    import http.client
-
-    kinds += [http.client.IncompleteRead, http.client.RemoteDisconnected]
-    return isinstance(error, tuple(kinds))

@@ -1,5 +1,5 @@
-"""What drivers' own exceptions mean, whatever the command: no credentials, an endpoint that
-cannot be reached.
+"""What drivers' own exceptions mean: no credentials, an endpoint that cannot be reached, a
+connection that dropped (which retries treat as transient).
 
 The storage layer's one place for those types (botocore's, aiohttp's), so the CLI can say
 what to do in one line. Only modules already imported are looked in, since an error cannot be
@@ -54,3 +54,25 @@ def is_unreachable(error: BaseException) -> bool:
         return True
     types = tuple(cls for cls in (_loaded(m, n) for m, n in UNREACHABLE) if cls is not None)
     return bool(types) and isinstance(error, types)
+
+
+def is_network_error(error: BaseException) -> bool:
+    """Connection-level failures of the HTTP stacks fsspec drivers use (botocore, aiohttp, http.client)."""
+    kinds: list[type[BaseException]] = []
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError, IncompleteReadError
+
+        kinds += [BotoConnectionError, HTTPClientError, IncompleteReadError]
+    except ImportError:  # pragma: no cover - botocore comes with s3fs
+        pass
+    try:
+        from aiohttp import ClientConnectionError, ClientPayloadError
+
+        kinds += [ClientConnectionError, ClientPayloadError]
+    except ImportError:  # pragma: no cover - aiohttp comes with s3fs
+        pass
+    import http.client
+
+    kinds += [http.client.IncompleteRead, http.client.RemoteDisconnected]
+    return isinstance(error, tuple(kinds))
