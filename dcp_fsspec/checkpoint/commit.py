@@ -162,9 +162,93 @@ def is_committed(root: Location, iteration: int) -> bool:
     return inspect_iteration(root, iteration)[0] is not None
 
 
+@dataclass(frozen=True)
+class Listing:
+    """What one recursive listing of ``save_dirname`` says about its iteration folders.
+
+    Deciding from names costs one listing for any number of folders, against several requests
+    per folder. An absence it reports is trusted only where the listing shows the folder was
+    read (something is listed inside it): fsspec's generic listing skips folders it fails to
+    read, and an error must never read as "not committed" (retention would delete on a guess).
+
+    Attributes:
+        folders: every iteration that has a folder, ascending.
+        read: the iterations with anything listed inside their folder.
+        records: the iterations whose folder lists ``.commit.json``.
+        finished: ``(iteration, key)`` for each key folder that lists ``.metadata``.
+    """
+
+    folders: tuple[int, ...]
+    read: frozenset[int]
+    records: frozenset[int]
+    finished: frozenset[tuple[int, str]]
+
+
+def list_save_dirname(root: Location) -> Listing:
+    """One recursive listing of ``root`` (one request per 1,000 files on S3).
+
+    Raises:
+        StorageError: the backend failed.
+    """
+    root.backend.invalidate(root.path)
+    try:
+        names = root.backend.call("find", root.path, withdirs=True)
+    except FileNotFoundError:
+        names = []
+    prefix = root.path.rstrip("/") + "/"
+    bare: set[int] = set()
+    read: set[int] = set()
+    records: set[int] = set()
+    finished: set[tuple[int, str]] = set()
+    for name in names:
+        parts = name[len(prefix):].rstrip("/").split("/") if name.startswith(prefix) else []
+        iteration = layout.parse_iteration(parts[0]) if parts else None
+        if iteration is None:
+            continue
+        (read if len(parts) > 1 else bare).add(iteration)
+        if parts[1:] == [COMMIT_RECORD_NAME]:
+            records.add(iteration)
+        elif len(parts) == 3 and parts[2] == METADATA_NAME:
+            finished.add((iteration, parts[1]))
+    # A name with nothing listed under it is an empty folder or a file of that name: only an
+    # empty folder, which object stores do not have, costs a request to tell them apart.
+    folders = read | {i for i in bare - read if _is_folder(root, layout.iteration_path(root, i))}
+    return Listing(tuple(sorted(folders)), frozenset(read), frozenset(records), frozenset(finished))
+
+
+def _is_folder(root: Location, path: str) -> bool:
+    try:
+        return bool(root.backend.call("info", path).get("type") == "directory")
+    except FileNotFoundError:
+        return False
+
+
+def listed_record(root: Location, listing: Listing, iteration: int) -> CommitRecord | None:
+    """The commit record of ``iteration`` if it is committed, deciding from ``listing``.
+
+    Reads the record only where the listing shows one (or could not see inside the folder),
+    and confirms each ``.metadata`` the listing lacks with a check that raises on failure.
+
+    Raises:
+        CorruptCheckpointError: the record is not one we wrote.
+        StorageError: the backend failed.
+    """
+    if iteration not in listing.records and iteration in listing.read:
+        return None
+    record = read_commit_record(root, iteration)
+    if record is None:
+        return None
+    absent = [k for k in record.keys if (iteration, k) not in listing.finished]
+    if any(not key_is_committed(root, iteration, k) for k in absent):
+        return None
+    return record
+
+
 def committed_iterations(root: Location) -> list[int]:
-    """The committed iterations under ``root``, ascending (``layout``'s finder, with our test)."""
-    return layout.find_iterations(root, committed=lambda iteration: is_committed(root, iteration))
+    """The committed iterations under ``root``, ascending: one listing, and one read of each
+    commit record it shows (folders without one cost nothing more)."""
+    listing = list_save_dirname(root)
+    return [i for i in listing.folders if listed_record(root, listing, i) is not None]
 
 
 def require_committed(root: Location, iteration: int, *, named_by: str) -> CommitRecord:
