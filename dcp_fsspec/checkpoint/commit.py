@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..storage.backends import Versioned
+from ..storage.decoding import parse_metadata
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 from ..storage.urls import Location
 from . import layout
@@ -32,6 +33,8 @@ from . import layout
 logger = logging.getLogger(__name__)
 
 _RECORD_FORMAT = 1
+# In an iteration folder while a save writes it: which save took the folder first.
+CLAIM_NAME = ".saving"
 # A record is a few hundred bytes (a key name each); anything far bigger was not written by us,
 # and is not parsed (json's nesting depth is bounded by its length).
 _MAX_RECORD_BYTES = 1024 * 1024
@@ -47,18 +50,22 @@ class CommitRecord:
     keys: tuple[str, ...]
     world_size: int
     saved_at: float  # seconds since the epoch, for humans and tools
+    # The save's token: every key's .metadata carries it (storage_meta.save_id), so a folder
+    # another save of the same iteration wrote into is never taken for this one. None: a record
+    # written before tokens existed.
+    save_id: str | None = None
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": _RECORD_FORMAT,
-                "iteration": self.iteration,
-                "keys": list(self.keys),
-                "world_size": self.world_size,
-                "saved_at": self.saved_at,
-            },
-            indent=1,
-        ).encode()
+        doc: dict[str, object] = {
+            "format": _RECORD_FORMAT,
+            "iteration": self.iteration,
+            "keys": list(self.keys),
+            "world_size": self.world_size,
+            "saved_at": self.saved_at,
+        }
+        if self.save_id is not None:
+            doc["save_id"] = self.save_id
+        return json.dumps(doc, indent=1).encode()
 
 
 def pointer_url(root: Location) -> str:
@@ -99,7 +106,10 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
         if not isinstance(doc, dict) or not isinstance(doc["keys"], list):
             raise TypeError("not an object with a list of keys")
         keys = tuple(layout.check_key(k) for k in doc["keys"])
-        return CommitRecord(int(doc["iteration"]), keys, int(doc["world_size"]), float(doc["saved_at"]))
+        save_id = doc.get("save_id")
+        if save_id is not None and not isinstance(save_id, str):
+            raise TypeError("its save_id is not a string")
+        return CommitRecord(int(doc["iteration"]), keys, int(doc["world_size"]), float(doc["saved_at"]), save_id)
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"commit record {root.url_of(path)} is unreadable ({e}); delete the folder "
@@ -112,19 +122,28 @@ def key_is_committed(root: Location, iteration: int, key: str) -> bool:
     return exists(root, posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME))
 
 
-def unfinished_keys(root: Location, iteration: int, keys: tuple[str, ...]) -> list[str]:
-    """The ``keys`` of ``iteration`` that have no ``.metadata``, in one listing where possible.
-
-    One recursive listing is one request on object stores, against one per key. fsspec's
-    generic listing skips folders it fails to read, though, so each absence it reports is
-    confirmed with a check that raises on failure: an error never reads as "missing".
-    """
+def _files_of(root: Location, iteration: int) -> set[str]:
+    """Every file under ``iteration``'s folder: one recursive listing."""
     folder = layout.iteration_path(root, iteration)
     root.backend.invalidate(folder)
     try:
-        listed = set(root.backend.call("find", folder))
+        return set(root.backend.call("find", folder))
     except FileNotFoundError:
-        listed = set()
+        return set()
+
+
+def unfinished_keys(
+    root: Location, iteration: int, keys: tuple[str, ...], listed: set[str] | None = None
+) -> list[str]:
+    """The ``keys`` of ``iteration`` that have no ``.metadata``, in one listing where possible.
+
+    One recursive listing (``listed``, when the caller has made it) is one request on object
+    stores, against one per key. fsspec's generic listing skips folders it fails to read,
+    though, so each absence it reports is confirmed with a check that raises on failure: an
+    error never reads as "missing".
+    """
+    folder = layout.iteration_path(root, iteration)
+    listed = _files_of(root, iteration) if listed is None else listed
     absent = [k for k in keys if posixpath.join(folder, k, METADATA_NAME) not in listed]
     return [k for k in absent if not key_is_committed(root, iteration, k)]
 
@@ -162,9 +181,93 @@ def is_committed(root: Location, iteration: int) -> bool:
     return inspect_iteration(root, iteration)[0] is not None
 
 
+@dataclass(frozen=True)
+class Listing:
+    """What one recursive listing of ``save_dirname`` says about its iteration folders.
+
+    Deciding from names costs one listing for any number of folders, against several requests
+    per folder. An absence it reports is trusted only where the listing shows the folder was
+    read (something is listed inside it): fsspec's generic listing skips folders it fails to
+    read, and an error must never read as "not committed" (retention would delete on a guess).
+
+    Attributes:
+        folders: every iteration that has a folder, ascending.
+        read: the iterations with anything listed inside their folder.
+        records: the iterations whose folder lists ``.commit.json``.
+        finished: ``(iteration, key)`` for each key folder that lists ``.metadata``.
+    """
+
+    folders: tuple[int, ...]
+    read: frozenset[int]
+    records: frozenset[int]
+    finished: frozenset[tuple[int, str]]
+
+
+def list_save_dirname(root: Location) -> Listing:
+    """One recursive listing of ``root`` (one request per 1,000 files on S3).
+
+    Raises:
+        StorageError: the backend failed.
+    """
+    root.backend.invalidate(root.path)
+    try:
+        names = root.backend.call("find", root.path, withdirs=True)
+    except FileNotFoundError:
+        names = []
+    prefix = root.path.rstrip("/") + "/"
+    bare: set[int] = set()
+    read: set[int] = set()
+    records: set[int] = set()
+    finished: set[tuple[int, str]] = set()
+    for name in names:
+        parts = name[len(prefix):].rstrip("/").split("/") if name.startswith(prefix) else []
+        iteration = layout.parse_iteration(parts[0]) if parts else None
+        if iteration is None:
+            continue
+        (read if len(parts) > 1 else bare).add(iteration)
+        if parts[1:] == [COMMIT_RECORD_NAME]:
+            records.add(iteration)
+        elif len(parts) == 3 and parts[2] == METADATA_NAME:
+            finished.add((iteration, parts[1]))
+    # A name with nothing listed under it is an empty folder or a file of that name: only an
+    # empty folder, which object stores do not have, costs a request to tell them apart.
+    folders = read | {i for i in bare - read if _is_folder(root, layout.iteration_path(root, i))}
+    return Listing(tuple(sorted(folders)), frozenset(read), frozenset(records), frozenset(finished))
+
+
+def _is_folder(root: Location, path: str) -> bool:
+    try:
+        return bool(root.backend.call("info", path).get("type") == "directory")
+    except FileNotFoundError:
+        return False
+
+
+def listed_record(root: Location, listing: Listing, iteration: int) -> CommitRecord | None:
+    """The commit record of ``iteration`` if it is committed, deciding from ``listing``.
+
+    Reads the record only where the listing shows one (or could not see inside the folder),
+    and confirms each ``.metadata`` the listing lacks with a check that raises on failure.
+
+    Raises:
+        CorruptCheckpointError: the record is not one we wrote.
+        StorageError: the backend failed.
+    """
+    if iteration not in listing.records and iteration in listing.read:
+        return None
+    record = read_commit_record(root, iteration)
+    if record is None:
+        return None
+    absent = [k for k in record.keys if (iteration, k) not in listing.finished]
+    if any(not key_is_committed(root, iteration, k) for k in absent):
+        return None
+    return record
+
+
 def committed_iterations(root: Location) -> list[int]:
-    """The committed iterations under ``root``, ascending (``layout``'s finder, with our test)."""
-    return layout.find_iterations(root, committed=lambda iteration: is_committed(root, iteration))
+    """The committed iterations under ``root``, ascending: one listing, and one read of each
+    commit record it shows (folders without one cost nothing more)."""
+    listing = list_save_dirname(root)
+    return [i for i in listing.folders if listed_record(root, listing, i) is not None]
 
 
 def require_committed(root: Location, iteration: int, *, named_by: str) -> CommitRecord:
@@ -185,6 +288,31 @@ def require_committed(root: Location, iteration: int, *, named_by: str) -> Commi
             "committed iteration (or delete it to start over)"
         )
     return record
+
+
+def require_saved_together(root: Location, record: CommitRecord, *, trust_checkpoint: bool = False) -> None:
+    """Check that every key ``record`` lists is the save that wrote ``record`` (its token).
+
+    A folder two saves of one iteration wrote into is never loaded as one checkpoint. A record
+    written before tokens existed (no ``save_id``) is not checked.
+
+    Raises:
+        CorruptCheckpointError: a key's ``.metadata`` carries another save's token, or names a
+            missing file; the message names the URL.
+        StorageError: the backend failed.
+    """
+    if record.save_id is None:
+        return
+    listed = _files_of(root, record.iteration)
+    for key in record.keys:
+        problem = key_problem(root, record.iteration, key, record.save_id, listed, trust_checkpoint=trust_checkpoint)
+        if problem is not None:
+            folder = root.url_of(layout.iteration_path(root, record.iteration))
+            raise CorruptCheckpointError(
+                f"{folder} is not the checkpoint its {COMMIT_RECORD_NAME} committed: {problem} (another "
+                "process saved the same iteration into it); it is not loaded. Load another iteration, "
+                "or delete this folder"
+            )
 
 
 def commit_iteration(
@@ -209,7 +337,13 @@ def commit_iteration(
 
 
 def publish(
-    root: Location, iteration: int, keys: tuple[str, ...], world_size: int, *, behind_pointer: bool = False
+    root: Location,
+    iteration: int,
+    keys: tuple[str, ...],
+    world_size: int,
+    *,
+    behind_pointer: bool = False,
+    save_id: str | None = None,
 ) -> int:
     """Commit ``iteration`` and move the pointer to it: the last step of a save, on rank 0.
 
@@ -224,12 +358,15 @@ def publish(
         world_size: how many ranks wrote it, for the commit record.
         behind_pointer: an explicit overwrite of an iteration older than the pointer: it is
             committed, and the pointer stays where it is.
+        save_id: the save's token, which every key's ``.metadata`` must carry (see
+            :func:`commit_record`).
 
     Returns:
         The iteration the pointer names afterwards (``iteration``, or a newer one).
 
     Raises:
-        CheckpointExistsError: the pointer names a newer iteration (and not ``behind_pointer``).
+        CheckpointExistsError: the pointer names a newer iteration (and not ``behind_pointer``),
+            or another process saving the same iteration wrote into it or committed it first.
         CheckpointNotFoundError: a key has no ``.metadata``.
         StorageError: the backend failed; the pointer did not move.
     """
@@ -238,7 +375,7 @@ def publish(
         current = _parse_pointer(root, read.data)
         if current is not None and current > iteration and not behind_pointer:
             raise _moved_past(root, iteration, current)
-        commit_record(root, iteration, keys, world_size)
+        commit_record(root, iteration, keys, world_size, save_id)
         if current is not None and current >= iteration:
             return current
         if _replace_pointer(root, _pointer_bytes(iteration), read):
@@ -263,22 +400,105 @@ def _moved_past(root: Location, iteration: int, latest: int) -> CheckpointExists
     )
 
 
-def commit_record(root: Location, iteration: int, keys: tuple[str, ...], world_size: int) -> CommitRecord:
-    """Write ``iteration``'s commit record once each of ``keys`` is a finished DCP checkpoint.
+def commit_record(
+    root: Location, iteration: int, keys: tuple[str, ...], world_size: int, save_id: str | None = None
+) -> CommitRecord:
+    """Write ``iteration``'s commit record once each of ``keys`` is a finished DCP checkpoint
+    of this save.
+
+    With ``save_id`` (the save's token), each key's ``.metadata`` must carry it and every data
+    file it names must be there: another process saving the same iteration into this folder
+    (a restarted job and its zombie) may have written, or cleared, some of it. The record is
+    created, never replaced (a conditional write; the caller holds ``exclusive(root)`` where the
+    store has no conditional writes), so of two such saves one commits and the other raises.
 
     Raises:
         CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
+        CheckpointExistsError: another save of this iteration wrote a key, or committed first.
     """
-    for key in unfinished_keys(root, iteration, keys):
+    listed = _files_of(root, iteration)
+    folder_url = root.url_of(layout.iteration_path(root, iteration))
+    for key in unfinished_keys(root, iteration, keys, listed):
         url = root.url_of(layout.key_path(root, iteration, key))
         raise CheckpointNotFoundError(
-            f"cannot commit {root.url_of(layout.iteration_path(root, iteration))}: key {key!r} at "
-            f"{url} has no {METADATA_NAME}, so its save did not finish; save the iteration again"
+            f"cannot commit {folder_url}: key {key!r} at {url} has no {METADATA_NAME}, so its save "
+            "did not finish; save the iteration again"
         )
-    record = CommitRecord(iteration, tuple(keys), world_size, time.time())
+    if save_id is not None:
+        for key in keys:
+            problem = key_problem(root, iteration, key, save_id, listed)
+            if problem is not None:
+                raise CheckpointExistsError(
+                    f"cannot commit {folder_url}: {problem}, so another process is saving the same "
+                    f"iteration into {root.url} (a restarted job racing the old one, or two jobs with "
+                    "one save_dirname); this save is not committed. Give each run its own save_dirname"
+                )
+    record = CommitRecord(iteration, tuple(keys), world_size, time.time(), save_id)
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
-    write_atomically(root, path, record.to_json())
+    if not create_atomically(root, path, record.to_json()):
+        raise CheckpointExistsError(
+            f"cannot commit {folder_url}: another process committed it first while this save wrote it "
+            f"(two processes saving the same iteration into {root.url}); this save is not committed. "
+            "Give each run its own save_dirname"
+        )
     return record
+
+
+def key_problem(
+    root: Location,
+    iteration: int,
+    key: str,
+    save_id: str,
+    listed: set[str] | None = None,
+    *,
+    trust_checkpoint: bool = False,
+) -> str | None:
+    """Why ``key`` of ``iteration`` is not the save ``save_id`` wrote, in words; ``None`` if it is.
+
+    It is that save's when its ``.metadata`` carries ``save_id`` and every data file it names is
+    there (in ``listed``, one listing of the iteration, or confirmed one by one).
+    ``trust_checkpoint``: unpickle ``.metadata`` in full (see :func:`~dcp_fsspec.storage.decoding.parse_metadata`).
+
+    Raises:
+        CorruptCheckpointError: ``.metadata`` is not DCP metadata.
+        StorageError: the backend failed.
+    """
+    folder = layout.key_path(root, iteration, key)
+    path = posixpath.join(folder, METADATA_NAME)
+    url = root.url_of(path)
+    try:
+        metadata = parse_metadata(root.backend.call("cat_file", path), url, trust_checkpoint=trust_checkpoint)
+    except FileNotFoundError:
+        return f"{url} does not exist"
+    meta = metadata.storage_meta
+    if meta is None or meta.save_id != save_id:
+        return f"{url} was written by another save (save_id {getattr(meta, 'save_id', None)!r}, not {save_id!r})"
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    for name in files:
+        file_path = posixpath.join(folder, name)
+        if (listed is None or file_path not in listed) and not exists(root, file_path):
+            return f"{root.url_of(file_path)}, which {url} names, is missing"
+    return None
+
+
+def claim_iteration(root: Location, iteration: int, save_id: str) -> bool:
+    """Create ``iteration``'s claim (``.saving``, holding ``save_id``) if it has none.
+
+    Of saves starting on one clean folder at once, exactly one creates it (a conditional write,
+    or inside ``exclusive``); it alone writes torch's fixed data file names, the others put
+    their token into theirs, so no two saves write one file. It decides nothing else: the
+    commit checks each key's token whoever holds the claim.
+
+    Returns:
+        True if this call created the claim.
+    """
+    backend = root.backend
+    path = root.join(layout.format_iteration(iteration), CLAIM_NAME)
+    try:
+        with backend.exclusive(layout.iteration_path(root, iteration)):
+            return create_atomically(root, path, save_id.encode())
+    except FileNotFoundError:
+        return False  # another save is clearing the folder: it is in use, not ours alone
 
 
 def discard_iteration(root: Location, iteration: int) -> None:
@@ -376,6 +596,24 @@ def _read_pointer_file(root: Location) -> Versioned:
 def _replace_pointer(root: Location, data: bytes, read: Versioned) -> bool:
     """Write the pointer if it is still ``read``; False if another write came first."""
     return root.backend.replace_if_unchanged(root.join(POINTER_NAME), data, read)
+
+
+def create_atomically(root: Location, path: str, data: bytes) -> bool:
+    """Write ``data`` to ``path`` only if nothing is there: a conditional write where the store
+    has one, else a read and :func:`write_atomically` (the caller holds ``exclusive``).
+
+    Returns:
+        True if ``path`` now holds ``data`` because of this call (also when the write landed but
+        its answer was lost, and the retry was refused); False if another write came first.
+    """
+    backend = root.backend
+    if backend.conditional_writes and backend.replace_if_unchanged(path, data, Versioned(None)):
+        return True
+    existing = backend.read_versioned(path).data
+    if existing is not None or backend.conditional_writes:
+        return existing == data
+    write_atomically(root, path, data)
+    return True
 
 
 def write_atomically(root: Location, path: str, data: bytes) -> None:

@@ -3,15 +3,14 @@
 An iteration's folder is ``iter_`` and the iteration zero-padded to nine digits
 (``iter_000000005``); every key saved with it is a DCP checkpoint in a subfolder
 (``iter_000000005/model/``). This module owns the one regex for those names. It does not know
-what makes a folder *committed* (``commit`` does), so its finder takes that test as an argument:
-callers must say what they mean, and a half-written folder is never found by accident.
+what makes a folder *committed* (``commit`` does, from one listing of ``save_dirname``): its
+finder returns every folder, committed or not.
 """
 
 from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Callable
 
 from ..errors import StorageError
 from ..storage.urls import Location
@@ -87,12 +86,3 @@ def list_iterations(root: Location) -> list[int]:
             found.add(iteration)
     return sorted(found)
 
-
-def find_iterations(root: Location, *, committed: Callable[[int], bool]) -> list[int]:
-    """The iterations under ``root`` for which ``committed`` is true, ascending.
-
-    Args:
-        root: the ``save_dirname`` location.
-        committed: the commit test, usually ``functools.partial(commit.is_committed, root)``.
-    """
-    return [iteration for iteration in list_iterations(root) if committed(iteration)]

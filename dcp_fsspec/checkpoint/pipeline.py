@@ -13,6 +13,7 @@ from a picklable :class:`SaveSettings`.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,21 +82,30 @@ class SavePipeline:
 
         Raises:
             CheckpointExistsError: the iteration is committed already, or the pointer names a
-                newer one, and ``overwrite`` is False.
+                newer one, and ``overwrite`` is False; or another process saving the same
+                iteration into ``url`` finished or committed first (this save is not committed).
             CorruptCheckpointError: ``verify_before_commit`` found damage; nothing was committed.
             StorageError: the backend failed; nothing was committed.
         """
         keys = tuple(staged)
-        self._collectives.run_on_rank0(lambda: self._prepare(iteration))
+        # The save's token, from rank 0 to every rank: in every data file's name and every
+        # key's .metadata, and checked at the commit, so a save commits only what it wrote.
+        save_id, first = self._collectives.run_on_rank0(lambda: self._prepare(iteration))
         for key in keys:
-            self._write_key(iteration, key, staged[key])
-        latest = self._publish(iteration, keys)
+            self._write_key(iteration, key, staged[key], save_id, unique_file_names=not first)
+        latest = self._publish(iteration, keys, save_id)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
             retention.apply_retention(self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest)
         return latest
 
-    def _prepare(self, iteration: int) -> None:
-        """Rank 0: refuse to replace a committed iteration; clear leftovers of an uncommitted one."""
+    def _prepare(self, iteration: int) -> tuple[str, bool]:
+        """Rank 0: refuse to replace a committed iteration; clear leftovers of an uncommitted one.
+
+        Returns:
+            A new token for this save, and whether it found the folder clean and claimed it
+            first (then it writes torch's data file names; else names holding the token, since
+            the leftovers it cleared may be those of a save still running).
+        """
         root, overwrite = self._root, self.settings.overwrite
         folder = root.url_of(layout.iteration_path(root, iteration))
         latest = commit.read_pointer(root)
@@ -120,13 +130,23 @@ class SavePipeline:
             logger.warning("overwriting the committed checkpoint %s", folder)
         elif reason != "does not exist":
             logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
+        save_id = uuid.uuid4().hex
         if record is not None or reason != "does not exist":
             commit.discard_iteration(root, iteration)
+            return save_id, False
+        return save_id, commit.claim_iteration(root, iteration, save_id)
 
-    def _write_key(self, iteration: int, key: str, state_dict: dict[str, Any]) -> None:
+    def _write_key(
+        self, iteration: int, key: str, state_dict: dict[str, Any], save_id: str, *, unique_file_names: bool
+    ) -> None:
         url = self._root.url_of(layout.key_path(self._root, iteration, key))
         writer = FsspecStorageWriter(
-            url, storage_options=self.settings.storage_options, retry=self.settings.retry, **self.settings.writer.as_kwargs()
+            url,
+            storage_options=self.settings.storage_options,
+            retry=self.settings.retry,
+            save_id=save_id,
+            unique_file_names=unique_file_names,
+            **self.settings.writer.as_kwargs(),
         )
         try:
             dcp.save(
@@ -138,7 +158,7 @@ class SavePipeline:
         except CheckpointException as e:
             raise unwrap_dcp(e, f"saving key {key!r} to {url}", mismatch=False) from e
 
-    def _publish(self, iteration: int, keys: tuple[str, ...]) -> int:
+    def _publish(self, iteration: int, keys: tuple[str, ...], save_id: str) -> int:
         """Every rank finished every key → rank 0 writes the commit record, then the pointer."""
         self._collectives.raise_if_any_failed(None)
 
@@ -146,7 +166,12 @@ class SavePipeline:
             if self.settings.verify_before_commit:
                 self._verify_keys(iteration, keys)
             latest = commit.publish(
-                self._root, iteration, keys, self._collectives.world_size, behind_pointer=self.settings.overwrite
+                self._root,
+                iteration,
+                keys,
+                self._collectives.world_size,
+                behind_pointer=self.settings.overwrite,
+                save_id=save_id,
             )
             logger.info("committed %s", self._root.url_of(layout.iteration_path(self._root, iteration)))
             return latest

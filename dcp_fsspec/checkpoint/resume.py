@@ -160,8 +160,9 @@ def gather(
         StorageError: the backend failed.
     """
     if iteration is not None:
-        return ResumeFacts(_committed(root, iteration, named_by=f"load(iteration={iteration}) for {root.url}"))
-    own = _named_by_pointer(root)
+        named_by = f"load(iteration={iteration}) for {root.url}"
+        return ResumeFacts(_committed(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint))
+    own = _named_by_pointer(root, trust_checkpoint)
     if own is not None:
         return ResumeFacts(own)
     leftovers = _leftovers(root)
@@ -171,15 +172,16 @@ def gather(
     return ResumeFacts(None, found, leftovers)
 
 
-def _named_by_pointer(root: Location) -> Found | None:
+def _named_by_pointer(root: Location, trust_checkpoint: bool) -> Found | None:
     latest = commit.read_pointer(root)
     if latest is None:
         return None
-    return _committed(root, latest, named_by=commit.pointer_url(root))
+    return _committed(root, latest, named_by=commit.pointer_url(root), trust_checkpoint=trust_checkpoint)
 
 
-def _committed(root: Location, iteration: int, *, named_by: str) -> Found:
+def _committed(root: Location, iteration: int, *, named_by: str, trust_checkpoint: bool) -> Found:
     record = commit.require_committed(root, iteration, named_by=named_by)
+    commit.require_saved_together(root, record, trust_checkpoint=trust_checkpoint)
     keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
     return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, iteration)), iteration, keys)
 
@@ -209,7 +211,7 @@ def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings
     entries = _checkpoint_entries(source, reader, trust_checkpoint)
     if entries is not None:
         return Found(CHECKPOINT, source.url, source.url, entries=entries)
-    pointed = _named_by_pointer(source)
+    pointed = _named_by_pointer(source, trust_checkpoint)
     if pointed is not None:
         return pointed
     saved = {

@@ -64,13 +64,16 @@ def apply_retention(
     try:
         if latest is None:
             latest = commit.read_pointer(root)
-        iterations = layout.list_iterations(root)
-        # Only the newest N committed ones matter, and each check costs requests: stop there.
+        # One listing says which folders exist and which show a commit record; only the newest
+        # N committed ones matter, so only their records (and those of damaged ones met on the
+        # way) are read: a bounded number of requests however many folders there are.
+        listing = commit.list_save_dirname(root)
+        iterations = list(listing.folders)
         committed: list[int] = []
         for iteration in sorted((i for i in iterations if latest is not None and i <= latest), reverse=True):
             if len(committed) == keep_last_n:
                 break
-            if commit.is_committed(root, iteration):
+            if commit.listed_record(root, listing, iteration) is not None:
                 committed.append(iteration)
         plan = plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
     except (OSError, DcpFsspecError) as e:

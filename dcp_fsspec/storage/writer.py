@@ -33,6 +33,7 @@ from .collector import collector_paused
 from .records import encode_tensor
 from .failures import storage_errors
 from .retry import DEFAULT_RETRY, RetryPolicy
+from .backends import Versioned
 from .uploads import ByteBudget, FileUpload
 from .urls import UrlBound
 
@@ -57,7 +58,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
     stores: one PUT or one multipart upload, published whole); ``.metadata`` is written only in
     :meth:`finish`, after every rank's data is written, and atomically; when ``overwrite`` is
     true an existing ``.metadata`` is removed *before* new data is written, so a save that dies
-    half-way leaves no checkpoint rather than a mixed one.
+    half-way leaves no checkpoint rather than a mixed one. ``.metadata`` is only ever created,
+    never replaced, in :meth:`finish` (a conditional write): of two saves racing into one folder,
+    the second to finish raises :class:`CheckpointExistsError` and the first's checkpoint stays.
 
     Args:
         path: the checkpoint folder: any fsspec URL (``s3://bucket/ckpt``, ``memory://x``) or a
@@ -75,6 +78,12 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         retry: how storage requests are retried on throttling, 5xx and dropped connections,
             and the deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`);
             ``None``: only the driver's own retries.
+        save_id: this save's identity, written into ``.metadata`` (``storage_meta.save_id``), so
+            a commit can tell its own ``.metadata`` from another save's into the same folder;
+            ``None``: a fresh random id per save.
+        unique_file_names: put ``save_id`` into every data file's name
+            (``__{rank}_{save_id}_{n}.distcp`` instead of torch's ``__{rank}_{n}.distcp``), so
+            that a save sharing the folder with another one never writes over its files.
     """
 
     def __init__(
@@ -90,6 +99,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         sync_files: bool = True,
         checksums: bool = True,
         retry: RetryPolicy | None = DEFAULT_RETRY,
+        save_id: str | None = None,
+        unique_file_names: bool = False,
     ) -> None:
         super().__init__()
         if files_per_rank < 1:
@@ -101,7 +112,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         self.max_inflight_bytes = max_inflight_bytes
         self.sync_files = sync_files
         self.checksums = checksums
-        self.save_id = uuid.uuid4().hex
+        self._given_save_id = save_id
+        self.save_id = save_id or uuid.uuid4().hex
+        self.unique_file_names = unique_file_names
         self.is_coordinator = False
         self.rank: int | None = None
         self.use_collectives = True
@@ -111,7 +124,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, at ``checkpoint_id`` when given (so ``dcp.save(checkpoint_id=…)`` works)."""
         self._rebind(checkpoint_id)
-        self.save_id = uuid.uuid4().hex
+        self.save_id = self._given_save_id or uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -134,7 +147,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
                 "replace it or choose another URL"
             )
         if self.rank is not None and not self.use_collectives:
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._prefix(self.rank)))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -145,7 +158,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
                 if backend.call("exists", metadata_path):
                     backend.call("rm_file", metadata_path)
         return [
-            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
+            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_StoragePrefix(self._prefix(i)))
             for i, plan in enumerate(plans)
         ]
 
@@ -181,11 +194,30 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         metadata.storage_meta = self.storage_meta()
-        path = self._metadata_path()
+        path, backend, data = self._metadata_path(), self.location.backend, pickle.dumps(metadata)
         with storage_errors("write", self.location.url_of(path), also=(ValueError,)):
-            self.location.backend.write_small_atomic(path, pickle.dumps(metadata), fsync=self.sync_files)
+            # Created, never replaced: .metadata was absent (or removed, with overwrite) before
+            # any data was written, so one that is here now is another save's, finished first
+            # (or ours: a write that landed although its answer was lost, then retried).
+            with backend.exclusive(self.location.path):
+                created = backend.conditional_writes and backend.replace_if_unchanged(path, data, Versioned(None))
+                if not created:
+                    existing = backend.read_versioned(path).data
+                    if existing is None and not backend.conditional_writes:
+                        backend.write_small_atomic(path, data, fsync=self.sync_files)
+                    created = existing is None and not backend.conditional_writes or existing == data
+        if not created:
+            raise CheckpointExistsError(
+                f"another process finished a checkpoint at {self.location.url!r} while this save was "
+                "writing it (two processes saving the same checkpoint?); this save is not committed. "
+                "Give each run its own folder"
+            )
 
     # --- internals --------------------------------------------------------------------------
+
+    def _prefix(self, rank: int) -> str:
+        """DCP's storage prefix of ``rank``'s data files (what :func:`names.data_file_name` extends)."""
+        return f"__{rank}_{self.save_id}_" if self.unique_file_names else f"__{rank}_"
 
     def _metadata_path(self) -> str:
         rank = self.rank if (not self.use_collectives and self.rank is not None) else None
