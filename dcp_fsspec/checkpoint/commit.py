@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..storage.backends import Versioned
-from ..storage.decoding import parse_metadata
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 from ..storage.urls import Location
 from . import layout
@@ -467,6 +466,8 @@ def key_problem(
     path = posixpath.join(folder, METADATA_NAME)
     url = root.url_of(path)
     try:
+        from ..storage.decoding import parse_metadata  # needs torch; ls, prune and cp never get here
+
         metadata = parse_metadata(root.backend.call("cat_file", path), url, trust_checkpoint=trust_checkpoint)
     except FileNotFoundError:
         return f"{url} does not exist"

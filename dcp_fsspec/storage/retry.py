@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from ..errors import DcpFsspecError, StorageError
-from .backends.driver_errors import is_network_error
+from .driver_errors import is_network_error
 
 T = TypeVar("T")
 

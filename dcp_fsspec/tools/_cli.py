@@ -35,7 +35,7 @@ from ..errors import (
     UsageError,  # also used as _cli.UsageError by the tools, from before errors.py held it
 )
 from ..storage.backends import DRIVER_PACKAGES
-from ..storage.backends.driver_errors import credentials_advice, is_unreachable
+from ..storage.driver_errors import credentials_advice, is_unreachable
 from ..storage.retry import causes
 from ..storage.urls import normalize_url, redact_url, scheme_of
 from .progress import human_bytes

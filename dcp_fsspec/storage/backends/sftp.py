@@ -28,7 +28,9 @@ class SftpBackend(Backend):
         return RenameUpload(self.fs, path)
 
     def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:
-        with storage_errors("write", self.url_of(path)):
+        # asyncssh raises its own SFTPError types (not OSError) for some refusals, e.g. a file
+        # standing where the folder should be.
+        with storage_errors("write", self.url_of(path), also=(Exception,)):
             self.make_folder(self.fs._parent(path))
             publish_whole(RenameUpload(self.fs, path), [data])
         self.invalidate(self.fs._parent(path))

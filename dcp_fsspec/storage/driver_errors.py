@@ -12,7 +12,7 @@ import errno
 import socket
 import sys
 
-from ...errors import DcpFsspecError
+from ..errors import DcpFsspecError
 
 # (module, class, advice)
 NO_CREDENTIALS = (
