@@ -26,12 +26,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..errors import BackgroundSaveError, CorruptCheckpointError, InvalidURLError
 from ..storage.collector import collector_paused
 from ..storage.failures import unwrap_dcp
-from ..storage.reader import FsspecStorageReader
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
 from ..storage.trust import SafeLoadPlanner
 from ..storage.urls import redact_url, resolve
-from . import commit, layout, resume
+from . import commit, layout, preflight, resume
 from . import state as state_mod
 from ._collectives import Collectives
 from .background import BackgroundSaver, ThreadSaver
@@ -352,10 +351,25 @@ class Checkpointer:
                 logger.log(level, note)
         # The model first: optimizers are restored by the names of its parameters.
         storage_options = self._load_storage_options if plan.from_load_path else self._storage_options
+        reader_options = dict(
+            storage_options=storage_options, retry=self._retry, trust_checkpoint=self._trust_checkpoint,
+            **self._reader_settings.as_kwargs(),
+        )  # fmt: skip
+        ordered = [(k, plan.keys[k]) for k in sorted(plan.keys, key=lambda k: k != MODEL_KEY)]
         start, nbytes = time.perf_counter(), 0
+        applied: list[str] = []
         try:
-            for key in sorted(plan.keys, key=lambda k: k != MODEL_KEY):
-                nbytes += self._load_key(key, plan.keys[key], storage_options, state[key], model=state.get(MODEL_KEY))
+            # Every key is checked on every rank before the first is applied (preflight.py).
+            checked = preflight.check_keys(
+                ordered, state, model=state.get(MODEL_KEY), reader_options=reader_options,
+                new_planner=self._new_planner, collectives=self._collectives,
+            )  # fmt: skip
+            for key, where in ordered:
+                try:
+                    nbytes += self._load_key(key, where, checked[key], state[key], model=state.get(MODEL_KEY))
+                except CorruptCheckpointError as e:
+                    raise preflight.partly_loaded(e, key, applied) from e
+                applied.append(key)
         except CorruptCheckpointError as e:
             if plan.from_load_path:
                 raise
@@ -367,29 +381,24 @@ class Checkpointer:
             logger.info("resumed %s from %s", sorted(plan.keys), plan.source)
         return plan.iteration
 
-    def _load_key(self, key: str, where: KeyToLoad, storage_options: dict[str, Any], value: Any, *, model: Any) -> int:
-        """Load one key in place; return the tensor bytes this rank read."""
-        strict = self._resume_options.strict_resume
-        state_dict = state_mod.state_dict_for(key, value, model=model)
-        # DCP flattens nested dicts, so {"model": sd} receives the entries saved as "model.…".
-        target = state_dict if where.nested_under is None else {where.nested_under: state_dict}
-        reader = FsspecStorageReader(
-            where.url, storage_options=storage_options, retry=self._retry, trust_checkpoint=self._trust_checkpoint,
-            **self._reader_settings.as_kwargs(),
-        )  # fmt: skip
+    def _load_key(self, key: str, where: KeyToLoad, checked: preflight.CheckedKey, value: Any, *, model: Any) -> int:
+        """Load one checked key in place; return the tensor bytes this rank read."""
         try:
             dcp.load(
-                target,
-                storage_reader=reader,
-                planner=SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=self._trust_checkpoint),
+                checked.target,
+                storage_reader=checked.reader,
+                planner=self._new_planner(),
                 process_group=self._collectives.group,
                 no_dist=not self._collectives.distributed,
             )
         except CheckpointException as e:
             action = f"loading key {key!r} from {where.url}"
-            raise unwrap_dcp(e, action, mismatch=True, metadata_failure=reader.metadata_failure) from e
-        state_mod.restore(key, value, state_dict, model=model, strict=strict)
-        return tensor_nbytes(state_dict)
+            raise unwrap_dcp(e, action, mismatch=True, metadata_failure=checked.reader.metadata_failure) from e
+        state_mod.restore(key, value, checked.state_dict, model=model, strict=self._resume_options.strict_resume)
+        return tensor_nbytes(checked.state_dict)
+
+    def _new_planner(self) -> SafeLoadPlanner:
+        return SafeLoadPlanner(allow_partial_load=not self._resume_options.strict_resume, trust_checkpoint=self._trust_checkpoint)
 
     def _with_fallback_advice(self, error: CorruptCheckpointError, iteration: int) -> CorruptCheckpointError:
         """``error``, saying which older committed iteration ``load(iteration=…)`` can resume instead."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import posixpath
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -160,6 +161,23 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Check, before any byte lands in a target, that every data file the plan reads is there
+        and long enough for every record it needs (one listing per folder of data files, no
+        request per file).
+
+        DCP calls it on every rank before the ranks exchange their plans, so a failure here
+        reaches every rank before any of them reads: the state dict is left untouched. What it
+        cannot see — a record damaged inside a file of the right size — still fails mid-way, in
+        :meth:`read_data`.
+
+        Raises:
+            CorruptCheckpointError: ``.metadata`` has no entry for an item, or a data file it
+                names is missing or shorter than the records in it; the message names the file.
+            StorageError: the listing failed.
+        """
+        needed = self._needed_ends(plan)
+        if needed:
+            self._check_sizes(needed, self._listed_sizes({posixpath.dirname(rel) for rel in needed}))
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -205,6 +223,49 @@ class FsspecStorageReader(UrlBound, StorageReader):
         return done
 
     # --- internals --------------------------------------------------------------------------
+
+    def _needed_ends(self, plan: LoadPlan) -> dict[str, tuple[int, str]]:
+        """Per data file (relative path) the plan reads: where its last needed record ends, and
+        the entry that record belongs to (for the message)."""
+        needed: dict[str, tuple[int, str]] = {}
+        for item in plan.items:
+            info = self._storage_info(item)
+            end = info.offset + info.length
+            if end > needed.get(info.relative_path, (-1, ""))[0]:
+                needed[info.relative_path] = (end, item.storage_index.fqn)
+        return needed
+
+    def _listed_sizes(self, folders: set[str]) -> dict[str, int]:
+        """The size of every file in ``folders`` (relative to the checkpoint), by relative path:
+        one listing each — almost always the checkpoint folder alone."""
+        sizes: dict[str, int] = {}
+        for folder in folders:
+            path = self.location.join(folder) if folder else self.location.path
+            self.location.backend.invalidate(path)  # s3fs caches listings; the files may be new
+            try:
+                entries = self.location.backend.call("ls", path, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # every file named there is reported missing
+            for entry in entries:
+                if entry.get("type") != "directory":
+                    name = posixpath.basename(str(entry["name"]).rstrip("/"))
+                    sizes[posixpath.join(folder, name)] = int(entry.get("size") or 0)
+        return sizes
+
+    def _check_sizes(self, needed: dict[str, tuple[int, str]], sizes: dict[str, int]) -> None:
+        for rel, (end, fqn) in sorted(needed.items()):
+            url = self.location.url_of(self.location.join(rel))
+            size = sizes.get(rel)
+            if size is None:
+                raise CorruptCheckpointError(
+                    f"data file {url!r} is missing (the .metadata of {self.location.url!r} names it for "
+                    f"{fqn!r}); nothing was loaded. Restore it or load another checkpoint"
+                )
+            if size < end:
+                raise CorruptCheckpointError(
+                    f"data file {url!r} is truncated: {size} bytes, but {fqn!r} is stored up to byte {end}; "
+                    "nothing was loaded. Restore it or load another checkpoint"
+                )
 
     def _start_in_place(
         self, records: list[_Record], planner: LoadPlanner, files: LocalFiles, pools: tuple[ThreadPoolExecutor, ...]
@@ -278,11 +339,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         by_location: dict[tuple[str, int, int], _Record] = {}
         files: dict[str, tuple[str, str]] = {}  # relative path → (path, URL), a few per rank
         for item in plan.items:
-            info = self.storage_data.get(item.storage_index)
-            if info is None:
-                raise CorruptCheckpointError(
-                    f"the .metadata of {self.location.url!r} has no storage entry for {item.storage_index.fqn!r}"
-                )
+            info = self._storage_info(item)
             key = (info.relative_path, info.offset, info.length)
             rec = by_location.get(key)
             if rec is None:
@@ -299,6 +356,15 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 )
             rec.items.append(item)
         return list(by_location.values())
+
+
+    def _storage_info(self, item: ReadItem) -> _StorageInfo:
+        info = self.storage_data.get(item.storage_index)
+        if info is None:
+            raise CorruptCheckpointError(
+                f"the .metadata of {self.location.url!r} has no storage entry for {item.storage_index.fqn!r}"
+            )
+        return info
 
 
 @dataclass

@@ -1,0 +1,139 @@
+"""Checking every key of a load before any of them is applied.
+
+``Checkpointer.load`` restores several keys (model, optimizer, scheduler, …), each its own DCP
+checkpoint, one after the other: if the second failed once the first was applied, the model
+would be restored and the optimizer not. So before the first byte lands, every rank checks every
+key as far as it can without reading tensor data: its ``.metadata`` decodes (and is allowed,
+:mod:`~dcp_fsspec.storage.trust`), the live state dict fits it (DCP's planner: every entry is in
+the checkpoint, every tensor has the saved shape), and every data file the rank will read is
+there with at least the bytes of its records (the reader's ``prepare_local_plan``: one listing
+per key). The ranks then agree; one failure fails every rank, with nothing applied anywhere.
+
+What still fails mid-way is what only the bytes themselves show: a checksum mismatch, a record
+damaged inside a file of the right size. The load's error then says which keys may be partly
+restored (:func:`partly_loaded`).
+
+The load reuses what the check read: the same readers, whose ``.metadata`` is not read again and
+whose files are not listed again, so the check costs one listing per key and rank, and nothing
+else, over a load without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError
+from ..storage.reader import FsspecStorageReader
+from . import state as state_mod
+from ._collectives import Collectives
+from .resume import KeyToLoad
+
+
+@dataclass(frozen=True)
+class CheckedKey:
+    """One key of a load, checked against its checkpoint on this rank.
+
+    Attributes:
+        state_dict: the key's state dict (:func:`~.state.state_dict_for`), which
+            :func:`~.state.restore` puts back into the live object once ``dcp.load`` filled it.
+        target: what ``dcp.load`` fills: ``state_dict``, or ``{nested_under: state_dict}``.
+        reader: the reader to load with; it already holds the key's ``.metadata`` and checked files.
+    """
+
+    state_dict: dict[str, Any]
+    target: dict[str, Any]
+    reader: FsspecStorageReader
+
+
+class _CheckedReader(FsspecStorageReader):
+    """A reader that hands DCP the ``.metadata`` the preflight read, and skips checking the
+    files of a plan the preflight already checked."""
+
+    # The .metadata read, and per data file the end of the last record checked there.
+    _checked: tuple[Metadata, dict[str, tuple[int, str]]] | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._checked is None:
+            return super().read_metadata(*args, **kwargs)
+        metadata = self._checked[0]
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._checked is not None and self._needed_ends(plan) == self._checked[1]:
+            return plan
+        return super().prepare_local_plan(plan)
+
+    def check(self, target: dict[str, Any], planner: LoadPlanner, is_coordinator: bool) -> None:
+        """Plan the load of ``target`` as ``dcp.load`` does, and check the files the plan reads."""
+        metadata = self.read_metadata()
+        planner.set_up_planner(target, metadata, is_coordinator)
+        self.set_up_storage_reader(metadata, is_coordinator)
+        try:
+            plan = planner.create_local_plan()
+        except DcpFsspecError:
+            raise
+        except Exception as e:  # DCP's planner: a missing entry (RuntimeError), a shape (ValueError)
+            raise CheckpointMismatchError(
+                f"the checkpoint at {self.location.url} does not fit the state given to load(): "
+                f"{type(e).__name__}: {e}; nothing was loaded. Load it into the model it was saved from "
+                "(same parameter names and shapes), or pass strict_resume=False to skip missing entries"
+            ) from e
+        self.prepare_local_plan(plan)
+        self._checked = (metadata, self._needed_ends(plan))
+
+
+def check_keys(
+    keys: Sequence[tuple[str, KeyToLoad]],
+    values: Mapping[str, Any],
+    *,
+    model: Any,
+    reader_options: dict[str, Any],
+    new_planner: Callable[[], LoadPlanner],
+    collectives: Collectives,
+) -> dict[str, CheckedKey]:
+    """Check every key of a load on every rank; raise on every rank if any rank failed.
+
+    Args:
+        keys: each key to load and where from, in the order they will be loaded.
+        values: the live objects given to ``load``, by key.
+        model: the value given as ``model=`` (optimizers are loaded by its parameter names).
+        reader_options: keywords for each key's :class:`~dcp_fsspec.storage.reader.FsspecStorageReader`.
+        new_planner: makes a load planner like the one the load uses.
+        collectives: the ranks that agree.
+
+    Returns:
+        Each key's :class:`CheckedKey`, to load with.
+
+    Raises:
+        CorruptCheckpointError: a ``.metadata`` is damaged or refused, or a data file is missing
+            or too short.
+        CheckpointMismatchError: a key's state does not fit its checkpoint (a missing entry, a shape).
+        StorageError: the backend failed.
+    """
+    checked: dict[str, CheckedKey] = {}
+    error: Exception | None = None
+    try:
+        for key, where in keys:
+            state_dict = state_mod.state_dict_for(key, values[key], model=model)
+            # DCP flattens nested dicts, so {"model": sd} receives the entries saved as "model.…".
+            target = state_dict if where.nested_under is None else {where.nested_under: state_dict}
+            reader = _CheckedReader(where.url, **reader_options)
+            reader.check(target, new_planner(), collectives.rank == 0)
+            checked[key] = CheckedKey(state_dict, target, reader)
+    except Exception as e:  # re-raised below, on every rank
+        error = e
+    collectives.raise_if_any_failed(error)
+    return checked
+
+
+def partly_loaded(error: CorruptCheckpointError, key: str, applied: Sequence[str]) -> CorruptCheckpointError:
+    """``error`` (damage found while loading ``key``), saying what the load had changed by then."""
+    done = f"keys {list(applied)} were restored and " if applied else ""
+    return type(error)(f"{error} ({done}key {key!r} may be partly loaded: load again from a good checkpoint)")
