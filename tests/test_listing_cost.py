@@ -1,7 +1,7 @@
 """Listing cost: deciding what is committed costs one listing, not requests per folder.
 
 ``save_dirname`` may hold thousands of ``iter_*`` folders that are not checkpoints (another
-run's debris, a copy gone wrong). Retention and ``committed_iterations`` decide from one
+run's debris, a copy gone wrong). Retention, ``committed_iterations``, ``ls`` and ``prune`` decide from one
 recursive listing which folders show a commit record and which keys show ``.metadata``, and
 read only the records they need: the number of S3 requests is bounded, whatever the number of
 folders. Measured by counting every request s3fs sends to the moto server.
@@ -20,6 +20,8 @@ import torch
 from dcp_fsspec import Checkpointer
 from dcp_fsspec.checkpoint import commit, retention
 from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.tools.listing import list_run
+from dcp_fsspec.tools.prune import prune
 from tests.conftest import Backend
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
@@ -95,3 +97,27 @@ def test_retention_decides_over_thousands_of_junk_folders_below_the_pointer_with
     assert retention.apply_retention(root, 2) == list(range(1, 1 + JUNK_FOLDERS))
     assert sum(requests.values()) < 10, requests
     assert doomed == list(range(1, 1 + JUNK_FOLDERS))
+
+
+LS_JUNK_FOLDERS = 200
+
+
+def test_ls_and_prune_over_hundreds_of_junk_folders_cost_a_bounded_number_of_requests(
+    s3_backend: Backend, requests: Counter[str]
+) -> None:
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        for iteration in (1000, 1001, 1002):
+            ckpt.save(iteration, trainer=_state(iteration))
+    _add_junk(s3_backend, range(1, 1 + LS_JUNK_FOLDERS))
+    requests.clear()
+    listed = list_run(s3_backend.url, s3_backend.storage_options)
+    assert [i.iteration for i in listed.iterations if i.committed] == [1000, 1001, 1002]
+    assert len(listed.iterations) == LS_JUNK_FOLDERS + 3
+    junk = listed.iterations[0]
+    assert junk.size_bytes == 4 and "has no .commit.json" in str(junk.why_uncommitted), junk
+    # One listing, the pointer, and one record read per committed iteration (not per folder).
+    assert sum(requests.values()) < 15, requests
+    requests.clear()
+    pruned = prune(s3_backend.url, 2, s3_backend.storage_options, dry_run=True)
+    assert pruned.deleted == [*range(1, 1 + LS_JUNK_FOLDERS), 1000]
+    assert sum(requests.values()) < 15, requests

@@ -21,7 +21,8 @@ import json
 import logging
 import posixpath
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..storage.backends import Versioned
@@ -163,21 +164,24 @@ def inspect_iteration(
     if record is None:
         if not exists(root, folder):
             return None, "does not exist"
-        if latest is not None and iteration < latest:
-            return None, (
-                f"has no {COMMIT_RECORD_NAME}: a save that failed, or a deletion by retention that was "
-                "interrupted, left it; retention deletes it at the next save"
-            )
-        return None, f"has no {COMMIT_RECORD_NAME} (its save never finished)"
+        return None, _no_record(iteration, latest)
     unfinished = unfinished_keys(root, iteration, record.keys)
     if unfinished:
-        return None, f"lacks {root.url_of(posixpath.join(folder, unfinished[0], METADATA_NAME))}"
+        return None, _unfinished(root, iteration, unfinished[0])
     return record, None
 
 
-def is_committed(root: Location, iteration: int) -> bool:
-    """Whether ``iteration`` has a commit record and every key it lists has ``.metadata``."""
-    return inspect_iteration(root, iteration)[0] is not None
+def _no_record(iteration: int, latest: int | None) -> str:
+    if latest is not None and iteration < latest:
+        return (
+            f"has no {COMMIT_RECORD_NAME}: a save that failed, or a deletion by retention that was "
+            "interrupted, left it; retention deletes it at the next save"
+        )
+    return f"has no {COMMIT_RECORD_NAME} (its save never finished)"
+
+
+def _unfinished(root: Location, iteration: int, key: str) -> str:
+    return f"lacks {root.url_of(posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME))}"
 
 
 @dataclass(frozen=True)
@@ -194,12 +198,14 @@ class Listing:
         read: the iterations with anything listed inside their folder.
         records: the iterations whose folder lists ``.commit.json``.
         finished: ``(iteration, key)`` for each key folder that lists ``.metadata``.
+        sizes: the bytes of the files listed in each iteration's folder.
     """
 
     folders: tuple[int, ...]
     read: frozenset[int]
     records: frozenset[int]
     finished: frozenset[tuple[int, str]]
+    sizes: Mapping[int, int] = field(default_factory=dict)
 
 
 def list_save_dirname(root: Location) -> Listing:
@@ -210,20 +216,23 @@ def list_save_dirname(root: Location) -> Listing:
     """
     root.backend.invalidate(root.path)
     try:
-        names = root.backend.call("find", root.path, withdirs=True)
+        found = root.backend.call("find", root.path, withdirs=True, detail=True)
     except FileNotFoundError:
-        names = []
+        found = {}
     prefix = root.path.rstrip("/") + "/"
     bare: set[int] = set()
     read: set[int] = set()
     records: set[int] = set()
     finished: set[tuple[int, str]] = set()
-    for name in names:
+    sizes: dict[int, int] = {}
+    for name, info in found.items():
         parts = name[len(prefix):].rstrip("/").split("/") if name.startswith(prefix) else []
         iteration = layout.parse_iteration(parts[0]) if parts else None
         if iteration is None:
             continue
         (read if len(parts) > 1 else bare).add(iteration)
+        if len(parts) > 1 and info.get("type") != "directory":
+            sizes[iteration] = sizes.get(iteration, 0) + int(info.get("size") or 0)
         if parts[1:] == [COMMIT_RECORD_NAME]:
             records.add(iteration)
         elif len(parts) == 3 and parts[2] == METADATA_NAME:
@@ -231,7 +240,7 @@ def list_save_dirname(root: Location) -> Listing:
     # A name with nothing listed under it is an empty folder or a file of that name: only an
     # empty folder, which object stores do not have, costs a request to tell them apart.
     folders = read | {i for i in bare - read if _is_folder(root, layout.iteration_path(root, i))}
-    return Listing(tuple(sorted(folders)), frozenset(read), frozenset(records), frozenset(finished))
+    return Listing(tuple(sorted(folders)), frozenset(read), frozenset(records), frozenset(finished), sizes)
 
 
 def _is_folder(root: Location, path: str) -> bool:
@@ -251,15 +260,28 @@ def listed_record(root: Location, listing: Listing, iteration: int) -> CommitRec
         CorruptCheckpointError: the record is not one we wrote.
         StorageError: the backend failed.
     """
+    return listed_inspection(root, listing, iteration)[0]
+
+
+def listed_inspection(
+    root: Location, listing: Listing, iteration: int, *, latest: int | None = None
+) -> tuple[CommitRecord | None, str | None]:
+    """:func:`inspect_iteration`, deciding from ``listing``: a folder the listing shows without a
+    commit record costs no request; one with a record costs reading it.
+
+    Raises:
+        CorruptCheckpointError: the record is not one we wrote.
+        StorageError: the backend failed.
+    """
     if iteration not in listing.records and iteration in listing.read:
-        return None
+        return None, _no_record(iteration, latest)
     record = read_commit_record(root, iteration)
     if record is None:
-        return None
-    absent = [k for k in record.keys if (iteration, k) not in listing.finished]
-    if any(not key_is_committed(root, iteration, k) for k in absent):
-        return None
-    return record
+        return None, _no_record(iteration, latest)
+    for key in record.keys:
+        if (iteration, key) not in listing.finished and not key_is_committed(root, iteration, key):
+            return None, _unfinished(root, iteration, key)
+    return record, None
 
 
 def committed_iterations(root: Location) -> list[int]:

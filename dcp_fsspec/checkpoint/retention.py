@@ -46,6 +46,30 @@ def plan_deletions(
     return sorted(i for i in set(iterations) if i < latest and i not in keep)
 
 
+def plan_from_storage(
+    root: Location, keep_last_n: int, *, latest: int | None, protected: Collection[int] = ()
+) -> tuple[list[int], list[int]]:
+    """Every iteration folder under ``root``, and :func:`plan_deletions`' plan for them.
+
+    One listing says which folders exist and which show a commit record; only the newest N
+    committed ones matter, so only their records (and those of damaged ones met on the way) are
+    read: a bounded number of requests however many folders there are.
+
+    Raises:
+        CorruptCheckpointError: a commit record it reads is not one we wrote.
+        StorageError: the backend failed.
+    """
+    listing = commit.list_save_dirname(root)
+    iterations = list(listing.folders)
+    committed: list[int] = []
+    for iteration in sorted((i for i in iterations if latest is not None and i <= latest), reverse=True):
+        if len(committed) == keep_last_n:
+            break
+        if commit.listed_record(root, listing, iteration) is not None:
+            committed.append(iteration)
+    return iterations, plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
+
+
 def apply_retention(
     root: Location, keep_last_n: int, *, protected: Collection[int] = (), latest: int | None = None
 ) -> list[int]:
@@ -64,18 +88,7 @@ def apply_retention(
     try:
         if latest is None:
             latest = commit.read_pointer(root)
-        # One listing says which folders exist and which show a commit record; only the newest
-        # N committed ones matter, so only their records (and those of damaged ones met on the
-        # way) are read: a bounded number of requests however many folders there are.
-        listing = commit.list_save_dirname(root)
-        iterations = list(listing.folders)
-        committed: list[int] = []
-        for iteration in sorted((i for i in iterations if latest is not None and i <= latest), reverse=True):
-            if len(committed) == keep_last_n:
-                break
-            if commit.listed_record(root, listing, iteration) is not None:
-                committed.append(iteration)
-        plan = plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
+        plan = plan_from_storage(root, keep_last_n, latest=latest, protected=protected)[1]
     except (OSError, DcpFsspecError) as e:
         logger.warning("retention skipped under %s (retried at the next save): %s", root.url, e)
         return []

@@ -1,8 +1,10 @@
 """``ls``: the iterations under a Checkpointer's save_dirname, committed or not, and the latest.
 
 One row per iteration folder: committed (and if not, why not, in the words of
-:func:`dcp_fsspec.checkpoint.commit.inspect_iteration`), whether the pointer names it, its size
-on storage, and its age (from the commit record's ``saved_at``).
+:func:`dcp_fsspec.checkpoint.commit.listed_inspection`), whether the pointer names it, its size
+on storage, and its age (from the commit record's ``saved_at``). One recursive listing of the
+save_dirname gives all of it but the commit records, which are read for the folders that show
+one: the requests do not grow with the number of folders that are not checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import Any
 
 from ..checkpoint import commit, layout
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..storage.failures import storage_errors
 from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
 from . import _cli, targets
@@ -91,22 +92,21 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
         listing.latest = commit.read_pointer(root)
     except CorruptCheckpointError as e:
         listing.pointer_problem = str(e)
-    for iteration in layout.list_iterations(root):
-        listing.iterations.append(_describe(root, iteration, listing.latest))
+    # One listing gives every folder, its size, and which show a commit record: only the
+    # records themselves are read, so junk folders cost nothing more.
+    listed = commit.list_save_dirname(root)
+    for iteration in listed.folders:
+        listing.iterations.append(_describe(root, listed, iteration, listing.latest))
     return listing
 
 
-def _describe(root: Location, iteration: int, latest: int | None) -> IterationInfo:
+def _describe(root: Location, listed: commit.Listing, iteration: int, latest: int | None) -> IterationInfo:
     folder = layout.iteration_path(root, iteration)
     try:
-        record, why = commit.inspect_iteration(root, iteration, latest=latest)
+        record, why = commit.listed_inspection(root, listed, iteration, latest=latest)
     except CorruptCheckpointError as e:
         record, why = None, str(e)
-    try:
-        with storage_errors("measure", root.url_of(folder)):
-            size = int(root.fs.du(folder, total=True))
-    except FileNotFoundError:
-        size = 0
+    size = listed.sizes.get(iteration, 0)
     return IterationInfo(
         iteration=iteration, name=layout.format_iteration(iteration), url=root.url_of(folder),
         committed=record is not None, latest=iteration == latest, size_bytes=size,

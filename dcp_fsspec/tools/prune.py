@@ -65,9 +65,8 @@ def prune(
     if targets.classify(root).kind != "run":
         raise CheckpointNotFoundError(f"{root.url} is not a save_dirname (a folder of iter_* folders); nothing to prune")
     latest = commit.read_pointer(root)
-    iterations = layout.list_iterations(root)
-    committed = [i for i in iterations if latest is not None and i <= latest and commit.is_committed(root, i)]
-    plan = retention.plan_deletions(iterations, committed, keep_last_n=keep, latest=latest)
+    # The Checkpointer's own retention plan: one listing, whatever the number of folders.
+    iterations, plan = retention.plan_from_storage(root, keep, latest=latest)
     result = PruneResult(root.url, keep, latest, dry_run, kept=[i for i in iterations if i not in plan])
     for iteration in plan:
         if dry_run:
