@@ -31,11 +31,11 @@ from typing import IO, Any, Literal, cast
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ..errors import CheckpointExistsError, MissingDriverError
+from ..errors import CheckpointExistsError, CorruptCheckpointError, MissingDriverError, UsageError
 from ..storage.failures import storage_errors, unwrap_dcp
 from ..storage.reader import FsspecStorageReader
 from ..storage.trust import SafeLoadPlanner
@@ -73,15 +73,77 @@ class ConvertResult:
         return [*(f"left out {entry}: safetensors holds only tensors and plain values" for entry in self.left_out), written]
 
 
+# ``max_bytes``' default: this machine's memory (:func:`memory_size`).
+MACHINE_MEMORY = -1
+
+
+def memory_size() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): the default
+    limit of what a conversion may hold, since it holds the whole state dict at once."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_claimed_sizes(metadata: Metadata, url: str, max_bytes: int | None) -> int:
+    """The bytes the tensors ``metadata`` lists take in memory, checked before any is allocated.
+
+    Those sizes are read from storage: a crafted ``.metadata`` may claim any shape. A tensor
+    stored without transforms takes at least its own bytes in its records, so claiming more is
+    damage; and the whole state dict must fit in ``max_bytes``.
+
+    Raises:
+        CorruptCheckpointError: an entry claims a negative dimension, or more bytes than its
+            records hold; the message names the entry.
+        UsageError: the tensors take more than ``max_bytes``; the message names the largest.
+    """
+    stored: dict[str, int] = {}
+    transformed: set[str] = set()
+    for index, info in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + max(info.length, 0)
+        if info.transform_descriptors:
+            transformed.add(index.fqn)
+    sizes: dict[str, int] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        claim = f"the .metadata of {url} claims {fqn!r} is a {list(meta.size)} {meta.properties.dtype} tensor"
+        if any(d < 0 for d in meta.size):
+            raise CorruptCheckpointError(f"{claim}, with a negative dimension; nothing was allocated")
+        sizes[fqn] = meta.size.numel() * meta.properties.dtype.itemsize
+        if fqn not in transformed and sizes[fqn] > stored.get(fqn, 0):
+            raise CorruptCheckpointError(
+                f"{claim} ({human_bytes(sizes[fqn])}) but its records hold {stored.get(fqn, 0)} bytes: the "
+                "checkpoint is damaged or crafted; nothing was allocated"
+            )
+    total = sum(sizes.values())
+    if max_bytes is not None and total > max_bytes:
+        largest = max(sizes, key=lambda fqn: sizes[fqn])
+        raise UsageError(
+            f"converting {url} would hold {human_bytes(total)} of tensors in memory (the largest, {largest!r}: "
+            f"{human_bytes(sizes[largest])}), more than the limit of {human_bytes(max_bytes)}; nothing was "
+            "allocated. If the checkpoint is yours and the memory is there, pass a larger --max-bytes (max_bytes=)"
+        )
+    return total
+
+
 class _CountingPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
-    """DCP's planner that rebuilds the state dict from ``.metadata``, advancing a progress bar;
+    """DCP's planner that rebuilds the state dict from ``.metadata``, advancing a progress bar,
+    once the sizes it is about to allocate are checked (:func:`check_claimed_sizes`);
     non-tensor entries are loaded as :class:`SafeLoadPlanner` loads them."""
 
-    def __init__(self, progress: Progress | None, *, trust_checkpoint: bool = False) -> None:
+    def __init__(
+        self, progress: Progress | None, url: str, max_bytes: int | None, *, trust_checkpoint: bool = False
+    ) -> None:
         super().__init__(trust_checkpoint=trust_checkpoint)
         self.progress = progress
+        self.url = url
+        self.max_bytes = max_bytes
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            check_claimed_sizes(metadata, self.url, self.max_bytes)
         super().set_up_planner(state_dict, metadata, is_coordinator)
         if self.progress is not None and metadata is not None:
             for meta in metadata.state_dict_metadata.values():
@@ -100,6 +162,7 @@ def load_state_dict(
     *,
     progress: Progress | None = None,
     trust_checkpoint: bool = False,
+    max_bytes: int | None = MACHINE_MEMORY,
 ) -> dict[str, Any]:
     """The whole state dict at ``url``, without a model to load into.
 
@@ -109,23 +172,27 @@ def load_state_dict(
     Args:
         trust_checkpoint: unpickle ``.metadata`` and non-tensor entries in full (runs any code
             they hold); by default only DCP metadata's classes and ``weights_only`` values load.
+        max_bytes: the most tensor bytes each key's ``.metadata`` may make it allocate; the
+            default (:data:`MACHINE_MEMORY`) is this machine's memory (:func:`memory_size`), ``None`` is no limit.
 
     Raises:
         CheckpointNotFoundError: nothing there, or a save_dirname without a pointer.
-        CorruptCheckpointError: damaged data (a checksum mismatch, an unreadable record), or a
-            class refused because the checkpoint is not trusted.
+        CorruptCheckpointError: damaged data (a checksum mismatch, an unreadable record, a size
+            its records cannot hold), or a class refused because the checkpoint is not trusted.
+        UsageError: the tensors would take more than ``max_bytes``.
         StorageError: the backend failed.
     """
+    limit = memory_size() if max_bytes == MACHINE_MEMORY else max_bytes
     location = resolve(url, storage_options)
     target = targets.classify(location)
     if target.kind == "checkpoint":
-        return _load_one(location, progress, trust_checkpoint)
+        return _load_one(location, progress, trust_checkpoint, limit)
     run, iteration = targets.iteration_to_read(target, "convert")
     _, keys = targets.iteration_keys(run, iteration)
-    return {key: _load_one(targets.key_location(run, iteration, key), progress, trust_checkpoint) for key in keys}
+    return {key: _load_one(targets.key_location(run, iteration, key), progress, trust_checkpoint, limit) for key in keys}
 
 
-def _load_one(location: Location, progress: Progress | None, trust_checkpoint: bool) -> dict[str, Any]:
+def _load_one(location: Location, progress: Progress | None, trust_checkpoint: bool, max_bytes: int | None) -> dict[str, Any]:
     start = time.perf_counter()
     state_dict: dict[str, Any] = {}
     reader = FsspecStorageReader(location.url, fs=location.fs, trust_checkpoint=trust_checkpoint)
@@ -133,7 +200,7 @@ def _load_one(location: Location, progress: Progress | None, trust_checkpoint: b
         _load_state_dict(
             state_dict,
             storage_reader=reader,
-            planner=_CountingPlanner(progress, trust_checkpoint=trust_checkpoint),
+            planner=_CountingPlanner(progress, location.url, max_bytes, trust_checkpoint=trust_checkpoint),
             no_dist=True,
         )
     except CheckpointException as e:
@@ -156,12 +223,13 @@ def convert(
     overwrite: bool = False,
     progress: Progress | None = None,
     trust_checkpoint: bool = False,
+    max_bytes: int | None = MACHINE_MEMORY,
 ) -> ConvertResult:
     """Write the state dict at ``url`` as one file at ``out`` (any URL), in format ``fmt``.
 
     ``"torch"``: one ``torch.save`` file of the state dict. ``"safetensors"``: its tensors,
     with plain values as metadata and anything else left out (listed in the result).
-    ``trust_checkpoint``: see :func:`load_state_dict`.
+    ``trust_checkpoint``, ``max_bytes``: see :func:`load_state_dict`.
 
     Raises:
         MissingDriverError: the ``safetensors`` package is not installed (``"safetensors"``).
@@ -171,7 +239,9 @@ def convert(
     encode = _encoder(fmt, out)
     start = time.perf_counter()
     target = _output(out, out_storage_options, overwrite)
-    state_dict = load_state_dict(url, storage_options, progress=progress, trust_checkpoint=trust_checkpoint)
+    state_dict = load_state_dict(
+        url, storage_options, progress=progress, trust_checkpoint=trust_checkpoint, max_bytes=max_bytes
+    )
     result = ConvertResult(resolve(url, storage_options).url, target.url, fmt)
     with _Output(target) as stream:
         encode(state_dict, stream, result)
@@ -286,6 +356,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _cli.add_standard_arguments(parser, source, ("out", "the file to write (any fsspec URL or local path)"), destination=True)
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     _cli.add_trust_flag(parser)
+    parser.add_argument(
+        "--max-bytes", type=int, default=MACHINE_MEMORY, metavar="N",
+        help="the most tensor bytes a checkpoint's .metadata may make the conversion hold in memory "
+        "(default: this machine's memory); sizes read from storage beyond it are refused before allocating",
+    )  # fmt: skip
 
 
 def _main(args: argparse.Namespace, fmt: Format) -> int:
@@ -294,6 +369,7 @@ def _main(args: argparse.Namespace, fmt: Format) -> int:
         result = convert(
             args.url, args.out, source_options, out_options,
             fmt=fmt, overwrite=args.overwrite, progress=progress, trust_checkpoint=args.trust,
+            max_bytes=args.max_bytes,
         )  # fmt: skip
     _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointError, cli
-from dcp_fsspec.errors import RecordFormatError
+from dcp_fsspec.errors import RecordFormatError, UsageError
 from dcp_fsspec.storage.verification import verify_checkpoint
+from dcp_fsspec.tools.convert import load_state_dict
 from tests.conftest import Backend
 from tests.helpers import save
 from tests.security.crafted import edit_metadata, fs_path, load_failure, storage_entry
@@ -161,3 +162,53 @@ def test_a_record_with_a_crafted_data_pkl_is_corrupt_and_never_a_record_format_e
     assert memory_backend.sub("__0_0.distcp") in str(error) and "'w'" in str(error)
     report = verify_checkpoint(memory_backend.url)
     assert [(p.url, p.item) for p in report.problems] == [(memory_backend.sub("__0_0.distcp"), "w")]
+
+
+# -- sizes a conversion would allocate -----------------------------------------------------------
+
+TiB = 1024**4
+
+
+def _claim(numel: int, stored: int | None = None) -> Any:
+    """An edit making entry ``w`` a float32 tensor of ``numel`` elements (its records' length:
+    ``stored``, or as saved)."""
+
+    def edit(md: Any) -> None:
+        md.state_dict_metadata["w"].size = torch.Size([numel])
+        md.state_dict_metadata["w"].chunks[0].sizes = torch.Size([numel])
+        if stored is not None:
+            storage_entry(md, "w").length = stored
+
+    return edit
+
+
+@pytest.mark.parametrize("command", ["to-torch", "to-safetensors"])
+def test_a_metadata_claiming_a_10_tib_tensor_fails_a_conversion_before_allocating_naming_the_entry(
+    local_backend: Backend, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    save({"w": torch.arange(4.0), "other": torch.ones(2)}, local_backend)
+    edit_metadata(local_backend, local_backend.url, _claim(10 * TiB // 4))
+    assert cli.main([command, local_backend.url, str(tmp_path / "out")]) == 1  # damage
+    err = capsys.readouterr().err
+    assert "'w'" in err and "10.0 TiB" in err and local_backend.url in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_10_tib_claim_its_records_also_claim_is_stopped_by_the_memory_limit(local_backend: Backend) -> None:
+    save({"w": torch.arange(4.0), "other": torch.ones(2)}, local_backend)
+    edit_metadata(local_backend, local_backend.url, _claim(10 * TiB // 4, stored=10 * TiB + 1024))
+    with pytest.raises(UsageError) as raised:
+        load_state_dict(local_backend.url)
+    assert "'w'" in str(raised.value) and "--max-bytes" in str(raised.value)
+
+
+def test_max_bytes_limits_what_a_conversion_holds_and_a_larger_one_lets_it_through(
+    local_backend: Backend, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save({"w": torch.arange(1024.0), "other": torch.ones(2)}, local_backend)
+    out = str(tmp_path / "out.pt")
+    assert cli.main(["to-torch", local_backend.url, out, "--max-bytes", "4000"]) == 2
+    err = capsys.readouterr().err
+    assert "'w'" in err and "--max-bytes" in err and local_backend.url in err, err
+    assert cli.main(["to-torch", local_backend.url, out, "--max-bytes", "5000"]) == 0
+    assert torch.equal(torch.load(out)["w"], torch.arange(1024.0))
