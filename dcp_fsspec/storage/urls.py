@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
+from urllib.parse import unquote
 
 import fsspec
 from fsspec.registry import known_implementations, registry
@@ -42,6 +44,21 @@ def redact_url(url: str | os.PathLike[str]) -> str:
     so messages can pass through it whole. A URL without a password comes back unchanged.
     """
     return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", os.fspath(url))
+
+
+def redact_text(text: str, urls: Iterable[str] = ()) -> str:
+    """``text`` (a message, a traceback) with every URL password redacted, and every password of
+    ``urls`` and of the URLs this process resolved replaced by ``***`` wherever it appears: a
+    driver may quote a URL's parts without its scheme (s3fs: ``Invalid bucket name
+    "key:secret@bucket"``), which :func:`redact_url` cannot tell from other text.
+    """
+    secrets = {m["password"] for url in urls for m in _USERINFO.finditer(url)}
+    secrets |= {m["password"] for full in _CREDENTIALS.values() for m in _USERINFO.finditer(full)}
+    secrets |= {unquote(secret) for secret in secrets}  # as a driver sees it, %-escapes decoded
+    text = redact_url(text)
+    for secret in sorted(secrets - {"", REDACTED}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
 
 
 def _remember_credentials(url: str) -> str:

@@ -37,7 +37,7 @@ from ..errors import (
 from ..storage.backends import DRIVER_PACKAGES
 from ..storage.driver_errors import credentials_advice, is_unreachable
 from ..storage.retry import causes
-from ..storage.urls import normalize_url, redact_url, scheme_of
+from ..storage.urls import normalize_url, redact_text, redact_url, scheme_of
 from .progress import human_bytes
 
 EXIT_OK = 0
@@ -92,7 +92,12 @@ def failure_for(error: BaseException, urls: Sequence[str] = (), *, storage_optio
         storage_options_given: whether the user passed storage options; only then can a
             ``TypeError`` from a driver mean a wrong option name.
     """
-    urls = [redact_url(u) for u in urls]  # as given on the command line: passwords and all
+    failure = _failure_for(error, [redact_url(u) for u in urls], storage_options_given=storage_options_given)
+    # A driver's own error may quote the URL it was given, or parts of it, password included.
+    return Failure(failure.kind, failure.exit_code, redact_text(failure.message, urls), failure.url)
+
+
+def _failure_for(error: BaseException, urls: Sequence[str], *, storage_options_given: bool) -> Failure:
     url = urls[0] if urls else None
     where = " → ".join(urls) if urls else "the URL"
     for cause in causes(error):
@@ -143,9 +148,8 @@ def report_failure(command: str, failure: Failure, error: BaseException, *, as_j
     """Print ``failure``: one line on stderr, or with ``as_json`` a JSON object on stdout;
     ``debug`` prints the traceback first (on stderr)."""
     if debug:
-        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
-    # A driver's own error may quote the URL it was given, password included.
-    failure = Failure(failure.kind, failure.exit_code, redact_url(failure.message), failure.url)
+        # Its messages may quote a URL's password (the line below is redacted by failure_for).
+        print(redact_text("".join(traceback.format_exception(error))), end="", file=sys.stderr)
     if as_json:
         print_json(failure.to_dict())
     else:

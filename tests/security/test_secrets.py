@@ -24,7 +24,8 @@ from dcp_fsspec import Checkpointer, cli
 from dcp_fsspec.checkpoint.background import _join_group
 from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.errors import DcpFsspecError
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.storage.urls import redact_text, resolve
+from tests.conftest import Backend
 from tests.servers.sshd import LocalSSHServer
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -224,3 +225,25 @@ def _non_loopback_address() -> str | None:
     except OSError:
         return None
     return None if address.startswith("127.") else str(address)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_debug_traceback_hides_a_password_the_driver_quotes_without_its_scheme(
+    s3_backend: Backend, capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
+    # s3fs takes "key:secret@bucket" for the bucket name, and botocore's refusal quotes it whole.
+    bucket = s3_backend.url.split("/")[2]
+    url = f"s3://AKIAEXAMPLE:{SECRET}@{bucket}/run"
+    argv = ["inspect", url, "--debug", "--storage-options", json.dumps(s3_backend.storage_options)]
+    assert cli.main([*argv, *(["--json"] if as_json else [])]) == 1
+    output = capsys.readouterr()
+    assert "Traceback (most recent call last)" in output.err  # the check below looks at one
+    assert SECRET not in output.err and SECRET not in output.out
+    assert f'"AKIAEXAMPLE:***@{bucket}"' in output.err
+
+
+def test_redact_text_hides_the_passwords_of_given_urls_wherever_they_appear() -> None:
+    text = f'Invalid bucket name "me:{SECRET}@b"; see sftp://u:{SECRET}@h/x and %s' % SECRET.replace("-", "%2D")
+    redacted = redact_text(text, [f"s3://me:{SECRET.replace('-', '%2D')}@b/x"])
+    assert SECRET not in redacted and "%2D" not in redacted
+    assert redacted.count("***") == 3
