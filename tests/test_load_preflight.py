@@ -10,6 +10,7 @@ before it applies the first. Local disk and S3 (moto).
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -22,6 +23,7 @@ from torch import nn
 from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointError, FsspecStorageReader
 
 from .conftest import Backend
+from .distributed import run_ranks
 from .helpers import raises_through_dcp, save
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -190,3 +192,30 @@ def test_a_tensor_saved_in_another_dtype_is_converted_into_the_target(local_back
     dcp.load(target, storage_reader=FsspecStorageReader(local_backend.url), no_dist=True)
     assert target["w"].dtype == torch.float64 and torch.equal(target["w"], torch.arange(6, dtype=torch.float64))
 
+
+
+# -- several ranks: one rank's failed check fails every rank before any applies a key -------------
+
+
+def _save_per_rank(rank: int, world_size: int, url: str) -> None:
+    # Entries of their own per rank: each rank writes (and later reads) only its own data file.
+    with Checkpointer(url) as ckpt:
+        ckpt.save(1, model={f"w{rank}": torch.full((8,), 1.0)}, trainer={f"t{rank}": torch.full((8,), 1.0)})
+
+
+def _load_per_rank(rank: int, world_size: int, url: str, damaged: str) -> None:
+    model, trainer = {f"w{rank}": torch.full((8,), 7.0)}, {f"t{rank}": torch.full((8,), 7.0)}
+    with Checkpointer(url) as ckpt, pytest.raises(CorruptCheckpointError) as raised:
+        ckpt.load(model=model, trainer=trainer)
+    assert torch.equal(model[f"w{rank}"], torch.full((8,), 7.0)), f"rank {rank} applied the model"
+    assert damaged in str(raised.value), raised.value
+
+
+def test_a_data_file_only_rank_1_reads_fails_every_rank_before_any_applies_a_key(
+    local_backend: Backend, tmp_path: Path
+) -> None:
+    run_ranks(_save_per_rank, 2, tmp_path, local_backend.url)
+    fs, files = _data_files(local_backend, "iter_000000001", "trainer")
+    (rank1_file,) = [f for f in files if f.rsplit("/", 1)[-1].startswith("__1_")]
+    _damage(fs, rank1_file, "truncate")
+    run_ranks(_load_per_rank, 2, tmp_path, local_backend.url, rank1_file.rsplit("/", 1)[-1])
