@@ -514,7 +514,10 @@ def test_retention_deletes_nothing_when_it_cannot_tell_what_is_committed(
 
     # fsspec's generic listing skips what it fails to read; the follow-up check then fails too.
     def lossy_find(path: str, *args: Any, **kwargs: Any) -> Any:
-        return [p for p in real_find(path, *args, **kwargs) if hidden not in p]
+        found = real_find(path, *args, **kwargs)  # with detail=True a dict of path → info
+        if isinstance(found, dict):
+            return {p: info for p, info in found.items() if hidden not in p}
+        return [p for p in found if hidden not in p]
 
     def failing_info(path: str, **kwargs: Any) -> Any:
         if hidden in path:
