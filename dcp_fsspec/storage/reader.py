@@ -25,7 +25,8 @@ from typing import Any
 import fsspec
 import torch
 from torch.futures import Future
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -45,6 +46,8 @@ from .backends.local import LocalFiles
 from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
+from .settings import merge_storage_kwargs
+from .transforms import reader_transforms, untransform
 from .trust import load_object
 from .urls import UrlBound
 
@@ -87,6 +90,15 @@ class FsspecStorageReader(UrlBound, StorageReader):
             which unpickles it in full) only once it loaded with ``torch.load(weights_only=True)``.
             Other planners load non-tensor entries their own way:
             :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner` as ``weights_only`` does.
+        _extension_registry: torch's (``FileSystemReader``): where the ``transform_descriptors``
+            of transformed records (``stream.zstd/1``…) are looked up; default torch's registry,
+            which knows ``ZStandard``. Register your own ``StreamTransformExtension`` classes
+            there. A transformed record is fetched whole and its transforms undone on the
+            loading thread (never on fsspec's event loop) before it is decoded and checksummed.
+        **storage_kwargs: torch ``FsspecReader``-style storage options (``anon=True``), merged
+            into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
+
+    It takes every keyword of torch's ``FileSystemReader`` and ``FsspecReader``.
 
     Attributes:
         metadata_failure: why ``.metadata`` could not be used, once a read of it failed (not
@@ -107,9 +119,12 @@ class FsspecStorageReader(UrlBound, StorageReader):
         threads: int = 16,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         trust_checkpoint: bool = False,
+        _extension_registry: ExtensionRegistry | None = None,
+        **storage_kwargs: Any,
     ) -> None:
         super().__init__()
-        self._bind(path, storage_options, fs, retry)
+        self._bind(path, merge_storage_kwargs(type(self).__init__, storage_options, storage_kwargs), fs, retry)
+        self.transforms = reader_transforms(_extension_registry)
         self.trust_checkpoint = trust_checkpoint
         self.verify_checksums = verify_checksums
         self.window_bytes = window_bytes
@@ -322,6 +337,7 @@ class _LoadDecoder(RecordDecoder):
         self.record = record
         self.planner = planner
         self.trust_checkpoint = reader.trust_checkpoint
+        self.transforms = reader.transforms
         self._target: torch.Tensor | None = None
         tensor_items = [i for i in record.items if i.type != LoadItemType.BYTE_IO]
         if not (len(record.items) == 1 and len(tensor_items) == 1 and not record.transforms):
@@ -438,13 +454,10 @@ class _LoadDecoder(RecordDecoder):
         target.copy_(tensor)
         self.planner.commit_tensor(item, target)
 
-    def _untransform(self, data: memoryview) -> bytes:
+    def _untransform(self, data: memoryview) -> bytearray:
         """Undo torch's experimental stream transforms (e.g. compression) the record was saved with."""
         try:
-            stream = _StorageReaderTransforms().transform_load_stream(
-                self.record.items[0], self.record.transforms, io.BytesIO(bytes(data))
-            )
-            return bytes(stream.read())
+            return untransform(self.transforms, self.record.items[0], self.record.transforms, data)
         except Exception as e:  # noqa: BLE001 - an unknown descriptor or undecodable bytes: damage
             what = f"cannot undo the transforms {list(self.record.transforms)} ({type(e).__name__}: {e})"
             raise self._error(RecordFault(what)) from e
