@@ -37,6 +37,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DcpFsspecError,
+    MissingDriverError,
     RecordFormatError,
     StorageError,
 )
@@ -47,7 +48,7 @@ from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .settings import merge_storage_kwargs
-from .transforms import reader_transforms, untransform
+from .transforms import missing_package, reader_transforms, untransform
 from .trust import load_object
 from .urls import UrlBound
 
@@ -456,6 +457,12 @@ class _LoadDecoder(RecordDecoder):
 
     def _untransform(self, data: memoryview) -> bytearray:
         """Undo torch's experimental stream transforms (e.g. compression) the record was saved with."""
+        package = missing_package(self.transforms, self.record.transforms)
+        if package is not None:
+            raise MissingDriverError(
+                f"{self.record.url!r} holds records saved with {list(self.record.transforms)}; install "
+                f"{package} to load them: pip install 'dcp-fsspec[zstd]'"
+            )
         try:
             return untransform(self.transforms, self.record.items[0], self.record.transforms, data)
         except Exception as e:  # noqa: BLE001 - an unknown descriptor or undecodable bytes: damage

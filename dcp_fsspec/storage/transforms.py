@@ -138,6 +138,19 @@ def reader_transforms(registry: ExtensionRegistry | None) -> _StorageReaderTrans
     return _StorageReaderTransforms(registry)
 
 
+def missing_package(transforms: _StorageReaderTransforms, descriptors: Sequence[str]) -> str | None:
+    """The package to install before ``descriptors`` can be undone here, if one is missing.
+
+    torch's ``ZStandard`` reports a missing ``zstandard`` as a ``ValueError`` like any other
+    failure; a reader must say "install this" rather than "the record is damaged".
+    """
+    for descriptor in descriptors:
+        name = descriptor.partition("/")[0]
+        if transforms.extension_registry.extensions.get(name) is ZStandard and not ZStandard.is_available():
+            return "zstandard"
+    return None
+
+
 def untransform(
     transforms: _StorageReaderTransforms, item: ReadItem, descriptors: Sequence[str], data: memoryview
 ) -> bytearray:
