@@ -143,6 +143,7 @@ def test_cache_staged_state_dict_keeps_and_reuses_the_staged_copy() -> None:
     state = {"w": torch.randn(32), "step": 3}
     cached = FsspecStorageWriter("memory://x", cache_staged_state_dict=True)
     first = cached.stage(state)
+    assert first["w"] is not state["w"] and torch.equal(first["w"], state["w"])
     state["w"].add_(1.0)
     second = cached.stage(state)
     assert second["w"] is first["w"] and torch.equal(second["w"], state["w"])
