@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec.checkpoint.pipeline import SavePipeline
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
 
@@ -180,3 +182,22 @@ def test_checkpoint_id_resets_the_writer_and_reader_to_another_folder(backend: B
         target = {"w": torch.zeros(3)}
         dcp.load(target, checkpoint_id=backend.sub(f"step{step}"), storage_reader=reader, no_dist=True)
         assert torch.equal(target["w"], torch.full((3,), float(step)))
+
+
+def test_the_checkpointer_keeps_its_own_rule_and_never_replaces_a_committed_key(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The storage writer's default is torch's (overwrite=True); the Checkpointer passes False:
+    a key another save committed while this one was under way stays, and this save fails."""
+    key_url = str(Path(local_backend.url, "iter_000000001", "model"))
+    real = SavePipeline._write_key
+
+    def another_save_finished_this_key_first(self: SavePipeline, iteration: int, key: str, *args: Any, **kwargs: Any) -> None:
+        dcp.save({"w": torch.zeros(4)}, storage_writer=FsspecStorageWriter(key_url), no_dist=True)
+        real(self, iteration, key, *args, **kwargs)
+
+    monkeypatch.setattr(SavePipeline, "_write_key", another_save_finished_this_key_first)
+    with Checkpointer(local_backend.url) as ckpt, raises_through_dcp(CheckpointExistsError) as raised:
+        ckpt.save(1, model={"w": torch.ones(4)})
+    assert "Checkpoint already exists" in str(raised.value) and key_url in str(raised.value)
+    assert torch.equal(load({"w": torch.empty(4)}, local_backend, key_url)["w"], torch.zeros(4))
