@@ -48,7 +48,7 @@ from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .settings import merge_storage_kwargs
-from .transforms import missing_package, reader_transforms, untransform
+from .transforms import UndoQueue, missing_package, reader_transforms, untransform
 from .trust import load_object
 from .urls import UrlBound
 
@@ -58,6 +58,7 @@ MiB = 1024 * 1024
 _IN_PLACE_MIN = 1 * MiB
 _HEAD_BYTES = 64 * 1024
 _CHECKSUM_THREADS = 4  # zlib.crc32 runs without the GIL
+_UNDO_THREADS = 4  # zstd decompresses without the GIL
 
 
 class FsspecStorageReader(UrlBound, StorageReader):
@@ -135,6 +136,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.load_id = uuid.uuid4().hex
         self.metadata_failure: DcpFsspecError | None = None
+        self._undo_queue: UndoQueue | None = None  # during read_data, when records are transformed
 
     # --- DCP protocol -----------------------------------------------------------------------
 
@@ -185,6 +187,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch every record the plan needs, concurrently and in file order, into the targets."""
         records = self._records_for(plan)
+        undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
         local = LocalFiles() if self.location.is_local else None
         pools = (
             (
@@ -201,6 +204,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
             self._stream_records(records, planner)  # the small ones, while the big ones are read
             for deliver in in_place:
                 deliver.result()()
+            if undo is not None:
+                undo.drain()
         except FileNotFoundError as e:
             raise CorruptCheckpointError(
                 f"a data file of checkpoint {self.location.url!r} is missing: {e}"
@@ -216,6 +221,9 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 pool.shutdown(wait=True, cancel_futures=True)
             if local is not None:
                 local.close()
+            if undo is not None:
+                undo.close()
+            self._undo_queue = None
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -339,6 +347,7 @@ class _LoadDecoder(RecordDecoder):
         self.planner = planner
         self.trust_checkpoint = reader.trust_checkpoint
         self.transforms = reader.transforms
+        self.undo_queue = reader._undo_queue
         self._target: torch.Tensor | None = None
         tensor_items = [i for i in record.items if i.type != LoadItemType.BYTE_IO]
         if not (len(record.items) == 1 and len(tensor_items) == 1 and not record.transforms):
@@ -414,9 +423,16 @@ class _LoadDecoder(RecordDecoder):
         self.planner.commit_tensor(self.record.items[0], self._target)
 
     def _finish_held(self, data: memoryview) -> None:
-        rec = self.record
-        if rec.transforms:
+        if self.record.transforms:
+            if self.undo_queue is not None:  # decompress on the pool, deliver here later
+                self.undo_queue.submit(lambda: self._untransform(data), lambda raw: self._deliver_all(memoryview(raw)))
+                return
             data = memoryview(self._untransform(data))
+        self._deliver_all(data)
+
+    def _deliver_all(self, data: memoryview) -> None:
+        """Decode a whole (untransformed) record once and hand it to each of its read items."""
+        rec = self.record
         tensor: torch.Tensor | None = None
         for item in rec.items:
             if item.type == LoadItemType.BYTE_IO:

@@ -18,7 +18,9 @@ unit: its CRC-32 (inside the record) is checked after the transforms are undone.
 from __future__ import annotations
 
 import io
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
@@ -164,3 +166,39 @@ def untransform(
     while chunk := stream.read(4 * 1024 * 1024):
         out += chunk
     return out
+
+
+class UndoQueue:
+    """Transformed records undone on a pool of threads, each delivered on the loading thread.
+
+    zstd decompresses without the GIL, so several records are undone at once while the loading
+    thread keeps fetching and decoding the rest; the planner, which is not ours to call from
+    several threads, still receives every record on the loading thread (as an older one
+    completes, and all of them by :meth:`drain`). At most ``2 * threads`` records wait, which
+    bounds the memory they hold. Extensions must undo independent streams concurrently (torch's
+    ``ZStandard`` does: a decompressor per stream).
+    """
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dcp-fsspec-undo")
+        self._waiting: deque[tuple[Future[bytearray], Callable[[bytearray], None]]] = deque()
+        self._limit = 2 * threads
+
+    def submit(self, undo: Callable[[], bytearray], deliver: Callable[[bytearray], None]) -> None:
+        """Run ``undo`` on the pool; ``deliver`` its result on this thread, later."""
+        self._waiting.append((self._pool.submit(undo), deliver))
+        while len(self._waiting) > self._limit:
+            self._deliver_oldest()
+
+    def drain(self) -> None:
+        """Deliver every record still waiting (re-raises the first failure of any)."""
+        while self._waiting:
+            self._deliver_oldest()
+
+    def close(self) -> None:
+        self._waiting.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _deliver_oldest(self) -> None:
+        future, deliver = self._waiting.popleft()
+        deliver(future.result())

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import _extension as torch_extension
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.testing._internal.distributed.checkpoint_utils import Rot13Example, get_test_extension_registry
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, FsspecStorageWriter, MissingDriverError
@@ -181,10 +182,11 @@ def test_a_compressed_record_bigger_than_a_request_and_the_window_loads_whole(ba
 
 
 @needs_zstd
-def test_decompression_runs_on_the_loading_thread_not_fsspecs_event_loop(
+def test_decompression_runs_on_the_readers_pool_not_fsspecs_event_loop(
     s3_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    save({"w": torch.randn(4096)}, s3_backend, compression="zstd")
+    state = {f"w{i}": torch.randn(4096) for i in range(12)}
+    save(state, s3_backend, compression="zstd")
     threads: list[str] = []
     real = transforms.untransform
 
@@ -193,8 +195,9 @@ def test_decompression_runs_on_the_loading_thread_not_fsspecs_event_loop(
         return real(*args)
 
     monkeypatch.setattr("dcp_fsspec.storage.reader.untransform", noting_the_thread)
-    loaded = load({"w": torch.zeros(4096)}, s3_backend)
-    assert threads == [threading.current_thread().name] and loaded["w"].abs().sum() > 0
+    loaded = load({k: torch.zeros(4096) for k in state}, s3_backend)
+    assert len(threads) == 12 and all(name.startswith("dcp-fsspec-undo") for name in threads), threads
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
 @needs_zstd
@@ -268,3 +271,20 @@ def test_torch_loads_a_key_the_compressing_checkpointer_saved(local_backend: Bac
     target = {"w": torch.zeros(300, 7), "b": torch.zeros(9, dtype=torch.int64)}
     dcp.load(target, storage_reader=FileSystemReader(Path(local_backend.url, "iter_000000001", "model")), no_dist=True)
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+
+
+@needs_zstd
+def test_the_planner_gets_every_decompressed_record_on_the_loading_thread(local_backend: Backend) -> None:
+    state = {f"w{i}": torch.randn(2048) for i in range(20)}
+    save(state, local_backend, compression="zstd")
+    seen: set[str] = set()
+
+    class Recording(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+            seen.add(threading.current_thread().name)
+            super().commit_tensor(read_item, tensor)
+
+    target = {k: torch.zeros(2048) for k in state}
+    dcp.load(target, storage_reader=FsspecStorageReader(local_backend.url), planner=Recording(), no_dist=True)
+    assert seen == {threading.current_thread().name}
+    assert all(torch.equal(target[k], v) for k, v in state.items())
