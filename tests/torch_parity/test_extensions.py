@@ -288,3 +288,17 @@ def test_the_planner_gets_every_decompressed_record_on_the_loading_thread(local_
     dcp.load(target, storage_reader=FsspecStorageReader(local_backend.url), planner=Recording(), no_dist=True)
     assert seen == {threading.current_thread().name}
     assert all(torch.equal(target[k], v) for k, v in state.items())
+
+
+@needs_zstd
+def test_the_background_process_of_async_saves_compresses_too(local_backend: Backend) -> None:
+    state = {"w": torch.randn(256, 64), "b": torch.arange(9)}
+    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem", compression="zstd", compression_level=1) as ckpt:
+        ckpt.save(2, model=state)
+        ckpt.wait()
+    metadata = FileSystemReader(Path(local_backend.url, "iter_000000002", "model")).read_metadata()
+    assert {tuple(d or ()) for d in _descriptors(metadata).values()} == {("stream.zstd/1",)}
+    target = {"w": torch.zeros(256, 64), "b": torch.zeros(9, dtype=torch.int64)}
+    with Checkpointer(local_backend.url) as ckpt:
+        assert ckpt.load(model=target) == 2
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
