@@ -58,14 +58,14 @@ def test_reset_with_checkpoint_id_writes_to_that_url(backend: Backend) -> None:
 def test_saving_over_a_committed_checkpoint_raises_without_overwrite(backend: Backend) -> None:
     save({"w": torch.ones(3)}, backend)
     with raises_through_dcp(CheckpointExistsError) as raised:
-        save({"w": torch.zeros(3)}, backend)
-    assert backend.url in str(raised.value)
+        save({"w": torch.zeros(3)}, backend, overwrite=False)
+    assert backend.url in str(raised.value) and "Checkpoint already exists" in str(raised.value)
     assert torch.equal(load({"w": torch.empty(3)}, backend)["w"], torch.ones(3))
 
 
-def test_overwrite_replaces_the_checkpoint(backend: Backend) -> None:
+def test_overwrite_replaces_the_checkpoint_by_default_as_torch_does(backend: Backend) -> None:
     save({"w": torch.ones(3)}, backend)
-    save({"w": torch.full((3,), 7.0)}, backend, overwrite=True)
+    save({"w": torch.full((3,), 7.0)}, backend)
     assert torch.equal(load({"w": torch.empty(3)}, backend)["w"], torch.full((3,), 7.0))
 
 

@@ -146,6 +146,9 @@ class SavePipeline:
             retry=self.settings.retry,
             save_id=save_id,
             unique_file_names=unique_file_names,
+            # Not the storage writer's default (True, torch's): the iteration was cleared at
+            # prepare, so a key's .metadata here now is another save's, and must stay.
+            overwrite=False,
             **self.settings.writer.as_kwargs(),
         )
         try:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TypeGuard, TypeVar
 
 import torch
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as LegacyTensorProperties
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -164,7 +165,11 @@ def _is_int(value: object) -> bool:
 
 def _check_tensor(fqn: str, meta: TensorStorageMetadata, bad: Callable[[object, str], CorruptCheckpointError]) -> None:
     properties = getattr(meta, "properties", None)
-    if not isinstance(properties, TensorProperties) or not isinstance(getattr(properties, "dtype", None), torch.dtype):
+    # Older DCP metadata pickled the sharded-tensor module's TensorProperties (same fields);
+    # torch still loads it (its test_compatibility.py::test_sharded_tensor_dependency).
+    if not isinstance(properties, (TensorProperties, LegacyTensorProperties)) or not isinstance(
+        getattr(properties, "dtype", None), torch.dtype
+    ):
         raise bad(fqn, "has no tensor dtype")
     size = getattr(meta, "size", None)
     if not _is_shape(size):

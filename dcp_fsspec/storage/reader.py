@@ -26,7 +26,8 @@ from typing import Any
 import fsspec
 import torch
 from torch.futures import Future
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -37,6 +38,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     DcpFsspecError,
+    MissingDriverError,
     RecordFormatError,
     StorageError,
 )
@@ -46,6 +48,8 @@ from .backends.local import LocalFiles
 from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
+from .settings import merge_storage_kwargs
+from .transforms import UndoQueue, missing_package, reader_transforms, untransform
 from .trust import load_object
 from .urls import UrlBound
 
@@ -55,6 +59,7 @@ MiB = 1024 * 1024
 _IN_PLACE_MIN = 1 * MiB
 _HEAD_BYTES = 64 * 1024
 _CHECKSUM_THREADS = 4  # zlib.crc32 runs without the GIL
+_UNDO_THREADS = 4  # zstd decompresses without the GIL
 
 
 class FsspecStorageReader(UrlBound, StorageReader):
@@ -88,6 +93,15 @@ class FsspecStorageReader(UrlBound, StorageReader):
             which unpickles it in full) only once it loaded with ``torch.load(weights_only=True)``.
             Other planners load non-tensor entries their own way:
             :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner` as ``weights_only`` does.
+        _extension_registry: torch's (``FileSystemReader``): where the ``transform_descriptors``
+            of transformed records (``stream.zstd/1``…) are looked up; default torch's registry,
+            which knows ``ZStandard``. Register your own ``StreamTransformExtension`` classes
+            there. A transformed record is fetched whole and its transforms undone on the
+            loading thread (never on fsspec's event loop) before it is decoded and checksummed.
+        **storage_kwargs: torch ``FsspecReader``-style storage options (``anon=True``), merged
+            into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
+
+    It takes every keyword of torch's ``FileSystemReader`` and ``FsspecReader``.
 
     Attributes:
         metadata_failure: why ``.metadata`` could not be used, once a read of it failed (not
@@ -108,9 +122,12 @@ class FsspecStorageReader(UrlBound, StorageReader):
         threads: int = 16,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         trust_checkpoint: bool = False,
+        _extension_registry: ExtensionRegistry | None = None,
+        **storage_kwargs: Any,
     ) -> None:
         super().__init__()
-        self._bind(path, storage_options, fs, retry)
+        self._bind(path, merge_storage_kwargs(type(self).__init__, storage_options, storage_kwargs), fs, retry)
+        self.transforms = reader_transforms(_extension_registry)
         self.trust_checkpoint = trust_checkpoint
         self.verify_checksums = verify_checksums
         self.window_bytes = window_bytes
@@ -120,6 +137,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.load_id = uuid.uuid4().hex
         self.metadata_failure: DcpFsspecError | None = None
+        self._undo_queue: UndoQueue | None = None  # during read_data, when records are transformed
 
     # --- DCP protocol -----------------------------------------------------------------------
 
@@ -187,6 +205,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch every record the plan needs, concurrently and in file order, into the targets."""
         records = self._records_for(plan)
+        undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
         local = LocalFiles() if self.location.is_local else None
         pools = (
             (
@@ -203,6 +222,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
             self._stream_records(records, planner)  # the small ones, while the big ones are read
             for deliver in in_place:
                 deliver.result()()
+            if undo is not None:
+                undo.drain()
         except FileNotFoundError as e:
             raise CorruptCheckpointError(
                 f"a data file of checkpoint {self.location.url!r} is missing: {e}"
@@ -218,6 +239,9 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 pool.shutdown(wait=True, cancel_futures=True)
             if local is not None:
                 local.close()
+            if undo is not None:
+                undo.close()
+            self._undo_queue = None
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -388,6 +412,8 @@ class _LoadDecoder(RecordDecoder):
         self.record = record
         self.planner = planner
         self.trust_checkpoint = reader.trust_checkpoint
+        self.transforms = reader.transforms
+        self.undo_queue = reader._undo_queue
         self._target: torch.Tensor | None = None
         tensor_items = [i for i in record.items if i.type != LoadItemType.BYTE_IO]
         if not (len(record.items) == 1 and len(tensor_items) == 1 and not record.transforms):
@@ -463,9 +489,16 @@ class _LoadDecoder(RecordDecoder):
         self.planner.commit_tensor(self.record.items[0], self._target)
 
     def _finish_held(self, data: memoryview) -> None:
-        rec = self.record
-        if rec.transforms:
+        if self.record.transforms:
+            if self.undo_queue is not None:  # decompress on the pool, deliver here later
+                self.undo_queue.submit(lambda: self._untransform(data), lambda raw: self._deliver_all(memoryview(raw)))
+                return
             data = memoryview(self._untransform(data))
+        self._deliver_all(data)
+
+    def _deliver_all(self, data: memoryview) -> None:
+        """Decode a whole (untransformed) record once and hand it to each of its read items."""
+        rec = self.record
         tensor: torch.Tensor | None = None
         for item in rec.items:
             if item.type == LoadItemType.BYTE_IO:
@@ -504,13 +537,16 @@ class _LoadDecoder(RecordDecoder):
         target.copy_(tensor)
         self.planner.commit_tensor(item, target)
 
-    def _untransform(self, data: memoryview) -> bytes:
+    def _untransform(self, data: memoryview) -> bytearray:
         """Undo torch's experimental stream transforms (e.g. compression) the record was saved with."""
-        try:
-            stream = _StorageReaderTransforms().transform_load_stream(
-                self.record.items[0], self.record.transforms, io.BytesIO(bytes(data))
+        package = missing_package(self.transforms, self.record.transforms)
+        if package is not None:
+            raise MissingDriverError(
+                f"{self.record.url!r} holds records saved with {list(self.record.transforms)}; install "
+                f"{package} to load them: pip install 'dcp-fsspec[zstd]'"
             )
-            return bytes(stream.read())
+        try:
+            return untransform(self.transforms, self.record.items[0], self.record.transforms, data)
         except Exception as e:  # noqa: BLE001 - an unknown descriptor or undecodable bytes: damage
             what = f"cannot undo the transforms {list(self.record.transforms)} ({type(e).__name__}: {e})"
             raise self._error(RecordFault(what)) from e

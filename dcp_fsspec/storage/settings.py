@@ -9,6 +9,9 @@ the same defaults, and gives them back with :meth:`WriterSettings.as_kwargs`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,9 @@ class WriterSettings(_Keywords):
         max_inflight_bytes: upload data held in memory at once across all files (S3).
         sync_files: fsync local files and folders (durability across power loss).
         checksums: store the CRC-32 of every tensor in its record, which the reader verifies.
+        compression: ``"zstd"`` compresses every record with torch's ``ZStandard`` format
+            (torch's readers load it); ``None`` stores them as they are.
+        compression_level: the zstd level (1–22, negative: faster; default 3); only with ``compression``.
     """
 
     files_per_rank: int = 8
@@ -41,6 +47,32 @@ class WriterSettings(_Keywords):
     max_inflight_bytes: int = 256 * MiB
     sync_files: bool = True
     checksums: bool = True
+    compression: str | None = None
+    compression_level: int | None = None
+
+    def with_compression(self, compression: str | None, level: int | None) -> WriterSettings:
+        """These settings with ``compression`` and ``level`` where given (not ``None``), checked now.
+
+        Raises:
+            ValueError: an unknown compression, a level without one, or a compression that
+                differs from one these settings already name.
+            MissingDriverError: ``"zstd"`` without the ``zstandard`` package.
+        """
+        if compression is None and level is None:
+            return self
+        if self.compression is not None and compression is not None and compression != self.compression:
+            raise ValueError(
+                f"compression={compression!r} differs from writer_settings.compression={self.compression!r}; give one"
+            )
+        merged = dataclasses.replace(
+            self,
+            compression=compression or self.compression,
+            compression_level=self.compression_level if level is None else level,
+        )
+        from .transforms import compression_extensions  # torch: only for those who compress
+
+        compression_extensions(merged.compression, merged.compression_level)  # fail here, not at the first save
+        return merged
 
 
 @dataclass(frozen=True)
@@ -60,3 +92,32 @@ class ReaderSettings(_Keywords):
     max_request_bytes: int = 16 * MiB
     max_gap_bytes: int = 64 * 1024
     threads: int = 16
+
+
+def merge_storage_kwargs(
+    constructor: Callable[..., Any], storage_options: dict[str, Any] | None, storage_kwargs: dict[str, Any]
+) -> dict[str, Any] | None:
+    """``storage_options`` plus torch-``FsspecWriter``-style ``**storage_kwargs``, as one dict.
+
+    Those keywords go to the fsspec filesystem, which takes (and may ignore) any name, so a
+    misspelt keyword of the ``constructor``'s own (``file_per_rank=``) would otherwise vanish there.
+
+    Raises:
+        TypeError: a storage keyword that looks like a misspelling of one of the constructor's.
+        ValueError: a storage option given both ways.
+    """
+    if not storage_kwargs:
+        return storage_options
+    owner = constructor.__qualname__.split(".")[0]
+    known = list(inspect.signature(constructor).parameters)
+    for name in storage_kwargs:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if close:
+            raise TypeError(
+                f"{owner}() got an unexpected keyword argument {name!r}: did you mean {close[0]!r}? "
+                "(other keywords are passed to the fsspec filesystem as storage options)"
+            )
+    both = sorted(set(storage_kwargs) & set(storage_options or {}))
+    if both:
+        raise ValueError(f"{owner}(): storage option(s) {both} given both in storage_options and as keywords; give each once")
+    return {**(storage_options or {}), **storage_kwargs}

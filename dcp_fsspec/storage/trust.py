@@ -42,6 +42,8 @@ METADATA_CLASSES: dict[str, frozenset[str]] = {
         "MetadataIndex",  # the key of storage_data: entry name and chunk offset
         "StorageMeta",  # checkpoint_id, save_id, load_id, modules
     }),
+    # Older metadata's TensorProperties: the same dataclass, from before DCP had its own.
+    "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties", "MEM_FORMAT_ENCODING"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),  # file, offset, length, transforms
     "torch": frozenset({"Size"}),  # shapes and offsets
     "torch.serialization": frozenset({"_get_layout"}),  # how torch.layout pickles: a lookup by name

@@ -16,15 +16,19 @@ import io
 import os
 import pickle
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
 import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.futures import Future
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
@@ -34,6 +38,8 @@ from .records import encode_tensor
 from .failures import storage_errors
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .backends import Versioned
+from .settings import merge_storage_kwargs
+from .transforms import compression_extensions, write_transformed, writer_transforms
 from .uploads import ByteBudget, FileUpload
 from .urls import UrlBound
 
@@ -41,9 +47,10 @@ from .urls import UrlBound
 DCP_VERSION = "1.0.0"
 
 MiB = 1024 * 1024
+_FILES_PER_RANK = 8
 
 
-class FsspecStorageWriter(UrlBound, StorageWriter):
+class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     """Write a DCP checkpoint to any fsspec URL.
 
     Use it wherever DCP takes a storage writer::
@@ -62,19 +69,26 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
     never replaced, in :meth:`finish` (a conditional write): of two saves racing into one folder,
     the second to finish raises :class:`CheckpointExistsError` and the first's checkpoint stays.
 
+    It takes every keyword of torch's ``FileSystemWriter`` and ``FsspecWriter``, with torch's
+    meaning and defaults (``overwrite=True`` among them), so torch code runs with the class
+    swapped; they are keyword-only here (the second positional argument is ``storage_options``).
+    Like ``FileSystemWriter`` it is its own ``AsyncStager`` for ``dcp.async_save``.
+
     Args:
         path: the checkpoint folder: any fsspec URL (``s3://bucket/ckpt``, ``memory://x``) or a
             local path (``~`` and relative paths are resolved in this process).
         storage_options: options for the fsspec filesystem (credentials, ``client_kwargs``…).
         fs: a ready fsspec filesystem to use instead of one built from the URL.
-        overwrite: ``False`` (default) raises :class:`CheckpointExistsError` when a committed
-            checkpoint is already at the URL; ``True`` replaces it.
-        files_per_rank: at most this many data files per rank, written concurrently.
+        overwrite: ``True`` (torch's default) replaces a committed checkpoint at the URL;
+            ``False`` raises :class:`CheckpointExistsError` ("Checkpoint already exists …").
+        files_per_rank: at most this many data files per rank, written concurrently (fewer for
+            a small state: at least 32 MiB a file).
         part_size: multipart upload part size on object stores.
         max_inflight_bytes: upload data held in memory at once across all files (S3).
-        sync_files: fsync local files and folders (durability across power loss).
+        sync_files: fsync local files and folders (durability across power loss); object
+            stores publish a file whole on completion and need no sync.
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
-            :class:`FsspecStorageReader` verifies.
+            :class:`FsspecStorageReader` verifies (after undoing any transform).
         retry: how storage requests are retried on throttling, 5xx and dropped connections,
             and the deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`);
             ``None``: only the driver's own retries.
@@ -84,6 +98,39 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         unique_file_names: put ``save_id`` into every data file's name
             (``__{rank}_{save_id}_{n}.distcp`` instead of torch's ``__{rank}_{n}.distcp``), so
             that a save sharing the folder with another one never writes over its files.
+        compression: ``"zstd"``: compress every record in torch's ``ZStandard`` format (the
+            ``stream.zstd/1`` transform, which torch's readers undo); needs the ``zstandard``
+            package (``pip install 'dcp-fsspec[zstd]'``). ``None``: records as they are.
+        compression_level: the zstd level, 1 (fast) to 22 (small), negative for zstd's fastest;
+            default 3, zstd's and torch's.
+        single_file_per_rank: torch's: ``False`` writes one file per tensor or object instead of
+            up to ``files_per_rank`` per rank (still ``files_per_rank`` at a time).
+        thread_count: torch's name for the concurrency: the number of files per rank written at
+            once, i.e. ``files_per_rank`` (torch writes one file per thread too). ``None`` (the
+            default, unlike torch's 1) keeps ``files_per_rank``; give one of the two.
+        per_thread_copy_ahead: accepted for torch's signature and kept as an attribute, but it
+            changes nothing here: torch copies up to this many bytes from the GPU ahead of the
+            write (one thread, CUDA only); our file threads each copy a device tensor to the
+            CPU right before streaming it, so at most ``files_per_rank`` tensors are in host
+            memory at once.
+        cache_staged_state_dict: torch's (``BlockingAsyncStager``): when ``dcp.async_save``
+            stages through this writer, keep the CPU copy and reuse it on the next stage
+            (less staging latency, the state's size in host memory kept); reuse the writer.
+        serialization_format: torch's; only ``SerializationFormat.TORCH_SAVE`` (the DCP record
+            format this writer streams). For safetensors use torch's ``HuggingFaceStorageWriter``.
+        _extensions: torch's experimental stream transforms (``[ZStandard()]``, an
+            ``StreamTransformExtension`` of your own), applied to every record in the writer's
+            file threads, in torch's order and with torch's descriptors. With ``compression`` too,
+            the data is compressed first and then passed through these (compress, then encrypt).
+        **storage_kwargs: torch ``FsspecWriter``-style storage options (``anon=True``), merged
+            into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
+
+    Raises:
+        ValueError: ``files_per_rank`` (or ``thread_count``) below 1, both given and different,
+            an unknown ``compression`` or ``serialization_format``.
+        TypeError: an ``_extensions`` entry that is not a ``StreamTransformExtension``; a
+            storage keyword that looks like a misspelt keyword of this class.
+        MissingDriverError: ``compression="zstd"`` without the ``zstandard`` package.
     """
 
     def __init__(
@@ -92,8 +139,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         storage_options: dict[str, Any] | None = None,
         *,
         fs: fsspec.AbstractFileSystem | None = None,
-        overwrite: bool = False,
-        files_per_rank: int = 8,
+        overwrite: bool = True,
+        files_per_rank: int = _FILES_PER_RANK,
         part_size: int = 16 * MiB,
         max_inflight_bytes: int = 256 * MiB,
         sync_files: bool = True,
@@ -101,23 +148,71 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         retry: RetryPolicy | None = DEFAULT_RETRY,
         save_id: str | None = None,
         unique_file_names: bool = False,
+        compression: str | None = None,
+        compression_level: int | None = None,
+        single_file_per_rank: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
+        **storage_kwargs: Any,
     ) -> None:
-        super().__init__()
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        if thread_count is not None:
+            if files_per_rank not in (_FILES_PER_RANK, thread_count):
+                raise ValueError(
+                    f"thread_count={thread_count} and files_per_rank={files_per_rank} name the same "
+                    "setting (files written at once per rank); give one of them"
+                )
+            files_per_rank = thread_count
         if files_per_rank < 1:
-            raise ValueError(f"files_per_rank must be at least 1, got {files_per_rank}")
-        self._bind(path, storage_options, fs, retry)
+            raise ValueError(f"files_per_rank (thread_count) must be at least 1, got {files_per_rank}")
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise ValueError(
+                f"serialization_format={serialization_format} is not written by FsspecStorageWriter (only "
+                "TORCH_SAVE, DCP's record format); use torch's HuggingFaceStorageWriter for safetensors"
+            )
+        options = merge_storage_kwargs(type(self).__init__, storage_options, storage_kwargs)
+        extensions = [*(_extensions or ()), *compression_extensions(compression, compression_level)]
+        self.transforms = writer_transforms(extensions)
+        self._bind(path, options, fs, retry)
         self.overwrite = overwrite
         self.files_per_rank = files_per_rank
         self.part_size = part_size
         self.max_inflight_bytes = max_inflight_bytes
         self.sync_files = sync_files
         self.checksums = checksums
+        self.compression = compression
+        self.compression_level = compression_level
+        self.single_file_per_rank = single_file_per_rank
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.serialization_format = serialization_format
         self._given_save_id = save_id
         self.save_id = save_id or uuid.uuid4().hex
         self.unique_file_names = unique_file_names
         self.is_coordinator = False
         self.rank: int | None = None
         self.use_collectives = True
+
+    @property
+    def thread_count(self) -> int:
+        """torch's name for :attr:`files_per_rank`."""
+        return self.files_per_rank
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A CPU copy of ``state_dict`` for ``dcp.async_save`` (torch's ``BlockingAsyncStager``).
+
+        With ``cache_staged_state_dict`` the copy is kept and refilled on the next call, as in
+        torch, but pinned only where there is an accelerator to pin it for: torch's own stager
+        fails on a CPU-only machine ("Cannot access accelerator device").
+        """
+        if not self.cache_staged_state_dict:
+            return super().stage(state_dict)
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.accelerator.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache, type_check=self.type_check)
 
     # --- DCP protocol -----------------------------------------------------------------------
 
@@ -142,9 +237,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
             backend.make_folder(self.location.path)
             exists = backend.call("exists", metadata_path)
         if exists and not self.overwrite:
+            # "Checkpoint already exists": torch's words, which code written for torch matches.
             raise CheckpointExistsError(
-                f"a checkpoint already exists at {self.location.url!r}; pass overwrite=True to "
-                "replace it or choose another URL"
+                f"Checkpoint already exists at {self.location.url!r} and overwrite=False; pass "
+                "overwrite=True to replace it or choose another URL"
             )
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._prefix(self.rank)))
@@ -164,15 +260,20 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
 
     @collector_paused()
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items into up to ``files_per_rank`` files, concurrently."""
+        """Write this rank's items into up to ``files_per_rank`` files, concurrently (or one file
+        per item, ``files_per_rank`` at a time, without ``single_file_per_rank``)."""
         prefix: _StoragePrefix = plan.storage_data
-        bins = _split_into_files(plan.items, self.files_per_rank)
+        if self.single_file_per_rank:
+            bins = _split_into_files(plan.items, self.files_per_rank)
+        else:
+            bins = [[item] for item in plan.items]
         budget = ByteBudget(self.max_inflight_bytes)
         backend = self.location.backend
         jobs = [(names.data_file_name(prefix.prefix, n), items) for n, items in enumerate(bins)]
         results: list[WriteResult] = []
         # A rank may have nothing to write (DCP gives each replicated item to one rank only).
-        with ThreadPoolExecutor(max_workers=max(1, len(jobs)), thread_name_prefix="dcp-fsspec-write") as pool:
+        workers = max(1, min(len(jobs), self.files_per_rank))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp-fsspec-write") as pool:
             futures = [pool.submit(self._write_file, budget, name, items, planner) for name, items in jobs]
             errors = []
             for f in futures:
@@ -238,20 +339,11 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         results = []
         try:
             for item in items:
-                data = planner.resolve_data(item)
                 offset = upload.size
-                if item.type == WriteItemType.BYTE_IO:
-                    if not isinstance(data, io.BytesIO):
-                        raise TypeError(f"DCP resolved BYTE_IO item {item.index.fqn!r} to {type(data).__name__}")
-                    upload.write([data.getbuffer()])
-                else:
-                    if not isinstance(data, torch.Tensor):
-                        raise TypeError(f"DCP resolved tensor item {item.index.fqn!r} to {type(data).__name__}")
-                    upload.write(encode_tensor(data, checksum=self.checksums).buffers())
+                descriptors = self._write_record(upload, item, planner.resolve_data(item))
                 length = upload.size - offset
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
-                )
+                info = _StorageInfo(name, offset, length, transform_descriptors=descriptors)
+                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
             upload.commit()
         except BaseException as e:
             upload.abort()
@@ -259,6 +351,27 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
                 raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
             raise
         return results
+
+
+    def _write_record(self, upload: FileUpload, item: WriteItem, data: Any) -> list[str] | None:
+        """Append one item's record to ``upload``, through the transforms if there are any.
+
+        Returns the record's transform descriptors, ``None`` without transforms (as torch stores
+        them: older readers never see the field).
+        """
+        buffers: list[bytes | memoryview]
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise TypeError(f"DCP resolved BYTE_IO item {item.index.fqn!r} to {type(data).__name__}")
+            buffers = [data.getbuffer()]
+        else:
+            if not isinstance(data, torch.Tensor):
+                raise TypeError(f"DCP resolved tensor item {item.index.fqn!r} to {type(data).__name__}")
+            buffers = encode_tensor(data, checksum=self.checksums).buffers()
+        if not self.transforms.extensions:
+            upload.write(buffers)
+            return None
+        return write_transformed(self.transforms, item, buffers, upload.write)
 
 
 def _item_nbytes(item: WriteItem) -> int:
