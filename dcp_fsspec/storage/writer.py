@@ -71,6 +71,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
             checkpoint is already at the URL; ``True`` replaces it.
         files_per_rank: at most this many data files per rank, written concurrently.
         part_size: multipart upload part size on object stores.
+        multipart_threshold: on S3, a data file up to this size goes up in one PUT, a larger one
+            as a multipart upload (a single PUT is fewer requests and less server work).
         max_inflight_bytes: upload data held in memory at once across all files (S3).
         sync_files: fsync local files and folders (durability across power loss).
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
@@ -95,6 +97,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         overwrite: bool = False,
         files_per_rank: int = 8,
         part_size: int = 16 * MiB,
+        multipart_threshold: int = 64 * MiB,
         max_inflight_bytes: int = 256 * MiB,
         sync_files: bool = True,
         checksums: bool = True,
@@ -109,6 +112,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         self.overwrite = overwrite
         self.files_per_rank = files_per_rank
         self.part_size = part_size
+        self.multipart_threshold = multipart_threshold
         self.max_inflight_bytes = max_inflight_bytes
         self.sync_files = sync_files
         self.checksums = checksums
@@ -233,7 +237,11 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         path = self.location.join(name)
         with storage_errors("create", self.location.url_of(path)):
             upload: FileUpload = self.location.backend.new_upload(
-                path, part_size=self.part_size, budget=budget, fsync=self.sync_files
+                path,
+                part_size=self.part_size,
+                budget=budget,
+                fsync=self.sync_files,
+                multipart_threshold=self.multipart_threshold,
             )
         results = []
         try:
