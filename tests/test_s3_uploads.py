@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +52,17 @@ class Requests:
     def bodies(self) -> list[dict[str, str]]:
         """Headers of the requests that carried data."""
         return [headers for name, headers in self.seen if name in ("PutObject", "UploadPart")]
+
+
+def _crc(data: bytes) -> str:
+    """The checksum header's value for ``data``, computed here rather than by the code under test."""
+    if CHECKSUM_ALGORITHM == "CRC32C":
+        import google_crc32c
+
+        crc = google_crc32c.value(data)
+    else:
+        crc = zlib.crc32(data)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 def _fs(backend: Backend, **config: Any) -> Any:
@@ -105,7 +117,7 @@ def test_over_http_bodies_go_unsigned_with_a_checksum_the_server_keeps(s3_backen
     # Each checksum is that of its own body (the server checks it: see the damaged-body test).
     sent = [headers[CHECKSUM_HEADER] for headers in bodies]
     expected = [small, large[: 5 * MiB], large[5 * MiB : 10 * MiB], large[10 * MiB :]]
-    assert sent == [checksum_of(b)[f"Checksum{CHECKSUM_ALGORITHM}"] for b in expected]
+    assert sent == [_crc(b) for b in expected]
     assert fs.cat_file(s3_backend.sub("large")) == large
 
 
