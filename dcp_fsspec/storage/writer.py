@@ -98,7 +98,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         files_per_rank: int = 8,
         part_size: int = 16 * MiB,
         multipart_threshold: int = 64 * MiB,
-        max_inflight_bytes: int = 256 * MiB,
+        max_inflight_bytes: int = 128 * MiB,
         sync_files: bool = True,
         checksums: bool = True,
         retry: RetryPolicy | None = DEFAULT_RETRY,
