@@ -23,11 +23,13 @@ from typing import Any
 
 import fsspec
 import pytest
+import torch
 
 from dcp_fsspec.storage.backends.s3 import CHECKSUM_ALGORITHM, S3Backend, checksum_of
 from dcp_fsspec.storage.retry import NO_RETRY
 from dcp_fsspec.storage.uploads import ByteBudget, publish_whole
 from tests.conftest import Backend
+from tests.helpers import save
 
 MiB = 1024 * 1024
 CHECKSUM_HEADER = f"x-amz-checksum-{CHECKSUM_ALGORITHM.lower()}"
@@ -138,6 +140,13 @@ def test_over_https_the_client_is_left_as_it_is(s3_backend: Backend) -> None:
     options["client_kwargs"] = {"endpoint_url": "https://127.0.0.1:9"}  # never contacted
     fs = fsspec.filesystem("s3", **options)
     assert fsspec.asyn.sync(fs.loop, _checksummed_bodies, fs) is False  # botocore's defaults stay
+
+
+def test_the_bucket_is_checked_once_per_filesystem_not_at_every_save(s3_backend: Backend) -> None:
+    seen = Requests(s3_backend.fs)  # the writers below reuse this cached filesystem
+    for key in ("model", "optim", "model"):
+        save({"w": torch.ones(3)}, s3_backend, s3_backend.sub(key), overwrite=True)
+    assert seen.names().count("HeadBucket") == 1
 
 
 # -- a server that checks bodies against their checksum --------------------------------------------

@@ -16,6 +16,7 @@ import asyncio
 import base64
 import io
 import logging
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -32,14 +33,14 @@ from .base import Backend, Versioned
 
 logger = logging.getLogger(__name__)
 
+# Buckets known to exist, per filesystem: every key of every save has a backend of its own, and
+# one HEAD of the bucket per key was a round trip of each small save for nothing.
+_BUCKETS_SEEN: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
 
 class S3Backend(Backend):
     name = "S3"
     conditional_writes = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._buckets_seen: set[str] = set()  # by make_folder: checked once per backend
 
     @classmethod
     def accepts(cls, fs: fsspec.AbstractFileSystem) -> bool:
@@ -52,7 +53,8 @@ class S3Backend(Backend):
         """S3 has no folders to make; check the bucket exists, so a save to a mistyped bucket
         fails at once with an error that says so, before any data is sent."""
         bucket, _, _ = self.fs.split_path(path)
-        if bucket in self._buckets_seen:
+        seen = _BUCKETS_SEEN.setdefault(self.fs, set())
+        if bucket in seen:
             return
         url = self.url_of(path)
         try:
@@ -65,7 +67,7 @@ class S3Backend(Backend):
             raise
         except OSError as e:
             raise StorageError(f"cannot check the bucket of {url}: {e}") from e
-        self._buckets_seen.add(bucket)
+        seen.add(bucket)
 
     def new_upload(
         self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
