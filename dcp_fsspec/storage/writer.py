@@ -72,7 +72,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter):
         files_per_rank: at most this many data files per rank, written concurrently.
         part_size: multipart upload part size on object stores.
         multipart_threshold: on S3, a data file up to this size goes up in one PUT, a larger one
-            as a multipart upload (a single PUT is fewer requests and less server work).
+            as a multipart upload (a single PUT is fewer requests and less server work). Up to
+            this much of each file waits, uncopied, for its request; tensors that had to be moved
+            to CPU or made contiguous first wait as those copies.
         max_inflight_bytes: upload data held in memory at once across all files (S3).
         sync_files: fsync local files and folders (durability across power loss).
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
