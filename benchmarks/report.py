@@ -77,6 +77,7 @@ class Cell:
     seconds: float
     nbytes: int
     rss: float | None
+    cpu: float | None  # user+sys seconds of the worker processes
     requests: float | None
     up: float | None
     down: float | None
@@ -87,6 +88,10 @@ class Cell:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9
+
+    @property
+    def cpu_per_gb(self) -> float | None:
+        return None if self.cpu is None else self.cpu / (self.nbytes / 1e9)
 
 
 def _median(values: list[Any]) -> Any:
@@ -111,6 +116,7 @@ def _cell(samples: list[dict[str, Any]]) -> Cell:
         seconds=statistics.median(s["seconds"] for s in samples),
         nbytes=samples[0]["nbytes"],
         rss=_median([s.get("peak_extra_rss_mib") for s in samples]),
+        cpu=_median([s.get("cpu_seconds") for s in samples]),
         requests=_median([_server(s, "requests") for s in samples]),
         up=_median([_server(s, "up") for s in samples]),
         down=_median([_server(s, "down") for s in samples]),
@@ -177,11 +183,14 @@ def render(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
         + (f", and {args.get('many_small')} small tensors" if args.get("many_small") else "")
         + f"; world size {args.get('world_size')}; medians of {args.get('repeats')} repeats, "
         "each save and each load in a fresh process. GB/s = 10^9 bytes of tensor data per "
-        "second. S3 is moto on 127.0.0.1 in the benchmark's own process; the server and the "
-        "worker share this machine's cores. Peak +RSS: the worker's peak resident memory above "
-        "what it held when the phase started (state or load target already allocated). "
-        f"Server: CompleteMultipartUpload {args.get('moto_complete')}; ranged GETs "
-        f"{GET_MODES.get(args.get('moto_get', ''), '?')}.",
+        "second. "
+        + (f"S3 is the server at {meta['s3_server']}" if meta.get("s3_server", "moto") != "moto"
+           else "S3 is moto on 127.0.0.1 in the benchmark's own process")
+        + "; the server and the worker share this machine's cores. Client CPU s/GB: user+sys "
+        "seconds of the worker process(es) per 10^9 bytes (the server's CPU not included). "
+        "Peak +RSS: the worker's peak resident memory above what it held when the phase started (state or load target already allocated). "
+        + (f"Server: CompleteMultipartUpload {args.get('moto_complete')}; ranged GETs "
+           f"{GET_MODES.get(args.get('moto_get', ''), '?')}." if meta.get("s3_server", "moto") == "moto" else ""),
     ]
     scenarios = sorted({k[0][0] for k in cells}, key=lambda s: (s != "state", s))
     for scen in scenarios:
@@ -218,7 +227,7 @@ def _pair(sv: Cell | None, ld: Cell | None, field: str, fmt: str = "{:.0f}") -> 
 def _measurements(cells: dict[tuple[Key, str], Cell], scen: str, meta: dict[str, Any]) -> str:
     header = ["backend", "implementation", "save GB/s", "load GB/s", "save s", "load s",
               "uploaded ÷ size", "downloaded ÷ size", "requests save / load",
-              "peak +RSS MiB save / load", "bitwise"]
+              "peak +RSS MiB save / load", "client CPU s/GB save / load", "bitwise"]
     rows = []
     for backend, impl in _rows_of(cells, scen):
         sv = cells.get(((scen, backend, impl), "save"))
@@ -238,6 +247,7 @@ def _measurements(cells: dict[tuple[Key, str], Cell], scen: str, meta: dict[str,
             _ratio(ld.down / size if ld and ld.down is not None else None),
             _pair(sv, ld, "requests"),
             _pair(sv, ld, "rss"),
+            _pair(sv, ld, "cpu_per_gb", "{:.2f}"),
             {True: "ok", False: "MISMATCH", None: "–"}[ld.verified if ld else None],
         ])
     return _md(header, rows)

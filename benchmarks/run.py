@@ -27,7 +27,7 @@ from typing import Any
 
 from . import procmem, report
 from .impls import IMPLS
-from .s3server import CountingS3Server
+from .s3server import CountingS3Server, ExternalS3
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "dcp-fsspec-bench"
@@ -37,7 +37,7 @@ BACKENDS = ("s3", "local", "memory")
 class Runner:
     """Launches workers and keeps every sample and note."""
 
-    def __init__(self, args: argparse.Namespace, server: CountingS3Server, local_root: str):
+    def __init__(self, args: argparse.Namespace, server: CountingS3Server | ExternalS3, local_root: str):
         self.args = args
         self.server = server
         self.local_root = local_root
@@ -60,8 +60,9 @@ class Runner:
         for k, v in opts.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         if tags["backend"] == "s3":
-            cmd += ["--storage-options", json.dumps(self.so),
-                    "--counters-url", self.server.counters_url]
+            cmd += ["--storage-options", json.dumps(self.so)]
+            if self.server.counters_url:
+                cmd += ["--counters-url", self.server.counters_url]
         rss_before = procmem.rss_mib()
         procmem.reset_peak()
         try:
@@ -80,7 +81,7 @@ class Runner:
         server_peak = procmem.peak_mib() - rss_before
         for s in samples:
             s.update(tags)
-            if tags["backend"] == "s3":
+            if tags["backend"] == "s3" and self.server.app is not None:  # moto: in this process
                 s["server_peak_extra_rss_mib"] = server_peak
             s.setdefault("impl", opts.get("impl", "raw"))
             print(json.dumps(s), flush=True)
@@ -148,13 +149,17 @@ class Runner:
     # -- helpers -------------------------------------------------------------------------
 
     def get_modes(self) -> list[str]:
+        if self.server.app is None:
+            return ["ranges"]  # a real S3 server serves ranges as S3 does
         return {"both": ["ranges", "stock"]}.get(self.args.moto_get, [self.args.moto_get])
 
     @contextmanager
     def moto_get(self, mode: str) -> Iterator[None]:
         """Serve ranged GETs from the range (``ranges``) or as stock moto does, for a block."""
         app = self.server.app
-        assert app is not None, "the server is started before any worker runs"
+        if app is None:
+            yield
+            return
         saved, app.fast_ranges = app.fast_ranges, mode == "ranges"
         try:
             yield
@@ -236,6 +241,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moto-complete", choices=["lean", "stock"], default="lean",
                    help="CompleteMultipartUpload with one copy of the object (lean) or moto's "
                         "own (~5 copies in memory, ~80 MB/s here)")
+    p.add_argument("--s3-endpoint", default=None, metavar="URL",
+                   help="a running S3 server instead of the embedded moto (SeaweedFS, Ceph RGW: "
+                        "see ../shared/servers/README.md); no server-side counters then")
+    p.add_argument("--s3-key", default="testing", help="access key for --s3-endpoint")
+    p.add_argument("--s3-secret", default="testing", help="secret key for --s3-endpoint")
     p.add_argument("--no-async", action="store_true", help="skip the Checkpointer async hook")
     p.add_argument("--part-mib", type=int, default=16,
                    help="part / range size of the raw s3fs references")
@@ -274,7 +284,11 @@ def main(argv: list[str] | None = None) -> None:
 
     started = datetime.datetime.now(datetime.timezone.utc)
     revision = git_revision()
-    server = CountingS3Server(lean_complete=args.moto_complete == "lean").start()
+    server: CountingS3Server | ExternalS3
+    if args.s3_endpoint:
+        server = ExternalS3(args.s3_endpoint, args.s3_key, args.s3_secret).start()
+    else:
+        server = CountingS3Server(lean_complete=args.moto_complete == "lean").start()
     local_root = tempfile.mkdtemp(prefix="dcp-fsspec-bench-", dir=args.local_dir)
     runner = Runner(args, server, local_root)
     runner.notes.extend(notes)
@@ -301,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
         "commit": revision,
         "machine": report.machine(),
         "args": vars(args),
+        "s3_server": args.s3_endpoint or "moto",
         "impls": {i: IMPLS[i].label for i in impls},
         "notes": runner.notes,
     }

@@ -44,22 +44,26 @@ _CHUNK = 64 * st.MiB
 
 
 def measure(fn: Callable[[], Any], counters_url: str | None, barrier: Callable[[], None]) -> dict:
-    """Time ``fn`` with the peak-RSS and server-counter bookkeeping around it."""
+    """Time ``fn`` with the peak-RSS, CPU-time and server-counter bookkeeping around it."""
     gc.collect()
     before = fetch_counters(counters_url) if counters_url else None
     barrier()
     rss_before = procmem.rss_mib()
     peak_reset = procmem.reset_peak()
+    cpu0 = os.times()
     t0 = time.perf_counter()
     result = fn()
     barrier()
     seconds = time.perf_counter() - t0
+    cpu1 = os.times()
     peak = procmem.peak_mib()
     after = fetch_counters(counters_url) if counters_url else None
     out: dict[str, Any] = {
         "seconds": seconds,
         "rss_before_mib": rss_before,
         "peak_extra_rss_mib": peak - rss_before if peak_reset else None,
+        # user+sys seconds of this process (every thread): what the client costs the machine.
+        "cpu_seconds": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
         "result": result,
     }
     if before is not None and after is not None:
@@ -164,6 +168,7 @@ def _combine(samples: list[dict]) -> dict:
     out["seconds"] = max(s["seconds"] for s in samples)
     out["nbytes"] = sum(s["nbytes"] for s in samples)
     out["gbps"] = out["nbytes"] / out["seconds"] / 1e9
+    out["cpu_seconds"] = sum(s["cpu_seconds"] for s in samples)
     peaks = [s["peak_extra_rss_mib"] for s in samples if s["peak_extra_rss_mib"] is not None]
     out["peak_extra_rss_mib"] = max(peaks) if peaks else None
     if "verified" in out:

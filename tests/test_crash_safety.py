@@ -25,7 +25,7 @@ import fsspec
 import pytest
 import torch
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, StorageError
+from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, StorageError, WriterSettings
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
@@ -138,7 +138,9 @@ def _save_and_die(backend: Backend, point: KillPoint) -> None:
     torch.set_num_threads(1)  # a forked child must not reuse the parent's thread pool
     _arm(point, backend.name)
     training = _trained(3)
-    with Checkpointer(backend.url, backend.storage_options, keep_last_n=KEEP_LAST_N) as ckpt:
+    # The blob (20 MiB) goes up in parts, not in one PUT, so that a kill can fall between them.
+    multipart = WriterSettings(multipart_threshold=0)
+    with Checkpointer(backend.url, backend.storage_options, keep_last_n=KEEP_LAST_N, writer_settings=multipart) as ckpt:
         ckpt.save(3, **_keys(training, point.blob))
     os._exit(0)  # the kill point was never reached: the parent reports it
 

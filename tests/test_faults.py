@@ -34,7 +34,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 MiB = 1024 * 1024
 # Small parts and requests, so that one save and load make many requests for faults to hit.
-SMALL_IO: dict[str, Any] = {"part_size": 5 * MiB, "max_inflight_bytes": 16 * MiB}
+# Multipart uploads (not one PUT per file), so that faults hit parts too.
+SMALL_IO: dict[str, Any] = {"part_size": 5 * MiB, "multipart_threshold": 0, "max_inflight_bytes": 16 * MiB}
 SMALL_READS: dict[str, Any] = {"max_request_bytes": MiB}
 DEADLINE = 2.0
 FAST = RetryPolicy(attempts=6, base_delay=0.01, max_delay=0.1, deadline=60)
@@ -255,7 +256,7 @@ def test_a_part_that_cannot_be_uploaded_stops_the_file_instead_of_sending_the_re
     policy = RetryPolicy(attempts=2, base_delay=0, deadline=1.0)
     state = {"w": torch.zeros(10 * 5 * MiB // 4)}  # ten 5 MiB parts in one file
     with proxy.faults_at(1.0, kinds=("503",)), raises_through_dcp(StorageError):
-        save(state, faulty_s3, retry=policy, part_size=5 * MiB, max_inflight_bytes=10 * MiB, files_per_rank=1)
+        save(state, faulty_s3, retry=policy, part_size=5 * MiB, multipart_threshold=0, max_inflight_bytes=10 * MiB, files_per_rank=1)
     parts = {path.split("partNumber=")[1].split("&")[0] for method, path, _ in proxy.log if "partNumber=" in path}
     # Two parts fit the memory budget; one more may start as the first failure frees it.
     assert len(parts) <= 3, sorted(parts)

@@ -34,6 +34,7 @@ class WriterSettings(_Keywords):
     Args:
         files_per_rank: at most this many data files per rank, written concurrently.
         part_size: multipart upload part size on object stores, in bytes.
+        multipart_threshold: on S3, a data file up to this many bytes goes up in one PUT.
         max_inflight_bytes: upload data held in memory at once across all files (S3).
         sync_files: fsync local files and folders (durability across power loss).
         checksums: store the CRC-32 of every tensor in its record, which the reader verifies.
@@ -44,7 +45,8 @@ class WriterSettings(_Keywords):
 
     files_per_rank: int = 8
     part_size: int = 16 * MiB
-    max_inflight_bytes: int = 256 * MiB
+    multipart_threshold: int = 64 * MiB
+    max_inflight_bytes: int = 128 * MiB
     sync_files: bool = True
     checksums: bool = True
     compression: str | None = None

@@ -84,6 +84,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         files_per_rank: at most this many data files per rank, written concurrently (fewer for
             a small state: at least 32 MiB a file).
         part_size: multipart upload part size on object stores.
+        multipart_threshold: on S3, a data file up to this size goes up in one PUT, a larger one
+            as a multipart upload (a single PUT is fewer requests and less server work). Up to
+            this much of each file waits, uncopied, for its request; tensors that had to be moved
+            to CPU or made contiguous first wait as those copies.
         max_inflight_bytes: upload data held in memory at once across all files (S3).
         sync_files: fsync local files and folders (durability across power loss); object
             stores publish a file whole on completion and need no sync.
@@ -142,7 +146,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         overwrite: bool = True,
         files_per_rank: int = _FILES_PER_RANK,
         part_size: int = 16 * MiB,
-        max_inflight_bytes: int = 256 * MiB,
+        multipart_threshold: int = 64 * MiB,
+        max_inflight_bytes: int = 128 * MiB,
         sync_files: bool = True,
         checksums: bool = True,
         retry: RetryPolicy | None = DEFAULT_RETRY,
@@ -181,6 +186,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         self.overwrite = overwrite
         self.files_per_rank = files_per_rank
         self.part_size = part_size
+        self.multipart_threshold = multipart_threshold
         self.max_inflight_bytes = max_inflight_bytes
         self.sync_files = sync_files
         self.checksums = checksums
@@ -334,7 +340,11 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         path = self.location.join(name)
         with storage_errors("create", self.location.url_of(path)):
             upload: FileUpload = self.location.backend.new_upload(
-                path, part_size=self.part_size, budget=budget, fsync=self.sync_files
+                path,
+                part_size=self.part_size,
+                budget=budget,
+                fsync=self.sync_files,
+                multipart_threshold=self.multipart_threshold,
             )
         results = []
         try:

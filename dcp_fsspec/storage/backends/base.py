@@ -130,9 +130,14 @@ class Backend:
         if self.real_folders:
             self.call("makedirs", path, exist_ok=True)
 
-    def new_upload(self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True) -> FileUpload:
+    def new_upload(
+        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
+    ) -> FileUpload:
         """A :class:`FileUpload` that publishes ``path`` whole on commit (generic: fsspec's buffered
-        file, which object stores publish on close; it relies on the driver's retries)."""
+        file, which object stores publish on close; it relies on the driver's retries).
+
+        ``part_size`` and ``multipart_threshold`` (a file up to this size goes in one request)
+        tune object stores; ``budget`` bounds the upload data in memory; ``fsync``: local disk."""
         return BufferedUpload(self.fs, path, block_size=max(part_size, MIN_PART_SIZE))
 
     def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:

@@ -46,7 +46,9 @@ class LocalBackend(Backend):
     def plain_url(self, path: str) -> str:
         return path
 
-    def new_upload(self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True) -> FileUpload:
+    def new_upload(
+        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
+    ) -> FileUpload:
         return LocalUpload(self.fs, path, fsync=fsync)
 
     def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:

