@@ -20,7 +20,7 @@ import dataclasses
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 from ._files import require
 
@@ -83,13 +83,14 @@ class FsspecTrainer(Trainer):
         self.store_flos()
         # The callbacks' and the control's resumable state goes into TrainerState, as the Trainer's
         # own _save_checkpoint does before it writes trainer_state.json.
+        stateful = cast(dict[str, Any], self.state.stateful_callbacks)  # a dict, whatever its annotation
         for exportable in [*self.callback_handler.callbacks, self.control]:
             if isinstance(exportable, ExportableState):
                 name = type(exportable).__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(exportable.state())
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(exportable.state())
                 else:
-                    self.state.stateful_callbacks[name] = exportable.state()
+                    stateful[name] = exportable.state()
         state_json = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
         self.checkpointer.save(
             self.state.global_step, model=self.model, optim=self.optimizer, scheduler=self.lr_scheduler,
@@ -109,7 +110,7 @@ class FsspecTrainer(Trainer):
             self.checkpointer.wait()  # the last asynchronous save, committed (or its error)
             return output
         iteration = self._iteration_named(resume_from_checkpoint)
-        trainer = {"state": "", "torch_rng": torch.get_rng_state()}
+        trainer: dict[str, Any] = {"state": "", "torch_rng": torch.get_rng_state()}
         self.checkpointer.load(iteration, trainer=trainer)
         with tempfile.TemporaryDirectory(prefix="dcp-fsspec-resume-") as local:
             with open(os.path.join(local, TRAINER_STATE_NAME), "w") as f:
@@ -124,14 +125,15 @@ class FsspecTrainer(Trainer):
 
     def _iteration_named(self, resume_from_checkpoint: str | bool) -> int:
         url = self.checkpointer.url
-        if resume_from_checkpoint is True or normalize_url(resume_from_checkpoint) == url:
+        given = None if isinstance(resume_from_checkpoint, bool) else os.fspath(resume_from_checkpoint)
+        if given is None or normalize_url(given) == url:
             named = self.checkpointer.latest_checkpoint()
             if named is None:
                 raise CheckpointNotFoundError(
                     f"nothing to resume from: no committed iteration at {url}; train without resume_from_checkpoint first"
                 )
         else:
-            named = redact_url(os.fspath(resume_from_checkpoint))
+            named = redact_url(given)
         iteration = parse_iteration(named.rstrip("/").rpartition("/")[2])
         if iteration is None:
             raise InvalidURLError(
@@ -167,6 +169,6 @@ class FsspecTrainer(Trainer):
         if iteration is None:
             super()._load_rng_state(checkpoint)
             return
-        trainer = {"state": "", "torch_rng": torch.get_rng_state()}
+        trainer: dict[str, Any] = {"state": "", "torch_rng": torch.get_rng_state()}
         self.checkpointer.load(iteration, trainer=trainer)
         torch.set_rng_state(trainer["torch_rng"])

@@ -232,7 +232,8 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
                 # The background thread's collectives need a group of their own: on the default
                 # one they would interleave with training's (FSDP's all-gathers) and hang.
                 self._save_group = dist.new_group(backend="gloo")
-            self._save_in_flight = dcp.async_save(shards, storage_writer=writer, process_group=self._save_group)
+            response = dcp.async_save(shards, storage_writer=writer, process_group=self._save_group)
+            self._save_in_flight = response if isinstance(response, Future) else response.upload_completion
             self._url_in_flight = where.url
 
     def wait(self) -> None:

@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 # Two steps an epoch; the interrupted run stops after step 4, an epoch's end, where the Trainer
-# restores the RNG state (mid-epoch it replays the data order instead).
+# restores the RNG state (mid-epoch it does not).
 STEPS, STOP = 8, 4
 
 
@@ -54,8 +54,9 @@ class _StopAt(TrainerCallback):
 
 def _trainer(out: Path, backend: Backend | None, *callbacks: Any, **options: Any) -> FsspecTrainer:
     torch.manual_seed(0)
+    # Dropout draws from torch's RNG, so a resume that did not restore it would differ.
     config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)  # fmt: skip
     args = TrainingArguments(
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
         save_strategy="steps", save_steps=2, save_total_limit=2, logging_strategy="no",
