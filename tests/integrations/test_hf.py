@@ -21,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 
 from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
 from dcp_fsspec.integrations.hf import FsspecTrainer  # noqa: E402
+from tests.ckpt_helpers import assert_equal  # noqa: E402
 from tests.conftest import Backend  # noqa: E402
 
 pytestmark = [
@@ -79,21 +80,6 @@ def _state(trainer: FsspecTrainer) -> dict[str, Any]:
     }
 
 
-def _assert_identical(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"differs at {where}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"keys differ at {where}"
-        for k in a:
-            _assert_identical(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"lengths differ at {where}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"differs at {where}: {a!r} != {b!r}"
-
-
 @pytest.fixture(params=["s3", "local"])
 def hf_backend(request: pytest.FixtureRequest) -> Backend:
     backend: Backend = request.getfixturevalue(f"{request.param}_backend")
@@ -118,7 +104,7 @@ def test_trainer_resumes_from_the_url_bit_identical_and_keeps_save_total_limit(
 
     resumed = _trainer(tmp_path / "resumed", hf_backend, async_mode=async_mode)
     resumed.train(resume_from_checkpoint=f"{hf_backend.url}/iter_{STOP:09d}")
-    _assert_identical(expected, _state(resumed))
+    assert_equal(expected, _state(resumed))
     assert resumed.checkpointer.committed_iterations() == [STEPS - 2, STEPS]
     assert not list((tmp_path / "resumed").glob("checkpoint-*")), "the Trainer wrote its own checkpoint folders"
     resumed.checkpointer.finalize()

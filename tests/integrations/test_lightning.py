@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from dcp_fsspec.errors import CheckpointNotFoundError  # noqa: E402
 from dcp_fsspec.integrations.lightning import FsspecCheckpointIO, FsspecModelParallelStrategy  # noqa: E402
+from tests.ckpt_helpers import assert_equal  # noqa: E402
 from tests.conftest import Backend  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
@@ -86,21 +87,6 @@ def _state(model: Tiny, trainer: Trainer) -> dict[str, Any]:
     return {"model": weights, "optim": optim}
 
 
-def _assert_identical(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"differs at {where}"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"keys differ at {where}"
-        for k in a:
-            _assert_identical(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"lengths differ at {where}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_identical(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"differs at {where}: {a!r} != {b!r}"
-
-
 def _kept(backend: Backend) -> list[str]:
     """What save_top_k=2 leaves: the newest two, and on local disk the one resumed from too
     (ModelCheckpoint never deletes a local checkpoint the Trainer resumed from)."""
@@ -149,7 +135,7 @@ def test_single_file_checkpoint_resumes_bit_identical_and_keeps_top_k(
     model = Tiny()
     second = _trainer(STEPS, plugins=[plugin()], callbacks=[checkpoints()], default_root_dir=str(tmp_path))
     second.fit(model, _data(), ckpt_path=resumed_from)
-    _assert_identical(expected, _state(model, second))
+    assert_equal(expected, _state(model, second))
     if mode == "AsyncCheckpointIO":
         return  # Lightning's wrapper removes a file without waiting for its save: it may stay
     lightning_backend.fs.invalidate_cache()
@@ -198,6 +184,6 @@ def test_sharded_checkpoint_on_two_ranks_resumes_bit_identical(
     assert fs.exists(f"{url}/step={RESUME}.ckpt/.metadata") and fs.exists(f"{url}/step={RESUME}.ckpt/meta.pt")
     run_ranks(_sharded_run, 2, tmp_path, url, options, f"resume-{async_mode}", out)
     expected = torch.load(f"{out}/plain-{async_mode}.pt", weights_only=True)
-    _assert_identical(expected, torch.load(f"{out}/resume-{async_mode}.pt", weights_only=True))
+    assert_equal(expected, torch.load(f"{out}/resume-{async_mode}.pt", weights_only=True))
     fs.invalidate_cache()
     assert sorted(Path(p).name for p in fs.ls(url, detail=False)) == _kept(lightning_backend)
