@@ -143,6 +143,18 @@ def test_single_file_checkpoint_resumes_bit_identical_and_keeps_top_k(
     assert left == _kept(lightning_backend)
 
 
+def test_an_async_save_then_its_removal_leaves_nothing(lightning_backend: Backend) -> None:
+    """save_top_k removes a file right after saving a newer one: with async_mode="async" the
+    removal waits for that file's upload, so it cannot land after the removal and stay."""
+    io = FsspecCheckpointIO(lightning_backend.storage_options, async_mode="async")
+    url = lightning_backend.sub("step=1.ckpt")
+    io.save_checkpoint({"weights": torch.zeros(16 * 1024 * 1024)}, url)  # 64 MiB: the upload takes a while
+    io.remove_checkpoint(url)
+    io.teardown()
+    lightning_backend.fs.invalidate_cache()
+    assert not lightning_backend.fs.exists(url)
+
+
 def test_loading_a_missing_file_names_the_url(lightning_backend: Backend) -> None:
     url = lightning_backend.sub("nothing.ckpt")
     with pytest.raises(CheckpointNotFoundError, match=url.split("://")[-1]):
