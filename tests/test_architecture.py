@@ -13,7 +13,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dcp_fsspec"
 # Bottom up. A module may import from its own layer and the ones below it, never above.
-LAYERS = {"errors": 0, "storage": 1, "checkpoint": 2, "tools": 3, "cli": 4, "demo": 4, "local_s3": 4, "__main__": 4}
+LAYERS = {"errors": 0, "storage": 1, "checkpoint": 2, "tools": 3, "integrations": 3, "cli": 4, "demo": 4, "local_s3": 4, "__main__": 4}
+# Training frameworks: only dcp_fsspec.integrations may import them, and nothing imports it.
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan", "ray")
 
 
 def _modules() -> dict[str, Path]:
@@ -121,7 +123,9 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
             try:
                 importlib.import_module(name)
             except Exception as e:
-                failed.append(f"{name}: {type(e).__name__}: {e}")
+                # An integration whose framework is not installed says so; that is its contract.
+                if not (name.startswith("dcp_fsspec.integrations.") and type(e).__name__ == "MissingDriverError"):
+                    failed.append(f"{name}: {type(e).__name__}: {e}")
         print("\\n".join(failed))
         sys.exit(1 if failed else 0)
         """
@@ -131,3 +135,34 @@ def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
         [sys.executable, "-c", check, *names], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def _external_imports(path: Path) -> set[str]:
+    """The top-level names of the packages outside ours that ``path`` imports, anywhere."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.partition(".")[0])
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in ("require", "import_module"):
+            out |= {a.value.partition(".")[0] for a in node.args[:1] if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    return out
+
+
+def test_only_the_integrations_import_a_training_framework_and_nothing_imports_them() -> None:
+    modules = _modules()
+    framework_users = [
+        f"{name} imports {sorted(set(FRAMEWORKS) & _external_imports(path))}"
+        for name, path in modules.items()
+        if not name.startswith("dcp_fsspec.integrations") and set(FRAMEWORKS) & _external_imports(path)
+    ]
+    assert not framework_users, f"a framework imported outside dcp_fsspec.integrations: {framework_users}"
+    importers = [
+        f"{name} → {target}"
+        for name, path in modules.items()
+        if not name.startswith("dcp_fsspec.integrations")
+        for target in _imports(name, path, modules)
+        if target.startswith("dcp_fsspec.integrations")
+    ]
+    assert not importers, f"the package or CLI imports an integration: {importers}"

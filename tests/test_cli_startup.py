@@ -102,3 +102,19 @@ def test_an_unknown_name_is_an_attribute_error_naming_it() -> None:
     with pytest.raises(AttributeError, match="NoSuchName"):
         dcp_fsspec.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
 
+
+
+def test_neither_the_package_nor_the_cli_imports_a_training_framework() -> None:
+    """The integrations' frameworks (seconds each to import, optional) load only with them."""
+    code = (
+        "import sys, contextlib, io, dcp_fsspec\n"
+        "dcp_fsspec.Checkpointer, dcp_fsspec.FsspecStorageWriter\n"
+        "from dcp_fsspec.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit): main(['--help'])\n"
+        "frameworks = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate', 'torchtitan', 'ray')\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] in frameworks))"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,174 @@
+"""The Hugging Face ``Trainer`` saving to, and resuming from, any fsspec URL through dcp_fsspec.
+
+:class:`FsspecTrainer` is a ``transformers.Trainer`` whose checkpoints are iterations of a
+:class:`~dcp_fsspec.Checkpointer` at ``checkpoint_url`` instead of ``output_dir/checkpoint-N``
+folders: the model, optimizer, LR scheduler, ``TrainerState`` and torch's RNG state, written by
+our storage writer (sharded models as shards), committed, and pruned to ``save_total_limit``
+remotely. ``train(resume_from_checkpoint=True)`` resumes from the newest committed iteration;
+``resume_from_checkpoint="s3://…/iter_000000040"`` (or the run's URL) from that one.
+
+The Trainer's seams carry it: ``_save_checkpoint`` saves, and ``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler`` and ``_load_rng_state`` load, when the Trainer resumes from
+the local folder this class gives it, which holds only ``trainer_state.json`` (the Trainer reads
+that file itself). Best-model tracking (``load_best_model_at_end``) and ``push_to_hub`` of
+checkpoints are not carried over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Any, cast
+
+from ._files import require
+
+require("transformers", "hf", "dcp_fsspec.integrations.hf")
+
+import torch  # noqa: E402
+from transformers import Trainer  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
+
+from ..checkpoint import Checkpointer  # noqa: E402
+from ..checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
+from ..checkpoint.layout import parse_iteration  # noqa: E402
+from ..errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
+from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
+from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
+from ..storage.urls import normalize_url, redact_url  # noqa: E402
+
+__all__ = ["FsspecTrainer"]
+
+# The Trainer reads its state from this file in the folder it resumes from.
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class FsspecTrainer(Trainer):
+    """A ``transformers.Trainer`` that checkpoints to ``checkpoint_url`` (any fsspec URL).
+
+    Args:
+        *args, **kwargs: the ``Trainer``'s own. ``args.save_steps``/``save_strategy`` decide
+            when to save, as usual; ``args.save_total_limit`` is the retention (newest kept).
+        checkpoint_url: where iterations go (``s3://bucket/run/ckpt``, a local folder, …).
+        storage_options: fsspec options for ``checkpoint_url`` (credentials, endpoint).
+        async_mode, writer_settings, reader_settings, retry, trust_checkpoint: as the
+            :class:`~dcp_fsspec.Checkpointer`'s.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        checkpoint_url: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        async_mode: str = ASYNC_DISABLED,
+        writer_settings: WriterSettings | None = None,
+        reader_settings: ReaderSettings | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        trust_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpointer = Checkpointer(
+            checkpoint_url, storage_options, async_mode=async_mode, keep_last_n=self.args.save_total_limit,
+            writer_settings=writer_settings, reader_settings=reader_settings, retry=retry,
+            trust_checkpoint=trust_checkpoint,
+        )  # fmt: skip
+        self._resuming: tuple[str, int] | None = None  # (the local folder given to the Trainer, iteration)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Save this step as one iteration at ``checkpoint_url`` (the Trainer calls it)."""
+        self.store_flos()
+        # The callbacks' and the control's resumable state goes into TrainerState, as the Trainer's
+        # own _save_checkpoint does before it writes trainer_state.json.
+        stateful = cast(dict[str, Any], self.state.stateful_callbacks)  # a dict, whatever its annotation
+        for exportable in [*self.callback_handler.callbacks, self.control]:
+            if isinstance(exportable, ExportableState):
+                name = type(exportable).__name__
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(exportable.state())
+                else:
+                    stateful[name] = exportable.state()
+        state_json = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
+        self.checkpointer.save(
+            self.state.global_step, model=self.model, optim=self.optimizer, scheduler=self.lr_scheduler,
+            trainer={"state": state_json, "torch_rng": torch.get_rng_state()},
+        )  # fmt: skip
+
+    # -- resuming -------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, resuming from ``checkpoint_url`` when asked to.
+
+        ``resume_from_checkpoint``: ``True`` (the newest committed iteration), ``checkpoint_url``
+        itself (the same), or one iteration's URL (``…/iter_000000040``).
+        """
+        if not resume_from_checkpoint:
+            output = super().train(None, *args, **kwargs)
+            self.checkpointer.wait()  # the last asynchronous save, committed (or its error)
+            return output
+        iteration = self._iteration_named(resume_from_checkpoint)
+        trainer: dict[str, Any] = {"state": "", "torch_rng": torch.get_rng_state()}
+        self.checkpointer.load(iteration, trainer=trainer)
+        with tempfile.TemporaryDirectory(prefix="dcp-fsspec-resume-") as local:
+            with open(os.path.join(local, TRAINER_STATE_NAME), "w") as f:
+                f.write(trainer["state"])
+            self._resuming = (local, iteration)
+            try:
+                output = super().train(local, *args, **kwargs)
+            finally:
+                self._resuming = None
+        self.checkpointer.wait()
+        return output
+
+    def _iteration_named(self, resume_from_checkpoint: str | bool) -> int:
+        url = self.checkpointer.url
+        given = None if isinstance(resume_from_checkpoint, bool) else os.fspath(resume_from_checkpoint)
+        if given is None or normalize_url(given) == url:
+            named = self.checkpointer.latest_checkpoint()
+            if named is None:
+                raise CheckpointNotFoundError(
+                    f"nothing to resume from: no committed iteration at {url}; train without resume_from_checkpoint first"
+                )
+        else:
+            named = redact_url(given)
+        iteration = parse_iteration(named.rstrip("/").rpartition("/")[2])
+        if iteration is None:
+            raise InvalidURLError(
+                f"resume_from_checkpoint={named!r} is not an iteration of {url}: pass True, {url!r} "
+                "or one of its iter_XXXXXXXXX folders"
+            )
+        return iteration
+
+    def _ours(self, checkpoint: str | None) -> int | None:
+        """The iteration being resumed when ``checkpoint`` is the folder :meth:`train` made."""
+        if self._resuming is not None and checkpoint == self._resuming[0]:
+            return self._resuming[1]
+        return None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # The weights load with the optimizer (below), which needs the model beside it.
+        if self._ours(resume_from_checkpoint) is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        iteration = self._ours(checkpoint)
+        if iteration is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        self.checkpointer.load(iteration, model=self.model, optim=self.optimizer, scheduler=self.lr_scheduler)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._ours(checkpoint) is None:
+            super()._load_scaler(checkpoint)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        iteration = self._ours(checkpoint)
+        if iteration is None:
+            super()._load_rng_state(checkpoint)
+            return
+        trainer: dict[str, Any] = {"state": "", "torch_rng": torch.get_rng_state()}
+        self.checkpointer.load(iteration, trainer=trainer)
+        torch.set_rng_state(trainer["torch_rng"])
