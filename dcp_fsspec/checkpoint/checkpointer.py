@@ -251,8 +251,6 @@ class Checkpointer:
         for key in state:
             layout.check_key(key)
         start = time.perf_counter()
-        if self._tiers is not None:
-            self._tiers.before_save(iteration)
         if self._async_mode == ASYNC_DISABLED:
             state_dicts = self._stage(state)
             nbytes = tensor_nbytes(state_dicts)

@@ -11,8 +11,8 @@ copied; leftovers of a drain that died (a killed process) are cleared before the
 One drain runs at a time. Saves faster than drains follow the policy: ``"every"`` makes the next
 submit wait for the drain in flight (every iteration goes up), ``"latest"`` keeps one waiting
 iteration and replaces it by a newer one (logged). A failed drain does not stop training: its
-error is kept, reported once by :meth:`Drainer.take_failure` (the next save warns), and raised by
-:meth:`Drainer.wait` until a later drain succeeds. The drain runs on rank 0 only, so it needs no
+error is kept, returned by the next :meth:`Drainer.submit` (the caller warns) and raised by
+:meth:`Drainer.wait`, until a later drain succeeds. The drain runs on rank 0 only, so it needs no
 collective; ``local_dirname`` must then hold every rank's files (one node, or a shared folder).
 """
 
@@ -140,10 +140,13 @@ class Drainer:
         self._waiting: int | None = None
         self._thread: threading.Thread | None = None
         self._error: DrainError | None = None
-        self._error_reported = True
 
-    def submit(self, iteration: int) -> None:
-        """Drain ``iteration`` (committed locally) after the drain in flight, per the policy."""
+    def submit(self, iteration: int) -> DrainError | None:
+        """Drain ``iteration`` (committed locally) after the drain in flight, per the policy.
+
+        Returns:
+            The error of the last finished drain if it failed (the durable tier is behind).
+        """
         with self._cond:
             if self._policy == DRAIN_EVERY:
                 self._cond.wait_for(lambda: self._running is None and self._waiting is None)
@@ -152,23 +155,17 @@ class Drainer:
                     "drain='latest': %s is replaced by %s before being copied to %s (a drain was in flight)",
                     layout.format_iteration(self._waiting), layout.format_iteration(iteration), self._durable.url,
                 )  # fmt: skip
+            failure = self._error
             self._waiting = iteration
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="dcp-fsspec-drain", daemon=True)
                 self._thread.start()
+        return failure
 
     def undrained(self) -> set[int]:
         """The iterations in flight or waiting: local retention must keep them."""
         with self._cond:
             return {i for i in (self._running, self._waiting) if i is not None}
-
-    def take_failure(self) -> DrainError | None:
-        """The error of the last drain if it failed and was not taken yet (once per failure)."""
-        with self._cond:
-            if self._error is None or self._error_reported:
-                return None
-            self._error_reported = True
-            return self._error
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until no drain is in flight or waiting; raise the last drain's error, if it failed.
@@ -184,7 +181,6 @@ class Drainer:
                     f"finish within {timeout} s; it goes on in the background"
                 )
             if self._error is not None:
-                self._error_reported = True
                 raise self._error
 
     def _serve(self) -> None:
@@ -219,5 +215,5 @@ class Drainer:
             with self._cond:
                 self._running = None
                 # A later drain that succeeds brings the durable tier up to date: the failure is over.
-                self._error, self._error_reported = error, error is None
+                self._error = error
                 self._cond.notify_all()

@@ -2,9 +2,8 @@
 
 :class:`TwoTiers` is what the Checkpointer holds when it is given ``local_dirname``: after each
 local commit it hands the iteration to the :class:`~.drain.Drainer` and applies the local
-retention (``keep_last_n_local``; never an iteration still to drain, never the newest); before
-each save it warns if the last drain failed; at ``wait`` it waits for the drain and raises its
-error on every rank. For ``load`` it decides which tier to read, as a pure function of a few
+retention (``keep_last_n_local``; never an iteration still to drain, never the newest), and warns
+if the last drain failed; at ``wait`` it waits for the drain and raises its error on every rank. For ``load`` it decides which tier to read, as a pure function of a few
 facts (:func:`choose_tier`): the newest iteration committed in at least one tier that every rank
 can read, read from the local tier where every rank has it committed and complete there.
 """
@@ -105,23 +104,20 @@ class TwoTiers:
         self._keep_last_n_local = keep_last_n_local
         self._drainer = Drainer(local, durable, policy=drain, keep_last_n=keep_last_n, on_end=on_drain_end)
 
-    def before_save(self, iteration: int) -> None:
-        """Warn (once per failure) that the last drain failed: this save drains again."""
+    def committed_locally(self, iteration: int) -> None:
+        """``iteration`` is committed in the local tier: drain it, then prune the local tier.
+
+        If the last drain failed, say so (a WARNING naming both tiers): this one tries again.
+        """
         if self._collectives.rank != 0:
             return
-        failure = self._drainer.take_failure()
+        failure = self._drainer.submit(iteration)
         if failure is not None:
             logger.warning(
-                "the durable tier %s is behind the local tier %s: %s. Training goes on; %s is committed "
-                "locally and drained again", self.durable.url, self.local.url, failure,
+                "the durable tier %s is behind the local tier %s: %s. Training goes on: %s is committed "
+                "locally and is being drained", self.durable.url, self.local.url, failure,
                 layout.format_iteration(iteration),
             )  # fmt: skip
-
-    def committed_locally(self, iteration: int) -> None:
-        """``iteration`` is committed in the local tier: drain it, then prune the local tier."""
-        if self._collectives.rank != 0:
-            return
-        self._drainer.submit(iteration)
         retention.apply_retention(
             self.local, self._keep_last_n_local, protected=self._drainer.undrained() | {iteration}
         )
