@@ -14,6 +14,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,10 +91,11 @@ from tests.ckpt_helpers import Training
 url, options, local, marker = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
 
 class StopBeforeTheDurableCommit(logging.Handler):
-    def emit(self, record):
+    def handle(self, record):  # not emit, which holds the handler's lock
         if record.getMessage().startswith("copied") and "iter_000000004" in record.getMessage():
             marker.touch()
             threading.Event().wait()
+        return True
 
 drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
 drain_log.setLevel(logging.DEBUG)
@@ -272,3 +274,60 @@ def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_fr
         result = torch.load(f"{loaded}.{rank}")
         assert result["iteration"] == 1, f"rank {rank} resumed {result['iteration']}"
         assert torch.equal(result["w"], torch.load(f"{saved}.{rank}")["w"])  # iteration 1's, not 2's
+
+
+def test_async_saves_drain_after_their_local_commit(s3_backend: Backend, tmp_path: Path) -> None:
+    training = Training()
+    with Checkpointer(
+        s3_backend.url, s3_backend.storage_options, local_dirname=tmp_path / "local", async_mode="async_with_pinned_mem"
+    ) as ckpt:  # fmt: skip
+        for it in (1, 2):
+            training.run(1)
+            ckpt.save(it, **training.keys())
+        ckpt.wait()
+        assert ckpt.committed_iterations() == [1, 2] and ckpt.latest_checkpoint() == "iter_000000002"
+    iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, tmp_path / "fresh-machine")
+    assert iteration == 2
+    assert_same_training(resumed, training)
+
+
+class _HoldDrain(logging.Handler):
+    """Blocks the drain thread when it starts copying ``iteration``, until released."""
+
+    def __init__(self, iteration: int) -> None:
+        super().__init__()
+        self.folder = f"iter_{iteration:09d}"
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:  # not emit: that runs under the handler's lock
+        if record.getMessage().startswith("draining") and self.folder in record.getMessage():
+            self.reached.set()
+            self.release.wait(120)
+        return True
+
+
+def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the_one_in_flight(
+    s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    hold = _HoldDrain(1)
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log.addHandler(hold)
+    try:
+        with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
+            s3_backend.url, s3_backend.storage_options, local_dirname=local, drain="latest", keep_last_n_local=1
+        ) as ckpt:  # fmt: skip
+            ckpt.save(1, trainer={"w": torch.ones(4)})
+            assert hold.reached.wait(60)
+            ckpt.save(2, trainer={"w": torch.ones(4) * 2})  # waits behind the drain of 1
+            ckpt.save(3, trainer={"w": torch.ones(4) * 3})  # replaces 2, which never goes up
+            local_now = sorted(p.name for p in local.glob("iter_*"))
+            assert local_now == ["iter_000000001", "iter_000000003"]  # 1 is in flight, 3 the newest
+            hold.release.set()
+            ckpt.wait()
+            assert ckpt.committed_iterations() == [1, 3]
+        assert "iter_000000002 is replaced by iter_000000003" in caplog.text
+    finally:
+        hold.release.set()
+        drain_log.removeHandler(hold)

@@ -150,16 +150,16 @@ class Drainer:
         with self._cond:
             if self._policy == DRAIN_EVERY:
                 self._cond.wait_for(lambda: self._running is None and self._waiting is None)
-            elif self._waiting is not None:
-                logger.info(
-                    "drain='latest': %s is replaced by %s before being copied to %s (a drain was in flight)",
-                    layout.format_iteration(self._waiting), layout.format_iteration(iteration), self._durable.url,
-                )  # fmt: skip
-            failure = self._error
+            failure, replaced = self._error, self._waiting
             self._waiting = iteration
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="dcp-fsspec-drain", daemon=True)
                 self._thread.start()
+        if replaced is not None:
+            logger.info(
+                "drain='latest': %s is replaced by %s before being copied to %s (a drain was in flight)",
+                layout.format_iteration(replaced), layout.format_iteration(iteration), self._durable.url,
+            )  # fmt: skip
         return failure
 
     def undrained(self) -> set[int]:
