@@ -254,10 +254,12 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
 
 
 def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str) -> None:
+    """Resume, then save the next iteration again (rank 0's local tier had an older copy of it)."""
     target = {"w": torch.zeros(64)}
     with Checkpointer(url, options, local_dirname=locals_[rank]) as ckpt:
         iteration = ckpt.load(trainer=target)
-    torch.save({"iteration": iteration, "w": target["w"]}, f"{out}.{rank}")
+        torch.save({"iteration": iteration, "w": target["w"].clone()}, f"{out}.{rank}")
+        ckpt.save(iteration + 1, trainer={"w": target["w"] * 3})
 
 
 def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_from_the_durable_tier(
@@ -274,6 +276,8 @@ def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_fr
         result = torch.load(f"{loaded}.{rank}")
         assert result["iteration"] == 1, f"rank {rank} resumed {result['iteration']}"
         assert torch.equal(result["w"], torch.load(f"{saved}.{rank}")["w"])  # iteration 1's, not 2's
+    # Training went on from 1 and saved 2 again: the local tier dropped its stale 2 and took it.
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 2 and _pointer(local, {}) == 2
 
 
 def test_async_saves_drain_after_their_local_commit(s3_backend: Backend, tmp_path: Path) -> None:

@@ -410,7 +410,11 @@ class Checkpointer:
             return 0
         storage_options = self._load_storage_options if plan.from_load_path else self._storage_options
         tier = None if self._tiers is None or plan.from_load_path else DURABLE
-        return self._load_plan(plan, storage_options, state, tier=tier)
+        resumed = self._load_plan(plan, storage_options, state, tier=tier)
+        if tier == DURABLE:
+            assert self._tiers is not None
+            self._tiers.forget_newer_than(resumed)
+        return resumed
 
     def _load_plan(
         self, plan: resume.ResumePlan, storage_options: dict[str, Any], state: dict[str, Any], *, tier: str | None
@@ -463,6 +467,7 @@ class Checkpointer:
                 logger.warning("the local copy %s is damaged (%s); resuming from the durable tier %s instead",
                                plan.source, e, self.url)  # fmt: skip
             return None
+        self._tiers.forget_newer_than(resumed)
         self._tiers.resumed_locally(resumed, durable_latest)
         return resumed
 

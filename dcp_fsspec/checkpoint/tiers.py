@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 
 from ..errors import CorruptCheckpointError, DcpFsspecError, StorageError
+from ..storage.names import POINTER_NAME
 from ..storage.urls import Location
 from . import commit, layout, retention
 from ._collectives import Collectives
@@ -129,6 +130,31 @@ class TwoTiers:
             logger.info("%s is newer than the durable tier %s: draining it again", layout.format_iteration(iteration),
                         self.durable.url)  # fmt: skip
             self._drainer.submit(iteration)
+
+    def forget_newer_than(self, iteration: int) -> None:
+        """``load`` resumed ``iteration``: drop the local iterations newer than it (rank 0).
+
+        Training goes on from ``iteration`` and saves those iterations again; the local pointer,
+        which never moves backwards, would refuse them. The pointer goes first, so a crash half
+        way leaves committed local iterations without a pointer, never a pointer to a missing one.
+        """
+        if self._collectives.rank != 0:
+            return
+        try:
+            latest = commit.read_pointer(self.local)
+            if latest is None or latest <= iteration:
+                return
+            logger.warning(
+                "resumed %s, older than the local tier's %s (not every rank could read it, or it was "
+                "damaged): dropping the local iterations after %s under %s", layout.format_iteration(iteration),
+                layout.format_iteration(latest), layout.format_iteration(iteration), self.local.url,
+            )  # fmt: skip
+            self.local.backend.call("rm", self.local.join(POINTER_NAME))
+            for newer in (i for i in layout.list_iterations(self.local) if i > iteration):
+                commit.discard_iteration(self.local, newer)
+        except (OSError, DcpFsspecError) as e:
+            logger.warning("could not drop the local iterations after %s under %s: %s", layout.format_iteration(iteration),
+                           self.local.url, e)  # fmt: skip
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the drain; every rank raises its error (the durable tier is behind).
