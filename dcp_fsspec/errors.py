@@ -14,6 +14,7 @@ exception a caller would naturally catch, so ``except FileNotFoundError`` keeps 
     ├── UsageError                 (ValueError)         a command-line argument that cannot be used
     ├── MissingDriverError         (ImportError)        the fsspec driver for a scheme is missing
     ├── StorageError               (OSError)            the backend failed while reading/writing
+    │   └── DrainError                                  the durable copy of a local iteration failed
     └── BackgroundSaveError        (RuntimeError)       the background save process died
 
 Every message names the URL or file concerned and what to do next.
@@ -69,6 +70,14 @@ class MissingDriverError(DcpFsspecError, ImportError):
 
 class StorageError(DcpFsspecError, OSError):
     """The storage backend failed while reading or writing a file."""
+
+
+class DrainError(StorageError):
+    """Copying a locally committed iteration to the durable ``save_dirname`` failed (after retries).
+
+    Training goes on (the local tier keeps committing); ``wait()`` and ``finalize()`` raise it
+    while the durable tier is behind.
+    """
 
 
 class BackgroundSaveError(DcpFsspecError, RuntimeError):

@@ -56,6 +56,14 @@ class Collectives:
             raise outcome[1]
         return cast(T, outcome[0])
 
+    def all_gather(self, value: T) -> list[T]:
+        """Every rank's ``value``, by rank (``[value]`` in a single process)."""
+        if not self.distributed:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return cast(list[T], values)
+
     def raise_if_any_failed(self, error: Exception | None) -> None:
         """Agree on success: if any rank passes an error, every rank raises one.
 

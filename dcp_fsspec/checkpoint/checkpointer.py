@@ -3,8 +3,9 @@
 It composes the pieces and owns the options: ``state`` turns each keyword into a DCP state
 dict; ``pipeline`` writes the staged state dicts as ``{save_dirname}/iter_…/{key}/``, commits the
 iteration, moves the pointer and applies retention, here or (asynchronously) in ``background``;
-``resume`` decides what ``load`` reads. What stays here is validation, staging, the calls into
-those pieces, and the callbacks.
+``resume`` decides what ``load`` reads; with ``local_dirname``, ``tiers`` saves to the local tier
+first and drains to ``save_dirname`` in the background. What stays here is validation, staging,
+the calls into those pieces, and the callbacks.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from . import commit, layout, preflight, resume
 from . import state as state_mod
 from ._collectives import Collectives
 from .background import BackgroundSaver, ThreadSaver
+from .drain import DRAIN_EVERY, DRAIN_POLICIES
 from .events import Callback, CheckpointEvent, report, tensor_nbytes
 from .pipeline import SavePipeline, SaveSettings
 from .resume import MODEL_KEY, KeyToLoad, ResumeOptions
 from .staging import Stager
+from .tiers import DURABLE, LOCAL, TwoTiers
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +108,28 @@ class Checkpointer:
             Loading needs nothing: the reader undoes what ``.metadata`` says each record went
             through. Shorthand for ``WriterSettings(compression=…)``.
         compression_level: the zstd level (default 3; 1 is fastest, 19+ smallest).
+        local_dirname: a fast local tier (node-local disk; any fsspec URL or local path): each
+            save is committed there first (same layout, its own pointer), then copied to
+            ``save_dirname`` in the background (the *drain*); the durable pointer moves once that
+            copy is committed. :meth:`load` resumes the newest iteration every rank can read,
+            from the local tier where it is committed and complete there. Every rank's files must
+            be in it (one node, or a shared folder). ``None``: save to ``save_dirname`` directly.
+        local_storage_options: fsspec options for ``local_dirname``.
+        keep_last_n_local: how many committed iterations the local tier keeps (>= 1); never one
+            still to drain, nor the newest.
+        drain: when saves come faster than drains: ``"every"``: :meth:`save` waits for the
+            drain in flight, every iteration goes up; ``"latest"``: an iteration waiting to drain
+            is replaced by the newer one (logged). A failed drain does not stop training: the next
+            :meth:`save` warns and drains again; :meth:`wait` and :meth:`finalize` raise
+            :class:`~dcp_fsspec.errors.DrainError` while the durable tier is behind.
+        on_drain_end: called with a ``drain_end`` :class:`CheckpointEvent` (in the drain thread,
+            on rank 0) after each drain, its ``error`` set if it failed.
 
     Raises:
-        ValueError: an unknown ``async_mode``, ``keep_last_n`` below 1, or both
-            ``load_training_state`` and ``only_load_scheduler_state``; an unknown
-            ``compression``, or a ``compression_level`` without one.
+        ValueError: an unknown ``async_mode`` or ``drain``, ``keep_last_n`` or
+            ``keep_last_n_local`` below 1, or both ``load_training_state`` and
+            ``only_load_scheduler_state``; an unknown ``compression``, or a
+            ``compression_level`` without one.
         MissingDriverError: ``compression="zstd"`` without the ``zstandard`` package.
         InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
     """
@@ -140,11 +160,20 @@ class Checkpointer:
         trust_checkpoint: bool = False,
         compression: str | None = None,
         compression_level: int | None = None,
+        local_dirname: str | os.PathLike[str] | None = None,
+        local_storage_options: dict[str, Any] | None = None,
+        keep_last_n_local: int = 1,
+        drain: str = DRAIN_EVERY,
+        on_drain_end: Callback | None = None,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
         if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None (keep all) or an int >= 1, got {keep_last_n!r}")
+        if isinstance(keep_last_n_local, bool) or not isinstance(keep_last_n_local, int) or keep_last_n_local < 1:
+            raise ValueError(f"keep_last_n_local must be an int >= 1, got {keep_last_n_local!r}")
+        if drain not in DRAIN_POLICIES:
+            raise ValueError(f"drain={drain!r} is not supported; choose one of {list(DRAIN_POLICIES)}")
         if isinstance(keys_not_to_resume, str):
             raise TypeError(f"keys_not_to_resume must be a list of keys, got the string {keys_not_to_resume!r}")
         if load_training_state and only_load_scheduler_state:
@@ -164,18 +193,31 @@ class Checkpointer:
         self._resume_options = ResumeOptions(load_training_state, only_load_scheduler_state, strict_resume)
         self._load_optimizer = load_optimizer
         self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
+        self._collectives = Collectives(process_group)
+        self._callbacks = {
+            "save_start": on_save_start, "save_end": on_save_end, "load_end": on_load_end, "drain_end": on_drain_end,
+        }  # fmt: skip
+        self._tiers: TwoTiers | None = None
+        # Where save() commits: save_dirname, or the local tier (whose retention TwoTiers applies).
+        self._save_root = self._root
+        if local_dirname is not None:
+            self._save_root = resolve(local_dirname, local_storage_options, retry=retry)
+            self._tiers = TwoTiers(
+                self._save_root, self._root, self._collectives,
+                keep_last_n_local=keep_last_n_local, keep_last_n=keep_last_n, drain=drain,
+                on_drain_end=lambda event: report(event, self._callbacks["drain_end"]),
+            )  # fmt: skip
+            _EXIT_HOOK.register(self)  # a drain in flight at exit is waited for
         self._save_settings = SaveSettings(
-            self._root.secret_url,  # the background process connects by itself: keep the password
-            self._storage_options,
-            keep_last_n=keep_last_n,
+            self._save_root.secret_url,  # the background process connects by itself: keep the password
+            self._storage_options if local_dirname is None else dict(local_storage_options or {}),
+            keep_last_n=keep_last_n if local_dirname is None else None,
             overwrite=overwrite,
             verify_before_commit=verify_before_commit,
             retry=retry,
             writer=(writer_settings or WriterSettings()).with_compression(compression, compression_level),
         )
-        self._callbacks = {"save_start": on_save_start, "save_end": on_save_end, "load_end": on_load_end}
         self._pending_end: tuple[int, tuple[str, ...], int, float] | None = None  # async save in flight
-        self._collectives = Collectives(process_group)
         self._pipeline = SavePipeline(self._save_settings, self._collectives)
         self._closed = False
         self._stager: Stager | None = None
@@ -196,7 +238,8 @@ class Checkpointer:
         """Save every keyword as ``{save_dirname}/iter_{iteration:09d}/{key}/`` and commit it.
 
         Returns once the iteration is committed and the pointer names it (unless a newer one
-        was already named; the pointer never moves backwards).
+        was already named; the pointer never moves backwards). With ``local_dirname``, that is
+        the local tier's commit and pointer; the durable copy follows in the background.
 
         Args:
             iteration: the training iteration, >= 0.
@@ -222,10 +265,12 @@ class Checkpointer:
             self._report("save_start", iteration, tuple(state_dicts), nbytes)
             self._pipeline.run(iteration, state_dicts)
             self._report("save_end", iteration, tuple(state_dicts), nbytes, time.perf_counter() - start)
+            if self._tiers is not None:
+                self._tiers.committed_locally(iteration)
             return
         # Asynchronous: the previous save must be done before its buffers are overwritten.
         background = self._background_saver()
-        self.wait()
+        self._wait_local()
         state_dicts = self._stage(state)
         nbytes = tensor_nbytes(state_dicts)
         self._report("save_start", iteration, tuple(state_dicts), nbytes)
@@ -238,9 +283,18 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the asynchronous save in flight (if any) is committed; raise its error.
 
+        With ``local_dirname``, also wait until the drain to ``save_dirname`` is done.
+
         Raises:
             TimeoutError: ``timeout`` seconds passed first; the save is still in flight.
+            DrainError: the last drain failed: ``save_dirname`` is behind the local tier.
         """
+        self._wait_local(timeout)
+        if self._tiers is not None:
+            self._tiers.wait(timeout)
+
+    def _wait_local(self, timeout: float | None = None) -> None:
+        """Wait for the asynchronous save in flight; with a local tier, then start its drain."""
         background = self._background
         if background is not None:
             self._surviving(lambda: background.wait(timeout))
@@ -248,10 +302,13 @@ class Checkpointer:
         if pending is not None:
             iteration, keys, nbytes, start = pending
             self._report("save_end", iteration, keys, nbytes, time.perf_counter() - start)
+            if self._tiers is not None:
+                self._tiers.committed_locally(iteration)
 
     def _report(self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0) -> None:
-        url = self._root.url_of(layout.iteration_path(self._root, iteration))
-        report(CheckpointEvent(kind, iteration, url, keys, nbytes, seconds), self._callbacks[kind])
+        url = self._save_root.url_of(layout.iteration_path(self._save_root, iteration))
+        tier = None if self._tiers is None else LOCAL
+        report(CheckpointEvent(kind, iteration, url, keys, nbytes, seconds, tier=tier), self._callbacks[kind])
 
     def _surviving(self, call: Callable[[], None]) -> None:
         """Run ``call``; if the background process died, forget it so the next save starts another."""
@@ -265,11 +322,11 @@ class Checkpointer:
 
     def _background_saver(self) -> BackgroundSaver | ThreadSaver:
         if self._background is None:
-            if not self._root.backend.shared_across_processes:
+            if not self._save_root.backend.shared_across_processes:
                 # Another process cannot see this process's memory:// store.
                 if self._collectives.distributed:
                     raise InvalidURLError(
-                        f"async_mode={self._async_mode!r} with several ranks cannot save to {self.url}: "
+                        f"async_mode={self._async_mode!r} with several ranks cannot save to {self._save_root.url}: "
                         "memory:// lives in one process; use a local path or an object store"
                     )
                 self._background = ThreadSaver(self._pipeline.run)
@@ -321,7 +378,7 @@ class Checkpointer:
         self._check_open("load")
         if iteration is not None:
             layout.format_iteration(iteration)
-        self.wait()  # an asynchronous save in flight lands first
+        self._wait_local()  # an asynchronous save in flight lands first
         for key in state:
             layout.check_key(key)
         unknown = sorted(set(self._keys_not_to_resume) - set(state))
@@ -336,6 +393,10 @@ class Checkpointer:
             and (self._load_optimizer or (k != OPTIMIZER_KEY and not state_mod.is_optimizer(v)))
         ]
         options = self._resume_options
+        if self._tiers is not None:
+            resumed = self._load_from_local_tier(iteration, wanted, state)
+            if resumed is not None:
+                return resumed
 
         def plan_on_rank0() -> resume.ResumePlan | None:
             facts = resume.gather(
@@ -355,11 +416,22 @@ class Checkpointer:
         plan = self._collectives.run_on_rank0(plan_on_rank0)
         if plan is None:
             return 0
+        storage_options = self._load_storage_options if plan.from_load_path else self._storage_options
+        tier = None if self._tiers is None or plan.from_load_path else DURABLE
+        resumed = self._load_plan(plan, storage_options, state, tier=tier)
+        if tier == DURABLE:
+            assert self._tiers is not None
+            self._tiers.forget_newer_than(resumed)
+        return resumed
+
+    def _load_plan(
+        self, plan: resume.ResumePlan, storage_options: dict[str, Any], state: dict[str, Any], *, tier: str | None
+    ) -> int:
+        """Restore ``plan``'s keys into ``state``; return its iteration."""
         if self._collectives.rank == 0:
             for level, note in plan.notes:
                 logger.log(level, note)
         # The model first: optimizers are restored by the names of its parameters.
-        storage_options = self._load_storage_options if plan.from_load_path else self._storage_options
         reader_options = dict(
             storage_options=storage_options, retry=self._retry, trust_checkpoint=self._trust_checkpoint,
             **self._reader_settings.as_kwargs(),
@@ -380,15 +452,47 @@ class Checkpointer:
                     raise preflight.partly_loaded(e, key, applied) from e
                 applied.append(key)
         except CorruptCheckpointError as e:
-            if plan.from_load_path:
+            if plan.from_load_path or tier == LOCAL:
                 raise
             raise self._with_fallback_advice(e, plan.iteration) from e
         event = CheckpointEvent("load_end", plan.iteration, plan.source, tuple(plan.keys), nbytes,
-                                time.perf_counter() - start)
+                                time.perf_counter() - start, tier=tier)
         report(event, self._callbacks["load_end"])
         if self._collectives.rank == 0:
-            logger.info("resumed %s from %s", sorted(plan.keys), plan.source)
+            logger.info("resumed %s from %s%s", sorted(plan.keys), plan.source, "" if tier is None else f" ({tier} tier)")
         return plan.iteration
+
+    def _load_from_local_tier(self, iteration: int | None, wanted: list[str], state: dict[str, Any]) -> int | None:
+        """Resume from the local tier if every rank has the iteration to resume there; else None.
+
+        A damaged local copy (a checksum error on any rank) is logged, and None sends ``load``
+        to the durable tier.
+        """
+        assert self._tiers is not None
+        choice, durable_latest = self._tiers.choose(iteration, trust_checkpoint=self._trust_checkpoint)
+        if choice is None or choice[1] != LOCAL:
+            return None
+        local, options = self._save_root, self._resume_options
+        plan: resume.ResumePlan | None = None
+        error: Exception | None = None
+        try:  # each rank its own local tier
+            facts = resume.gather(local, None, wanted, options, self._reader_settings, iteration=choice[0],
+                                  trust_checkpoint=self._trust_checkpoint)  # fmt: skip
+            plan = resume.plan_resume(facts, wanted, options)
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+        self._collectives.raise_if_any_failed(error)
+        assert plan is not None
+        try:
+            resumed = self._load_plan(plan, self._save_settings.storage_options, state, tier=LOCAL)
+        except CorruptCheckpointError as e:
+            if self._collectives.rank == 0:
+                logger.warning("the local copy %s is damaged (%s); resuming from the durable tier %s instead",
+                               plan.source, e, self.url)  # fmt: skip
+            return None
+        self._tiers.forget_newer_than(resumed)
+        self._tiers.resumed_locally(resumed, durable_latest)
+        return resumed
 
     def _load_key(self, key: str, where: KeyToLoad, checked: preflight.CheckedKey, value: Any, *, model: Any) -> int:
         """Load one checked key in place; return the tensor bytes this rank read."""
@@ -439,12 +543,13 @@ class Checkpointer:
     def finalize(self) -> None:
         """Finish pending work and release resources; later saves and loads are errors.
 
-        Safe to call twice. The ``with`` statement calls it on exit.
+        Safe to call twice. The ``with`` statement calls it on exit. With ``local_dirname`` it
+        waits for the drain, and raises :class:`~dcp_fsspec.errors.DrainError` if it failed.
         """
         if not self._closed:
             self._closed = True
             try:
-                if self._background is not None:
+                if self._background is not None or self._tiers is not None:
                     try:
                         self.wait()
                     finally:

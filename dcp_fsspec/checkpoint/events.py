@@ -1,7 +1,8 @@
 """What a save or load moved, reported as one log line and to optional callbacks.
 
 Training loops and experiment trackers get a :class:`CheckpointEvent` per save (at its start and
-once it is committed) and per load, with the bytes this rank moved and how long it took.
+once it is committed) and per load, with the bytes this rank moved and how long it took. With a
+local tier, ``save_end`` is the local commit and ``drain_end`` the durable copy's (or its failure).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ class CheckpointEvent:
     """One save or load, as seen by this rank.
 
     Attributes:
-        kind: ``"save_start"``, ``"save_end"`` or ``"load_end"``.
-        iteration: the training iteration saved or resumed.
+        kind: ``"save_start"``, ``"save_end"``, ``"load_end"`` or ``"drain_end"``.
+        iteration: the training iteration saved, resumed or drained.
         url: the iteration folder.
         keys: the keys saved or loaded.
-        nbytes: tensor bytes this rank saved or loaded (its shards only).
+        nbytes: tensor bytes this rank saved or loaded (its shards only); for ``drain_end``, the
+            file bytes copied to the durable tier.
         seconds: wall time; for an asynchronous save, from ``save()`` until its commit was seen.
+        tier: ``"local"`` or ``"durable"`` with a local tier (``local_dirname``), else ``None``.
+        error: ``drain_end`` only: why the durable copy failed (``None``: it is committed).
     """
 
     kind: str
@@ -36,6 +40,8 @@ class CheckpointEvent:
     keys: tuple[str, ...]
     nbytes: int
     seconds: float = 0.0
+    tier: str | None = None
+    error: str | None = None
 
     @property
     def gbps(self) -> float:
@@ -60,12 +66,13 @@ def tensor_nbytes(value: Any) -> int:
 
 
 def report(event: CheckpointEvent, callback: Callback | None) -> None:
-    """Log ``event`` (ends only) and hand it to ``callback``."""
-    if event.kind != "save_start":
-        verb = "saved" if event.kind == "save_end" else "loaded"
+    """Log ``event`` (ends only; a failed drain is the caller's warning) and hand it to ``callback``."""
+    if event.kind != "save_start" and event.error is None:
+        verb = {"save_end": "saved", "drain_end": "drained"}.get(event.kind, "loaded")
+        tier = "" if event.tier is None else f" [{event.tier} tier]"
         logger.info(
-            "%s %s (%s; %.1f MiB) in %.2f s, %.3f GB/s",
-            verb, event.url, ", ".join(event.keys), event.nbytes / 2**20, event.seconds, event.gbps,
-        )
+            "%s %s%s (%s; %.1f MiB) in %.2f s, %.3f GB/s",
+            verb, event.url, tier, ", ".join(event.keys), event.nbytes / 2**20, event.seconds, event.gbps,
+        )  # fmt: skip
     if callback is not None:
         callback(event)

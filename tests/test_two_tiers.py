@@ -1,0 +1,337 @@
+"""Two tiers: save to local disk first, drain to the durable URL (real moto S3) in the background.
+
+Each test states one guarantee of ``Checkpointer(..., local_dirname=...)``: the durable pointer
+moves only after the durable copy is committed; a drain killed part-way leaves the durable
+pointer on the previous iteration and the next run resumes the newer local copy and drains it
+again; an unreachable durable URL never stops the local saves, and a later drain catches up;
+resuming reads the nearest copy every rank can read, and a damaged local copy falls back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from dcp_fsspec import Checkpointer, DrainError, RetryPolicy
+from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier
+from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.urls import resolve
+
+from .ckpt_helpers import Training, assert_same_training
+from .conftest import Backend
+from .distributed import run_ranks
+from .faults import FaultyProxy
+
+pytestmark = pytest.mark.timeout(240)
+
+# Few retries, so a durable URL that is down fails its drain in seconds.
+_QUICK = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05, deadline=30.0)
+
+
+def _pointer(url: str, options: dict[str, Any]) -> int | None:
+    return commit.read_pointer(resolve(url, options))
+
+
+def _trained(steps: int) -> Training:
+    training = Training()
+    training.run(steps)
+    return training
+
+
+def _resume(url: str, options: dict[str, Any], local: Path, **kwargs: Any) -> tuple[int, Training]:
+    fresh = Training(seed=7)
+    with Checkpointer(url, options, local_dirname=local, **kwargs) as ckpt:
+        iteration = ckpt.load(**fresh.keys())
+    fresh.after_load()
+    return iteration, fresh
+
+
+def test_a_save_commits_locally_and_the_durable_pointer_moves_once_the_drain_is_committed(
+    s3_backend: Backend, tmp_path: Path
+) -> None:
+    events: list[Any] = []
+    training = _trained(2)
+    with Checkpointer(
+        s3_backend.url, s3_backend.storage_options, local_dirname=tmp_path / "local",
+        on_save_end=events.append, on_drain_end=events.append,
+    ) as ckpt:  # fmt: skip
+        ckpt.save(2, **training.keys())
+        assert _pointer(str(tmp_path / "local"), {}) == 2  # save() returned: committed locally
+        ckpt.wait()
+        assert ckpt.latest_checkpoint() == "iter_000000002" and ckpt.committed_iterations() == [2]
+    assert [(e.kind, e.tier, e.iteration) for e in events] == [("save_end", LOCAL, 2), ("drain_end", DURABLE, 2)]
+    assert events[1].error is None and events[1].nbytes > 0 and events[1].url.startswith(s3_backend.url)
+    iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, tmp_path / "fresh-machine")
+    assert iteration == 2
+    assert_same_training(resumed, training)
+
+
+# A training process killed during its second drain: it saves iterations 2 and 4 (2 steps each),
+# and stops its drain thread at a known point (every file of iteration 4 copied to the durable
+# tier, its commit not yet written) through a log handler, which creates the marker file and
+# blocks until the test SIGKILLs the process.
+_KILLED_CHILD = """
+import json, logging, sys, threading
+from pathlib import Path
+from dcp_fsspec import Checkpointer
+from tests.ckpt_helpers import Training
+
+url, options, local, marker = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+
+class StopBeforeTheDurableCommit(logging.Handler):
+    def handle(self, record):  # not emit, which holds the handler's lock
+        if record.getMessage().startswith("copied") and "iter_000000004" in record.getMessage():
+            marker.touch()
+            threading.Event().wait()
+        return True
+
+drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+drain_log.setLevel(logging.DEBUG)
+drain_log.addHandler(StopBeforeTheDurableCommit())
+training = Training()
+ckpt = Checkpointer(url, options, local_dirname=local, keep_last_n_local=2)
+for it in (2, 4):
+    training.run(2)
+    ckpt.save(it, **training.keys())
+    if it == 2:
+        ckpt.wait()
+threading.Event().wait(600)
+"""
+
+
+def test_a_drain_killed_part_way_leaves_the_durable_pointer_and_the_next_run_resumes_locally_and_drains_again(
+    s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local, marker = tmp_path / "local", tmp_path / "stopped-before-the-durable-commit"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_CHILD, s3_backend.url, json.dumps(s3_backend.storage_options), str(local),
+         str(marker)],
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert time.monotonic() < deadline and child.poll() is None, "the drain never reached its commit"
+            time.sleep(0.02)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+    fs = fsspec.filesystem("s3", **s3_backend.storage_options)
+    durable_files = fs.find(s3_backend.url + "/iter_000000004")
+    assert any(name.endswith(".distcp") for name in durable_files)  # the copy was under way
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 2  # ... and not committed
+    assert not commit.is_committed(resolve(s3_backend.url, s3_backend.storage_options), 4)
+
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec"):
+        iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, local, keep_last_n_local=2)
+    assert iteration == 4 and "(local tier)" in caplog.text
+    assert_same_training(resumed, _trained(4))
+    # Loading the local-only iteration drained it again (finalize waited): the durable tier caught up.
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 4
+    iteration, from_durable = _resume(s3_backend.url, s3_backend.storage_options, tmp_path / "fresh-machine")
+    assert iteration == 4
+    assert_same_training(from_durable, _trained(4))
+
+
+def test_an_unreachable_durable_url_never_stops_local_saves_and_the_next_drain_catches_up(
+    s3_server: LocalS3Server, s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with FaultyProxy(s3_server.endpoint_url) as proxy:
+        # botocore's own retries off too: the server is down for good.
+        options = {
+            **s3_backend.storage_options,
+            "client_kwargs": {"endpoint_url": proxy.endpoint_url},
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 5, "read_timeout": 60},
+        }
+        local = tmp_path / "local"
+        training = Training()
+        ckpt = Checkpointer(s3_backend.url, options, local_dirname=local, retry=_QUICK)
+        try:
+            training.run(1)
+            ckpt.save(1, **training.keys())
+            ckpt.wait()
+            with proxy.faults_at(1.0, ("drop",)):  # the server is down
+                training.run(1)
+                ckpt.save(2, **training.keys())  # does not raise
+                with pytest.raises(DrainError) as raised:
+                    ckpt.wait()
+                assert f"{s3_backend.url}/iter_000000002" in str(raised.value)
+                training.run(1)
+                with caplog.at_level(logging.WARNING, logger="dcp_fsspec"):
+                    ckpt.save(3, **training.keys())  # still does not raise; warns
+                warning = next(r.getMessage() for r in caplog.records if "is behind" in r.getMessage())
+                assert s3_backend.url in warning and str(local) in warning
+                assert _pointer(str(local), {}) == 3
+                with pytest.raises(DrainError):
+                    ckpt.wait()
+            assert _pointer(s3_backend.url, options) == 1  # the durable tier is behind
+            training.run(1)
+            ckpt.save(4, **training.keys())  # the server is back: this drain catches up
+            ckpt.wait()
+            assert _pointer(s3_backend.url, options) == 4
+        finally:
+            try:
+                ckpt.finalize()
+            except DrainError:
+                pass
+    iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, tmp_path / "fresh-machine")
+    assert iteration == 4
+    assert_same_training(resumed, training)
+
+
+def test_a_fresh_machine_resumes_from_the_durable_tier_bit_exact(
+    s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    training = Training()
+    with Checkpointer(s3_backend.url, s3_backend.storage_options, local_dirname=tmp_path / "node-a") as ckpt:
+        for it in (1, 2):
+            training.run(1)
+            ckpt.save(it, **training.keys())
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec"):
+        iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, tmp_path / "node-b")
+    assert iteration == 2 and "(durable tier)" in caplog.text and s3_backend.url in caplog.text
+    assert_same_training(resumed, training)
+
+
+def test_a_damaged_local_copy_falls_back_to_the_durable_tier_with_a_warning(
+    s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    training = _trained(3)
+    with Checkpointer(s3_backend.url, s3_backend.storage_options, local_dirname=local) as ckpt:
+        ckpt.save(3, **training.keys())
+    shard = next((local / "iter_000000003" / "model").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    at = data.find(training.model[0].weight.detach().numpy().tobytes())
+    assert at > 0
+    data[at + 8] ^= 0x01  # one flipped bit in the weights
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec"):
+        iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, local)
+    assert iteration == 3
+    warning = next(r for r in caplog.records if r.levelno == logging.WARNING and "damaged" in r.getMessage())
+    assert str(local) in warning.getMessage() and s3_backend.url in warning.getMessage()
+    assert "(durable tier)" in caplog.text
+    assert_same_training(resumed, training)
+
+
+def test_the_tier_decision_takes_the_newest_iteration_every_rank_can_read() -> None:
+    assert choose_tier(4, [{4, 6}, {6}]) == (6, LOCAL)  # local newer than durable, on every rank
+    assert choose_tier(4, [{4, 6}, set()]) == (4, DURABLE)  # one rank's local disk is gone
+    assert choose_tier(6, [{4}, {4}]) == (6, DURABLE)  # the durable tier is newer
+    assert choose_tier(None, [set()]) is None
+    assert choose_tier(6, [{4}, {4, 6}], iteration=4) == (4, LOCAL)
+    assert choose_tier(6, [{6}, {4}], iteration=6) == (6, DURABLE)
+
+
+def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any], local: str, out: str) -> None:
+    """Save iterations 1 (drained) and 2 (local only: its drain is undone, as if killed)."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64)}
+    with Checkpointer(url, options, local_dirname=local, keep_last_n_local=2) as ckpt:
+        ckpt.save(1, trainer={"w": state["w"]})
+        ckpt.wait()
+        ckpt.save(2, trainer={"w": state["w"] * 2})
+        ckpt.wait()
+        if rank == 0:  # undo the durable copy of 2: the state a drain killed part-way leaves
+            root = resolve(url, options)
+            commit.discard_iteration(root, 2)
+            commit.write_atomically(root, root.join(commit.POINTER_NAME), b"iter_000000001\n")
+    torch.save(state, f"{out}.{rank}")
+
+
+def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str) -> None:
+    """Resume, then save the next iteration again (rank 0's local tier had an older copy of it)."""
+    target = {"w": torch.zeros(64)}
+    with Checkpointer(url, options, local_dirname=locals_[rank]) as ckpt:
+        iteration = ckpt.load(trainer=target)
+        torch.save({"iteration": iteration, "w": target["w"].clone()}, f"{out}.{rank}")
+        ckpt.save(iteration + 1, trainer={"w": target["w"] * 3})
+
+
+def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_from_the_durable_tier(
+    s3_backend: Backend, tmp_path: Path
+) -> None:
+    local, wiped = str(tmp_path / "node-local"), str(tmp_path / "wiped")
+    saved = str(tmp_path / "saved")
+    run_ranks(_two_ranks_save, 2, tmp_path, s3_backend.url, s3_backend.storage_options, local, saved)
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 1 and _pointer(local, {}) == 2
+    loaded = str(tmp_path / "loaded")
+    # Rank 0 still has iterations 1 and 2 locally; rank 1's local folder is empty.
+    run_ranks(_two_ranks_load, 2, tmp_path, s3_backend.url, s3_backend.storage_options, [local, wiped], loaded)
+    for rank in (0, 1):
+        result = torch.load(f"{loaded}.{rank}")
+        assert result["iteration"] == 1, f"rank {rank} resumed {result['iteration']}"
+        assert torch.equal(result["w"], torch.load(f"{saved}.{rank}")["w"])  # iteration 1's, not 2's
+    # Training went on from 1 and saved 2 again: the local tier dropped its stale 2 and took it.
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 2 and _pointer(local, {}) == 2
+
+
+def test_async_saves_drain_after_their_local_commit(s3_backend: Backend, tmp_path: Path) -> None:
+    training = Training()
+    with Checkpointer(
+        s3_backend.url, s3_backend.storage_options, local_dirname=tmp_path / "local", async_mode="async_with_pinned_mem"
+    ) as ckpt:  # fmt: skip
+        for it in (1, 2):
+            training.run(1)
+            ckpt.save(it, **training.keys())
+        ckpt.wait()
+        assert ckpt.committed_iterations() == [1, 2] and ckpt.latest_checkpoint() == "iter_000000002"
+    iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, tmp_path / "fresh-machine")
+    assert iteration == 2
+    assert_same_training(resumed, training)
+
+
+class _HoldDrain(logging.Handler):
+    """Blocks the drain thread when it starts copying ``iteration``, until released."""
+
+    def __init__(self, iteration: int) -> None:
+        super().__init__()
+        self.folder = f"iter_{iteration:09d}"
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:  # not emit: that runs under the handler's lock
+        if record.getMessage().startswith("draining") and self.folder in record.getMessage():
+            self.reached.set()
+            self.release.wait(120)
+        return True
+
+
+def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the_one_in_flight(
+    s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    hold = _HoldDrain(1)
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log.addHandler(hold)
+    try:
+        with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
+            s3_backend.url, s3_backend.storage_options, local_dirname=local, drain="latest", keep_last_n_local=1
+        ) as ckpt:  # fmt: skip
+            ckpt.save(1, trainer={"w": torch.ones(4)})
+            assert hold.reached.wait(60)
+            ckpt.save(2, trainer={"w": torch.ones(4) * 2})  # waits behind the drain of 1
+            ckpt.save(3, trainer={"w": torch.ones(4) * 3})  # replaces 2, which never goes up
+            local_now = sorted(p.name for p in local.glob("iter_*"))
+            assert local_now == ["iter_000000001", "iter_000000003"]  # 1 is in flight, 3 the newest
+            hold.release.set()
+            ckpt.wait()
+            assert ckpt.committed_iterations() == [1, 3]
+        assert "iter_000000002 is replaced by iter_000000003" in caplog.text
+    finally:
+        hold.release.set()
+        drain_log.removeHandler(hold)
