@@ -387,6 +387,7 @@ def test_pointer_never_moves_backwards(memory_backend: Backend) -> None:
 
 @pytest.mark.parametrize("damage", ["delete the folder", "delete a key's .metadata", "delete the commit record"])
 def test_pointer_naming_a_missing_or_uncommitted_folder_is_an_error_naming_both(backend: Backend, damage: str) -> None:
+    """Guarantee row: 'the pointer names only committed iterations and never moves back' (local, memory, S3, GCS, Azure, SFTP)"""
     _save_trained(backend, [2, 4])
     fs, folder = _fs_path(backend, "iter_000000004")
     if damage == "delete the folder":
@@ -424,6 +425,7 @@ def test_empty_or_garbage_pointer_is_an_error_naming_the_pointer_url(backend: Ba
 
 
 def test_pointer_is_renamed_into_place_on_local_disk(local_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (local)"""
     renames: list[tuple[str, str]] = []
     real_replace = os.replace
 
@@ -441,6 +443,7 @@ def test_pointer_is_renamed_into_place_on_local_disk(local_backend: Backend, mon
 
 
 def test_pointer_is_one_put_on_object_stores(s3_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (S3)"""
     root = resolve(s3_backend.url, s3_backend.storage_options)
     puts: list[tuple[str, bytes]] = []
     real_pipe_file = root.fs.pipe_file

@@ -181,6 +181,7 @@ def test_policy_rejects_limits_that_make_no_sense(kwargs: dict[str, Any]) -> Non
 def test_save_and_load_are_bit_exact_through_a_proxy_failing_a_quarter_of_requests(
     faulty_s3: Backend, proxy: FaultyProxy
 ) -> None:
+    """Guarantee row: 'transient faults (503 SlowDown, 5xx, dropped connections) are retried' (S3)"""
     state = sample_state()
     with proxy.faults_at(0.25):
         save(state, faulty_s3, **SMALL_IO)
@@ -227,6 +228,7 @@ def test_checkpointer_saves_commits_and_resumes_through_faults(faulty_s3: Backen
 def test_faults_that_never_clear_fail_a_save_within_the_policy_deadline(
     faulty_s3: Backend, proxy: FaultyProxy, kind: str
 ) -> None:
+    """Guarantee row: 'a call that keeps failing ends in bounded time, naming the URL' (S3)"""
     policy = RetryPolicy(attempts=100, base_delay=0.05, max_delay=0.2, deadline=DEADLINE)
     start = time.monotonic()
     with proxy.faults_at(1.0, kinds=(kind,)), raises_through_dcp(StorageError) as raised:
@@ -262,6 +264,7 @@ def test_a_part_that_cannot_be_uploaded_stops_the_file_instead_of_sending_the_re
 
 
 def test_bad_credentials_fail_at_once_with_the_url_and_no_retries(faulty_s3: Backend, proxy: FaultyProxy) -> None:
+    """Guarantee row: 'permanent errors (403, 404, bad credentials, missing bucket) fail at once, naming the URL' (S3)"""
     proxy.deny = True
     with raises_through_dcp(StorageError) as raised:
         save({"w": torch.ones(4)}, faulty_s3, retry=FAST)
