@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import Checkpointer, CorruptCheckpointError, StorageError
+from dcp_fsspec import CheckpointExistsError, Checkpointer, CorruptCheckpointError, FsspecStorageWriter, StorageError
 from dcp_fsspec.checkpoint import commit, layout, retention
 from dcp_fsspec.storage.names import POINTER_NAME
 from dcp_fsspec.storage.urls import Location, resolve
@@ -196,3 +197,40 @@ def test_retention_that_cannot_read_the_pointer_deletes_nothing_and_says_so(
     (message,) = _messages(caplog, retention)
     assert message.startswith(f"retention skipped under {root.url} (retried at the next save): ")
     assert commit.pointer_url(root) in message
+
+
+def test_publishing_an_iteration_the_pointer_passed_is_refused_with_what_to_do(root: Location) -> None:
+    """Another run moved the pointer past this iteration while it was written: not committed."""
+    _save(root, 7)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.publish(root, 5, ("model",), 1)
+    assert str(raised.value) == (
+        f"cannot commit {root.url_of(layout.iteration_path(root, 5))}: {commit.pointer_url(root)} moved to the "
+        f"newer iter_000000007 while it was being saved, so another run is saving to {root.url}; the pointer "
+        "never moves backwards, so this iteration stays uncommitted. Give each run its own save_dirname"
+    )
+    assert commit.read_pointer(root) == 7 and not commit.is_committed(root, 5)
+
+
+def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iteration(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between this save's read of the pointer and its conditional PUT another run moved it to a
+    newer iteration: the save is committed, the pointer stays on the other run's iteration, and
+    publish says which."""
+    root = resolve(s3_backend.url, s3_backend.storage_options)
+    _save(root, 3)
+    dcp.save({"w": torch.ones(2)}, storage_writer=FsspecStorageWriter(root.url_of(layout.key_path(root, 5, "model"))), no_dist=True)
+    backend_type = type(root.backend)
+    real_replace = backend_type.replace_if_unchanged
+    moved: list[str] = []
+
+    def another_run_first(self: Any, path: str, data: bytes, expected: Any) -> bool:
+        if path.endswith(POINTER_NAME) and not moved:
+            moved.append(path)
+            self.fs.pipe_file(path, b"iter_000000009\n")
+        return real_replace(self, path, data, expected)
+
+    monkeypatch.setattr(backend_type, "replace_if_unchanged", another_run_first)
+    assert commit.publish(root, 5, ("model",), 1) == 9
+    assert moved and commit.read_pointer(root) == 9 and commit.is_committed(root, 5)
