@@ -234,3 +234,10 @@ def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iterati
     monkeypatch.setattr(backend_type, "replace_if_unchanged", another_run_first)
     assert commit.publish(root, 5, ("model",), 1) == 9
     assert moved and commit.read_pointer(root) == 9 and commit.is_committed(root, 5)
+
+
+@pytest.mark.parametrize("keep_last_n", [0, -1])
+def test_a_retention_plan_for_fewer_than_one_iteration_is_refused_naming_the_value(keep_last_n: int) -> None:
+    with pytest.raises(ValueError) as raised:
+        retention.plan_deletions([1, 2], [1, 2], keep_last_n=keep_last_n, latest=2)
+    assert str(raised.value) == f"keep_last_n must be >= 1, got {keep_last_n}"
