@@ -2,7 +2,7 @@
 
 Equivalent mutants (listed in mutation/EQUIVALENT.md) are taken out of the total, since no
 test can tell them from the original; mutants of functions no selected test calls count as
-survivors.
+survivors, and so do timeouts (a mutant that made the tests slow, or a child that hung).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main() -> int:
     equivalent = set(re.findall(r"`(dcp_fsspec\.[^`]+__mutmut_\d+)`", EQUIVALENT.read_text()))
     counts = Counter(v for name, v in status.items() if name not in equivalent and v != "not checked")
     total = sum(counts.values())
-    killed = counts["killed"] + counts["timeout"]
+    killed = counts["killed"]
     print(f"mutants checked: {total} (+{len(equivalent & set(status))} equivalent), " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     print(f"mutation score: {killed}/{total} = {100 * killed / max(total, 1):.1f}% killed")
     return 0
