@@ -219,8 +219,9 @@ def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iterati
     newer iteration: the save is committed, the pointer stays on the other run's iteration, and
     publish says which."""
     root = resolve(s3_backend.url, s3_backend.storage_options)
-    _save(root, 3)
-    dcp.save({"w": torch.ones(2)}, storage_writer=FsspecStorageWriter(root.url_of(layout.key_path(root, 5, "model"))), no_dist=True)
+    assert commit.write_pointer(root, 3)
+    writer = FsspecStorageWriter(root.url_of(layout.key_path(root, 5, "model")), s3_backend.storage_options)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
     backend_type = type(root.backend)
     real_replace = backend_type.replace_if_unchanged
     moved: list[str] = []
