@@ -26,7 +26,6 @@ from dcp_fsspec import (
     FsspecStorageWriter,
 )
 from dcp_fsspec.checkpoint import commit, layout, retention
-from dcp_fsspec.storage.urls import resolve
 
 from .conftest import Backend
 from .ckpt_helpers import Training, assert_equal, assert_same_training
@@ -440,22 +439,6 @@ def test_pointer_is_renamed_into_place_on_local_disk(local_backend: Backend, mon
     src = next(src for src, dst in renames if dst == pointer)
     assert os.path.dirname(src) == local_backend.url and not os.path.exists(src)
     assert sorted(os.listdir(local_backend.url)) == ["iter_000000001", "latest_checkpoint.txt"]
-
-
-def test_pointer_is_one_put_on_object_stores(s3_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (S3)"""
-    root = resolve(s3_backend.url, s3_backend.storage_options)
-    puts: list[tuple[str, bytes]] = []
-    real_pipe_file = root.fs.pipe_file
-
-    def spy(path: str, value: bytes, **kwargs: Any) -> Any:
-        puts.append((path, value))
-        return real_pipe_file(path, value, **kwargs)
-
-    monkeypatch.setattr(root.fs, "pipe_file", spy)
-    monkeypatch.setattr(root.fs, "open", lambda *a, **k: pytest.fail("the pointer must not be streamed"))
-    commit.write_pointer(root, 7)
-    assert puts == [(root.join("latest_checkpoint.txt"), b"iter_000000007\n")]
 
 
 # -- retention ----------------------------------------------------------------------------------

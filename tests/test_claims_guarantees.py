@@ -56,11 +56,11 @@ def test_an_overwrite_that_dies_before_its_commit_point_leaves_no_metadata_old_o
     assert backend.url in str(raised.value)
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "gcs", "azure"])
+@pytest.mark.parametrize("backend_name", ["memory", "s3", "gcs", "azure"])
 def test_the_pointer_is_one_whole_write_on_stores_without_rename(
     backend_name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (memory, GCS, Azure)"""
+    """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (memory, S3, GCS, Azure)"""
     backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
     root = resolve(backend.url, backend.storage_options)
     commit.write_pointer(root, 3)

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from dcp_fsspec import Checkpointer, StorageError
+from dcp_fsspec import StorageError
 from dcp_fsspec.storage.retry import RetryPolicy
-from tests.ckpt_helpers import Training, assert_same_training
+from tests.ckpt_helpers import save_twice_and_resume
 from tests.conftest import Backend
 from tests.faults import FaultyProxy
 from tests.helpers import raises_through_dcp, save
@@ -53,19 +53,10 @@ def test_a_checkpointer_saves_commits_and_resumes_through_transient_faults(
 ) -> None:
     """Guarantee row: 'transient faults (503 SlowDown, 5xx, dropped connections) are retried' (GCS, Azure)."""
     backend, proxy = faulty
-    training = Training()
     # A few faults only: the Azure SDK's own retries wait 15 s and more before their first retry.
     proxy.max_faults = 3
     with proxy.faults_at(0.15, kinds=("503", "500", "drop")):
-        with Checkpointer(backend.url, backend.storage_options, keep_last_n=1, retry=FAST) as ckpt:
-            for iteration in (1, 2):
-                training.run(1)
-                ckpt.save(iteration, **training.keys())
-            resumed = Training(seed=5)
-            assert ckpt.load(**resumed.keys()) == 2
-            assert ckpt.committed_iterations() == [2]
-    resumed.after_load()
-    assert_same_training(resumed, training)
+        save_twice_and_resume(backend.url, backend.storage_options, retry=FAST)
     assert sum(proxy.faults.values()) == 3, proxy.faults
 
 

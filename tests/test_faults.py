@@ -19,12 +19,12 @@ import pytest
 import torch
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 
-from dcp_fsspec import Checkpointer, StorageError
+from dcp_fsspec import StorageError
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.retry import RetryPolicy, is_transient
 from dcp_fsspec.storage.urls import resolve
-from tests.ckpt_helpers import Training, assert_same_training
+from tests.ckpt_helpers import save_twice_and_resume
 from tests.conftest import Backend
 from tests.faults import FaultyProxy
 from tests.helpers import load, raises_through_dcp, save
@@ -211,16 +211,8 @@ def test_without_our_retries_the_same_faults_fail_the_save(faulty_s3: Backend, p
 def test_checkpointer_saves_commits_and_resumes_through_faults(faulty_s3: Backend, proxy: FaultyProxy) -> None:
     # Its default RetryPolicy covers what botocore would have retried (and sleeps less).
     backend = _without_driver_retries(faulty_s3)
-    training = Training()
-    with proxy.faults_at(0.15), Checkpointer(backend.url, backend.storage_options, keep_last_n=1) as ckpt:
-        for iteration in (1, 2):
-            training.run(1)
-            ckpt.save(iteration, **training.keys())
-        resumed = Training(seed=5)
-        assert ckpt.load(**resumed.keys()) == 2
-        assert ckpt.committed_iterations() == [2]
-    resumed.after_load()
-    assert_same_training(resumed, training)
+    with proxy.faults_at(0.15):
+        save_twice_and_resume(backend.url, backend.storage_options)
     assert sum(proxy.faults.values()) >= 5, proxy.faults
 
 

@@ -131,7 +131,11 @@ def test_local_saves_fsync_every_file_before_its_rename_and_then_the_folder(
     monkeypatch.setattr(os, "replace", replace)
     dcp.save({"w": torch.ones(64), "b": torch.zeros(3)}, storage_writer=FsspecStorageWriter(local_backend.url), no_dist=True)
     monkeypatch.undo()
-    renames = [(i, *what.split(" -> ")) for i, (kind, what) in enumerate(events) if kind == "replace"]
+    renames: list[tuple[int, str, str]] = []
+    for i, (kind, what) in enumerate(events):
+        if kind == "replace":
+            temp, target = what.split(" -> ", 1)
+            renames.append((i, temp, target))
     assert {os.path.basename(target) for _, _, target in renames} >= {"__0_0.distcp", names.METADATA_NAME}
     for i, temp, target in renames:
         assert ("fsync", temp) in events[:i], f"{temp} renamed to {target} before it was fsynced"
