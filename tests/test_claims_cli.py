@@ -68,9 +68,10 @@ def test_cp_between_two_s3_urls_gives_the_destination_the_sources_options_and_re
 def test_a_missing_fsspec_driver_exits_5_naming_the_package(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for module in [m for m in sys.modules if m == "gcsfs" or m.startswith("gcsfs.")]:
-        monkeypatch.delitem(sys.modules, module)
     monkeypatch.setitem(sys.modules, "gcsfs", None)  # import gcsfs now fails, as when not installed
+    registered = sys.modules["fsspec.registry"]._registry  # the classes fsspec already imported
+    for scheme in ("gs", "gcs"):
+        monkeypatch.delitem(registered, scheme, raising=False)
     code, out, err = _cli(capsys, "ls", "gs://some-bucket/run")
     assert code == 5, (out, err)
     assert "gcsfs" in err and "gs://some-bucket/run" in err
