@@ -242,3 +242,36 @@ def test_a_retention_plan_for_fewer_than_one_iteration_is_refused_naming_the_val
     with pytest.raises(ValueError) as raised:
         retention.plan_deletions([1, 2], [1, 2], keep_last_n=keep_last_n, latest=2)
     assert str(raised.value) == f"keep_last_n must be >= 1, got {keep_last_n}"
+
+
+def _written_key(root: Location, iteration: int, save_id: str) -> None:
+    """One key of ``iteration`` finished by a save whose token is ``save_id``; not committed."""
+    writer = FsspecStorageWriter(root.url_of(layout.key_path(root, iteration, "model")), save_id=save_id)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+
+
+def test_publish_commits_only_a_key_its_own_save_wrote(root: Location) -> None:
+    """A key whose .metadata carries another save's token is not committed by this one."""
+    _written_key(root, 5, save_id="a" * 32)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="b" * 32)
+    assert root.url_of(layout.iteration_path(root, 5)) in str(raised.value)
+    assert not commit.is_committed(root, 5) and commit.read_pointer(root) is None
+    assert commit.publish(root, 5, ("model",), 1, save_id="a" * 32) == 5
+    assert commit.is_committed(root, 5)
+
+
+def test_publish_over_a_garbage_pointer_is_an_error_naming_it(root: Location) -> None:
+    _written_key(root, 5, save_id="a" * 32)
+    _put(root, POINTER_NAME, data=b"not a folder name\n")
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    assert commit.pointer_url(root) in str(raised.value)
+    assert not commit.is_committed(root, 5)
+
+
+def test_retention_spares_an_older_iteration_being_rewritten(root: Location) -> None:
+    """An overwrite of iteration 1 behind the pointer (4) is protected while it is written."""
+    _save(root, 1, 2, 3, 4)
+    assert retention.apply_retention(root, 1, protected=(1,)) == [2, 3]
+    assert layout.list_iterations(root) == [1, 4]
