@@ -1,0 +1,59 @@
+"""README claims about saves of several ranks that had no multi-rank test: ``verify_before_commit``
+reads back every rank's files before the commit, and refuses the iteration on every rank when one
+rank's bytes were damaged after they were written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_fsspec import Checkpointer, CorruptCheckpointError
+from dcp_fsspec.storage.backends import local as uploads
+from tests.conftest import Backend
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state(rank: int, iteration: int) -> dict[str, Any]:
+    # Names differ per rank, so each rank writes data files of its own.
+    return {f"rank{rank}": torch.full((1024,), float(iteration))}
+
+
+def _flip_a_byte_of_each_data_file(patch: pytest.MonkeyPatch) -> None:
+    """As a faulty disk would: the bytes change after they were written, before the commit."""
+    real_commit = uploads.LocalUpload.commit
+
+    def flip(self: uploads.LocalUpload) -> None:
+        real_commit(self)
+        if self.path.endswith(".distcp"):
+            with open(self.path, "r+b") as f:
+                f.seek(self.size // 2)
+                byte = f.read(1)
+                f.seek(self.size // 2)
+                f.write(bytes([byte[0] ^ 0x01]))
+
+    patch.setattr(uploads.LocalUpload, "commit", flip)
+
+
+def _verify_two_ranks(rank: int, world_size: int, url: str) -> None:
+    with Checkpointer(url, verify_before_commit=True) as ckpt:
+        ckpt.save(1, state=_state(rank, 1))
+        assert ckpt.latest_checkpoint() == "iter_000000001"
+        with pytest.MonkeyPatch.context() as patch:
+            if rank == 1:  # only rank 1's file is damaged; rank 0 verifies and both learn it
+                _flip_a_byte_of_each_data_file(patch)
+            with pytest.raises(CorruptCheckpointError) as info:
+                ckpt.save(2, state=_state(rank, 2))
+        assert "iter_000000002" in str(info.value), str(info.value)
+        assert ckpt.latest_checkpoint() == "iter_000000001" and ckpt.committed_iterations() == [1]
+
+
+def test_verify_before_commit_with_two_ranks_refuses_an_iteration_one_rank_damaged_on_both(
+    local_backend: Backend, tmp_path: Path
+) -> None:
+    run_ranks(_verify_two_ranks, 2, tmp_path, local_backend.url)
