@@ -29,6 +29,7 @@ from dcp_fsspec.checkpoint import commit, layout, retention
 
 from .conftest import Backend
 from .ckpt_helpers import Training, assert_equal, assert_same_training
+from .helpers import flip_a_byte_of_each_data_file_once_written
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -576,23 +577,9 @@ def test_iteration_names_round_trip_through_the_one_regex() -> None:
 def test_verify_before_commit_refuses_a_damaged_iteration_and_keeps_the_pointer(
     local_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_fsspec.storage.backends import local as uploads
-
     with Checkpointer(local_backend.url, verify_before_commit=True) as ckpt:
         ckpt.save(1, trainer={"w": torch.arange(4096.0)})
-        # Damage the bytes after they are written and before the commit, as a faulty disk would.
-        real_commit = uploads.LocalUpload.commit
-
-        def flip_a_byte(self: uploads.LocalUpload) -> None:
-            real_commit(self)
-            if self.path.endswith(".distcp"):
-                with open(self.path, "r+b") as f:
-                    f.seek(self.size // 2)
-                    byte = f.read(1)
-                    f.seek(self.size // 2)
-                    f.write(bytes([byte[0] ^ 0x01]))
-
-        monkeypatch.setattr(uploads.LocalUpload, "commit", flip_a_byte)
+        flip_a_byte_of_each_data_file_once_written(monkeypatch)
         with pytest.raises(CorruptCheckpointError) as info:
             ckpt.save(2, trainer={"w": torch.arange(4096.0) * 2})
         assert "iter_000000002" in str(info.value) and "'trainer'" in str(info.value)

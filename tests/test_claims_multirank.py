@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError
 from dcp_fsspec.checkpoint import commit
-from dcp_fsspec.storage.backends import local as uploads
 from dcp_fsspec.storage.urls import resolve
 from tests.conftest import Backend
 from tests.distributed import run_ranks
+from tests.helpers import flip_a_byte_of_each_data_file_once_written
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -28,29 +28,13 @@ def _state(rank: int, iteration: int) -> dict[str, Any]:
     return {f"rank{rank}": torch.full((1024,), float(iteration))}
 
 
-def _flip_a_byte_of_each_data_file(patch: pytest.MonkeyPatch) -> None:
-    """As a faulty disk would: the bytes change after they were written, before the commit."""
-    real_commit = uploads.LocalUpload.commit
-
-    def flip(self: uploads.LocalUpload) -> None:
-        real_commit(self)
-        if self.path.endswith(".distcp"):
-            with open(self.path, "r+b") as f:
-                f.seek(self.size // 2)
-                byte = f.read(1)
-                f.seek(self.size // 2)
-                f.write(bytes([byte[0] ^ 0x01]))
-
-    patch.setattr(uploads.LocalUpload, "commit", flip)
-
-
 def _verify_two_ranks(rank: int, world_size: int, url: str) -> None:
     with Checkpointer(url, verify_before_commit=True) as ckpt:
         ckpt.save(1, state=_state(rank, 1))
         assert ckpt.latest_checkpoint() == "iter_000000001"
         with pytest.MonkeyPatch.context() as patch:
             if rank == 1:  # only rank 1's file is damaged; rank 0 verifies and both learn it
-                _flip_a_byte_of_each_data_file(patch)
+                flip_a_byte_of_each_data_file_once_written(patch)
             with pytest.raises(CorruptCheckpointError) as info:
                 ckpt.save(2, state=_state(rank, 2))
         assert "iter_000000002" in str(info.value), str(info.value)
