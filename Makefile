@@ -5,7 +5,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench mutation clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,21 @@ test: venv
 
 bench: venv
 	$(PY) -m benchmarks.run
+
+# Mutation testing of the commit protocol, the pointer, the step layout and retention (config:
+# [tool.mutmut] in pyproject.toml; equivalent mutants: mutation/EQUIVALENT.md). Not part of
+# `make test`: it runs in a copy of the tree under build/mutation, for an hour or more on two
+# cores. MUTANTS='dcp_fsspec.checkpoint.layout.*' narrows it to some mutants.
+MUTANTS ?=
+$(VENV)/.mutation: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test,mutation]"
+	touch $@
+
+mutation: $(VENV)/.mutation
+	rm -rf build/mutation && mkdir -p build/mutation
+	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C build/mutation
+	cd build/mutation && $(abspath $(VENV))/bin/mutmut run --max-children 2 $(MUTANTS)
+	cd build/mutation && $(abspath $(PY)) ../../mutation/score.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

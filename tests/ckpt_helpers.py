@@ -72,3 +72,20 @@ def assert_same_training(a: Training, b: Training) -> None:
     assert_equal(a.scheduler.state_dict(), b.scheduler.state_dict(), "scheduler")
     assert (a.trainer["step"], a.trainer["note"]) == (b.trainer["step"], b.trainer["note"])
     assert_equal(a.data.get_state(), b.data.get_state(), "data generator")
+
+
+def save_twice_and_resume(url: str, storage_options: dict[str, Any], **checkpointer_options: Any) -> None:
+    """Train, save iterations 1 and 2 (keep_last_n=1) and resume from the pointer: the resumed
+    training must match the saved one exactly, and only iteration 2 stay committed."""
+    from dcp_fsspec import Checkpointer  # here: the other helpers need no storage
+
+    training = Training()
+    with Checkpointer(url, storage_options, keep_last_n=1, **checkpointer_options) as ckpt:
+        for iteration in (1, 2):
+            training.run(1)
+            ckpt.save(iteration, **training.keys())
+        resumed = Training(seed=5)
+        assert ckpt.load(**resumed.keys()) == 2
+        assert ckpt.committed_iterations() == [2]
+    resumed.after_load()
+    assert_same_training(resumed, training)

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -57,3 +58,22 @@ def differences_outside_the_serialization_id(ours: bytes, theirs: bytes) -> list
     allowed = set(range(start, start + 40)) | set(range(start + 44, start + 48)) | set(range(central + 16, central + 20))
     assert len(ours) == len(theirs)
     return [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b and i not in allowed]
+
+
+def flip_a_byte_of_each_data_file_once_written(patch: pytest.MonkeyPatch) -> None:
+    """On local disk, as a faulty disk would: each data file's middle byte changes after the file
+    is written whole, before the commit."""
+    from dcp_fsspec.storage.backends.local import LocalUpload
+
+    real_commit = LocalUpload.commit
+
+    def flip(self: LocalUpload) -> None:
+        real_commit(self)
+        if self.path.endswith(".distcp"):
+            with open(self.path, "r+b") as f:
+                f.seek(self.size // 2)
+                byte = f.read(1)
+                f.seek(self.size // 2)
+                f.write(bytes([byte[0] ^ 0x01]))
+
+    patch.setattr(LocalUpload, "commit", flip)

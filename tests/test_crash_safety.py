@@ -165,6 +165,10 @@ def _pending_uploads(backend: Backend) -> list[str]:
 def test_a_save_killed_when_leaves_the_last_checkpoint_loadable_and_the_next_save_cleans_up(
     backend_name: str, moment: str, request: pytest.FixtureRequest
 ) -> None:
+    """Guarantee row: 'a save killed at any step (SIGKILL) leaves the pointer on a complete checkpoint, and the next save succeeds and removes what was half-written' (local, S3)
+    Guarantee row: 'a data file is complete or absent' (local, S3)
+    Guarantee row: 'a save that dies part-way leaves no .metadata (so it is never loaded as a checkpoint)' (local, S3)
+    """
     point = KILL_POINTS[moment]
     crash_backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
     training = Training()
@@ -219,6 +223,7 @@ def any_backend(request: pytest.FixtureRequest) -> Backend:
 def test_a_writer_that_loses_the_race_for_the_pointer_never_moves_it_back(
     any_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Guarantee row: 'the pointer names only committed iterations and never moves back' (local, memory, S3)"""
     root = resolve(any_backend.url, any_backend.storage_options)
     commit.write_pointer(root, 2)
     conditional = any_backend.name == "s3"
@@ -274,6 +279,7 @@ def _watch_pointer(backend: Backend, stop: threading.Event) -> list[int]:
 def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(
     any_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Guarantee row: 'two runs saving different iterations into one folder never damage each other' (local, memory, S3)"""
     # The odd run commits a moment later in every round, so the even run's newer iteration
     # moves the pointer past it at least once: the race is certain to happen, not only likely.
     real_publish = commit.publish
@@ -318,6 +324,7 @@ def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(
 def test_an_iteration_the_other_runs_pointer_passed_while_it_was_written_is_not_committed(
     any_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Guarantee row: 'two runs saving different iterations into one folder never damage each other' (local, memory, S3)"""
     root = resolve(any_backend.url, any_backend.storage_options)
     real_finish = FsspecStorageWriter.finish
 

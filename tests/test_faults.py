@@ -19,12 +19,12 @@ import pytest
 import torch
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 
-from dcp_fsspec import Checkpointer, StorageError
+from dcp_fsspec import StorageError
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.retry import RetryPolicy, is_transient
 from dcp_fsspec.storage.urls import resolve
-from tests.ckpt_helpers import Training, assert_same_training
+from tests.ckpt_helpers import save_twice_and_resume
 from tests.conftest import Backend
 from tests.faults import FaultyProxy
 from tests.helpers import load, raises_through_dcp, save
@@ -182,6 +182,7 @@ def test_policy_rejects_limits_that_make_no_sense(kwargs: dict[str, Any]) -> Non
 def test_save_and_load_are_bit_exact_through_a_proxy_failing_a_quarter_of_requests(
     faulty_s3: Backend, proxy: FaultyProxy
 ) -> None:
+    """Guarantee row: 'transient faults (503 SlowDown, 5xx, dropped connections) are retried' (S3)"""
     state = sample_state()
     with proxy.faults_at(0.25):
         save(state, faulty_s3, **SMALL_IO)
@@ -211,16 +212,8 @@ def test_without_our_retries_the_same_faults_fail_the_save(faulty_s3: Backend, p
 def test_checkpointer_saves_commits_and_resumes_through_faults(faulty_s3: Backend, proxy: FaultyProxy) -> None:
     # Its default RetryPolicy covers what botocore would have retried (and sleeps less).
     backend = _without_driver_retries(faulty_s3)
-    training = Training()
-    with proxy.faults_at(0.15), Checkpointer(backend.url, backend.storage_options, keep_last_n=1) as ckpt:
-        for iteration in (1, 2):
-            training.run(1)
-            ckpt.save(iteration, **training.keys())
-        resumed = Training(seed=5)
-        assert ckpt.load(**resumed.keys()) == 2
-        assert ckpt.committed_iterations() == [2]
-    resumed.after_load()
-    assert_same_training(resumed, training)
+    with proxy.faults_at(0.15):
+        save_twice_and_resume(backend.url, backend.storage_options)
     assert sum(proxy.faults.values()) >= 5, proxy.faults
 
 
@@ -228,6 +221,7 @@ def test_checkpointer_saves_commits_and_resumes_through_faults(faulty_s3: Backen
 def test_faults_that_never_clear_fail_a_save_within_the_policy_deadline(
     faulty_s3: Backend, proxy: FaultyProxy, kind: str
 ) -> None:
+    """Guarantee row: 'a call that keeps failing ends in bounded time, naming the URL' (S3)"""
     policy = RetryPolicy(attempts=100, base_delay=0.05, max_delay=0.2, deadline=DEADLINE)
     start = time.monotonic()
     with proxy.faults_at(1.0, kinds=(kind,)), raises_through_dcp(StorageError) as raised:
@@ -263,6 +257,7 @@ def test_a_part_that_cannot_be_uploaded_stops_the_file_instead_of_sending_the_re
 
 
 def test_bad_credentials_fail_at_once_with_the_url_and_no_retries(faulty_s3: Backend, proxy: FaultyProxy) -> None:
+    """Guarantee row: 'permanent errors (403, 404, bad credentials, missing bucket) fail at once, naming the URL' (S3)"""
     proxy.deny = True
     with raises_through_dcp(StorageError) as raised:
         save({"w": torch.ones(4)}, faulty_s3, retry=FAST)

@@ -115,6 +115,7 @@ def _fail_one_rank_at_each_step(rank: int, world_size: int, url: str, options: d
 def test_one_rank_failing_at_any_step_fails_the_save_on_every_rank_and_the_pointer_stays(
     local_backend: Backend, tmp_path: Path
 ) -> None:
+    """Guarantee row: 'one rank failing (storage error, exception, commit error) fails the save on every rank at once; the pointer stays' (local)"""
     # Local disk only: how errors travel between ranks does not depend on the storage.
     run_ranks(_fail_one_rank_at_each_step, 2, tmp_path, local_backend.url, local_backend.storage_options)
 
@@ -152,6 +153,7 @@ def _save_while_rank1_dies(rank: int, store: str, url: str, how: str, timeout: f
 def test_when_a_rank_is_killed_or_hangs_mid_save_the_other_rank_fails_in_bounded_time(
     local_backend: Backend, tmp_path: Path, how: str
 ) -> None:
+    """Guarantee row: 'a rank killed or hung mid-save ends the save on the others in bounded time; the pointer stays' (local)"""
     # A killed rank is seen at once (its sockets reset), whatever the timeout; a hung one only
     # when the group's timeout passes.
     timeout = 120.0 if how == "killed" else HUNG_RANK_TIMEOUT.total_seconds()

@@ -1,8 +1,15 @@
-"""README claims that had no test of their own: each test names the claim it checks."""
+"""README claims that had no test of their own: each test names the claim it checks.
+
+The first test is the rule that keeps the guarantees table honest: every cell of it that
+promises something names a backend, and some test's docstring must name that row and backend as
+``Guarantee row: '<the row's first cell>' (<backend>, ...)``.
+"""
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,82 @@ from dcp_fsspec.storage import names
 from tests.conftest import Backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+ROOT = Path(__file__).resolve().parent.parent
+# The table's columns, as the backend names a docstring uses ("GCS, Azure Blob" is two).
+_COLUMNS = (("local",), ("S3",), ("GCS", "Azure"), ("memory",), ("SFTP",))
+_NAMED = re.compile(r"Guarantee row: '(?P<row>.+?)' \((?P<backends>[^)]*)\)")
+
+
+def guarantee_cells(readme: str) -> set[tuple[str, str]]:
+    """(row, backend) for each cell of the README's guarantees table that promises something.
+
+    A cell promises something unless it starts with "–" (does not apply) or "not guaranteed", or
+    says "not tested" (the table then says itself what no test checks).
+    The row is its first cell without backticks.
+    """
+    section = readme.split("\n## Guarantees\n", 1)[1]
+    lines = section.strip().split("\n\n", 1)[0].splitlines()
+    header, _, *rows = lines
+    assert len(header.strip("|").split("|")) == len(_COLUMNS) + 1, f"the table's columns changed: {header}"
+    cells: set[tuple[str, str]] = set()
+    for line in rows:
+        row, *values = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        assert len(values) == len(_COLUMNS), f"a row with {len(values)} cells: {line}"
+        for value, backends in zip(values, _COLUMNS):
+            if not value.startswith(("–", "not guaranteed")) and "not tested" not in value:
+                cells |= {(row.replace("`", ""), backend) for backend in backends}
+    return cells
+
+
+def named_guarantees(tests: Path) -> set[tuple[str, str]]:
+    """(row, backend) for each ``Guarantee row: '...' (...)`` in a test function's docstring."""
+    named: set[tuple[str, str]] = set()
+    for path in tests.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+                doc = " ".join((ast.get_docstring(node) or "").split())
+                for match in _NAMED.finditer(doc):
+                    named |= {(match["row"], b.strip()) for b in match["backends"].split(",")}
+    return named
+
+
+# Promises the table makes that no test checks yet (issue 16 left them open): each one is a test
+# to write, or a cell to mark "not tested". The list may only shrink: a test that names one of
+# them fails the rule below until it is taken off, and so does a new untested promise.
+KNOWN_UNTESTED = {
+    ("a data file is complete or absent", "GCS"),
+    ("a data file is complete or absent", "Azure"),
+    ("a data file is complete or absent", "memory"),
+    ("a data file is complete or absent", "SFTP"),
+    ("two processes saving the *same* iteration into one folder never commit a mix", "GCS"),
+    ("two processes saving the *same* iteration into one folder never commit a mix", "Azure"),
+    ("two processes saving the *same* iteration into one folder never commit a mix", "memory"),
+    ("two processes saving the *same* iteration into one folder never commit a mix", "SFTP"),
+}
+
+
+def test_every_promise_of_the_guarantees_table_is_named_by_a_test() -> None:
+    """Each (row, backend) the README's guarantees table promises has a test that says it checks it."""
+    promised = guarantee_cells((ROOT / "README.md").read_text())
+    assert len(promised) > 40  # the parser found the table
+    named = named_guarantees(ROOT / "tests")
+    assert not named - promised, f"docstrings name rows or backends the table does not have: {sorted(named - promised)}"
+    missing = promised - named
+    assert missing <= KNOWN_UNTESTED, "no test docstring names these guarantee cells:\n" + "\n".join(
+        f"  {r!r} ({b})" for r, b in sorted(missing - KNOWN_UNTESTED)
+    )
+    assert not KNOWN_UNTESTED - missing, f"tested now, take them off KNOWN_UNTESTED: {sorted(KNOWN_UNTESTED - missing)}"
+
+
+def test_a_docstring_naming_a_row_the_table_does_not_have_is_caught() -> None:
+    """The rule's own check: a misspelt row or backend would not count as naming a promise."""
+    readme = (ROOT / "README.md").read_text()
+    row = "bit flips in tensor data detected on load"
+    assert (row, "SFTP") in guarantee_cells(readme)
+    assert ("ranged reads of the data files", "Azure") in guarantee_cells(readme)
+    broken = readme.replace("| bit flips in tensor data detected on load | CRC-32 per tensor |", "| bit flips | – |")
+    assert (row, "local") not in guarantee_cells(broken)
 
 
 def test_a_ready_filesystem_can_be_passed_as_fs_instead_of_storage_options() -> None:
@@ -48,7 +131,11 @@ def test_local_saves_fsync_every_file_before_its_rename_and_then_the_folder(
     monkeypatch.setattr(os, "replace", replace)
     dcp.save({"w": torch.ones(64), "b": torch.zeros(3)}, storage_writer=FsspecStorageWriter(local_backend.url), no_dist=True)
     monkeypatch.undo()
-    renames = [(i, *what.split(" -> ")) for i, (kind, what) in enumerate(events) if kind == "replace"]
+    renames: list[tuple[int, str, str]] = []
+    for i, (kind, what) in enumerate(events):
+        if kind == "replace":
+            temp, target = what.split(" -> ", 1)
+            renames.append((i, temp, target))
     assert {os.path.basename(target) for _, _, target in renames} >= {"__0_0.distcp", names.METADATA_NAME}
     for i, temp, target in renames:
         assert ("fsync", temp) in events[:i], f"{temp} renamed to {target} before it was fsynced"

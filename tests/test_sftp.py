@@ -74,6 +74,7 @@ def test_a_missing_sftp_checkpoint_is_an_error_naming_the_url(sftp_backend: Back
 def test_an_sftp_pointer_update_that_fails_before_its_rename_leaves_the_old_pointer_whole(
     sftp_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (SFTP)"""
     import os
 
     from dcp_fsspec import StorageError

@@ -27,6 +27,7 @@ def _data_file(backend: Backend) -> str:
 
 
 def test_loading_a_url_without_a_checkpoint_names_the_url(backend: Backend) -> None:
+    """Guarantee row: 'permanent errors (403, 404, bad credentials, missing bucket) fail at once, naming the URL' (local, memory)"""
     with pytest.raises(CheckpointNotFoundError) as info:
         FsspecStorageReader(backend.url, storage_options=backend.storage_options).read_metadata()
     assert backend.sub(".metadata") in str(info.value)
@@ -108,6 +109,7 @@ def test_a_truncated_metadata_file_is_reported_as_corrupt(backend: Backend, keep
 
 @pytest.mark.parametrize("where", ["start", "middle", "end"])
 def test_one_flipped_byte_in_tensor_data_fails_the_checksum(backend: Backend, where: str) -> None:
+    """Guarantee row: 'bit flips in tensor data detected on load' (local, memory, S3, GCS, Azure, SFTP)"""
     tensor = torch.randn(4096)
     save({"w": tensor}, backend, files_per_rank=1)
     path = _data_file(backend)

@@ -72,6 +72,7 @@ def test_overwrite_replaces_the_checkpoint_by_default_as_torch_does(backend: Bac
 def test_load_of_a_subset_and_of_resized_chunks_reads_what_is_needed(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Guarantee row: 'ranged reads of the data files' (local, memory, S3, GCS, Azure, SFTP)"""
     state = sample_state()
     save(state, backend)
     fetched: list[int] = []

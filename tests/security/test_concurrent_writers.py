@@ -68,6 +68,7 @@ def _equal(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> bool:
 def test_two_processes_saving_the_same_iteration_commit_one_writers_checkpoint_never_a_mix(
     backend_name: str, request: pytest.FixtureRequest
 ) -> None:
+    """Guarantee row: 'two processes saving the *same* iteration into one folder never commit a mix' (local, S3)"""
     backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(2), ctx.Queue()

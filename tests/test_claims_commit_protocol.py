@@ -1,0 +1,277 @@
+"""The commit protocol's pieces, each held to what it promises: the pointer (moves forward only,
+tells why it did not move, refuses garbage), the iteration listing and retention's deletions.
+
+The Checkpointer's tests reach these through whole saves, where the pointer's compare-and-swap
+rarely loses and retention rarely fails; these tests drive each case directly, on the backends
+of one process (local disk, memory://). They also run under ``make mutation``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_fsspec import CheckpointExistsError, Checkpointer, CorruptCheckpointError, FsspecStorageWriter, StorageError
+from dcp_fsspec.checkpoint import commit, layout, retention
+from dcp_fsspec.storage.names import POINTER_NAME
+from dcp_fsspec.storage.urls import Location, resolve
+from tests.conftest import Backend
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request: pytest.FixtureRequest) -> Location:
+    """An empty ``save_dirname`` on a backend of this process."""
+    backend: Backend = request.getfixturevalue(f"{request.param}_backend")
+    return resolve(backend.url, backend.storage_options)
+
+
+def _pointer_file(root: Location) -> bytes:
+    return root.fs.cat_file(root.join(POINTER_NAME))
+
+
+def _save(root: Location, *iterations: int) -> None:
+    with Checkpointer(root.url) as ckpt:
+        for iteration in iterations:
+            ckpt.save(iteration, model={"w": torch.full((4,), float(iteration))})
+
+
+def _put(root: Location, *names: str, data: bytes = b"x") -> None:
+    path = root.join(*names)
+    root.fs.makedirs(root.fs._parent(path), exist_ok=True)
+    root.fs.pipe_file(path, data)
+
+
+def _messages(caplog: pytest.LogCaptureFixture, module: Any) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == module.__name__]
+
+
+def _set_pointer(root: Location, iteration: int) -> None:
+    """Put the pointer anywhere, as a run with another history would have left it."""
+    commit.write_atomically(root, root.join(POINTER_NAME), f"{layout.format_iteration(iteration)}\n".encode())
+
+
+def test_the_pointer_moves_forward_stays_on_a_repeat_and_never_moves_back(
+    root: Location, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Guarantee row: 'the pointer names only committed iterations and never moves back' (local, memory)."""
+    assert commit.read_pointer(root) is None
+    assert commit.write_pointer(root, 3) is True
+    assert commit.write_pointer(root, 7) is True
+    assert commit.write_pointer(root, 7) is True  # a repeat (a retried save) is not a move back
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.commit"):
+        assert commit.write_pointer(root, 5) is False
+    assert commit.read_pointer(root) == 7
+    assert _pointer_file(root) == b"iter_000000007\n"
+    assert _messages(caplog, commit) == [
+        f"{commit.pointer_url(root)} names iter_000000007, newer than iter_000000005; the pointer does not move backwards"
+    ]
+
+
+def test_a_pointer_holding_garbage_is_neither_read_nor_overwritten(root: Location) -> None:
+    """A pointer someone else wrote is an error naming it, never silently replaced."""
+    _put(root, POINTER_NAME, data=b"iter_000000002/model\n")
+    for call in (lambda: commit.read_pointer(root), lambda: commit.write_pointer(root, 3)):
+        with pytest.raises(CorruptCheckpointError, match="not an iteration folder name") as raised:
+            call()
+        assert commit.pointer_url(root) in str(raised.value) and "'iter_000000002/model'" in str(raised.value)
+    assert _pointer_file(root) == b"iter_000000002/model\n"
+
+
+def test_a_pointer_other_writers_keep_changing_is_a_storage_error_naming_it_and_the_folder(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On S3 the compare-and-swap (a PUT conditional on the ETag read) loses when another run
+    writes between the read and the PUT; after as many rounds as it allows, the pointer update
+    stops with an error that says why, and the other run's pointer is left as it wrote it."""
+    root = resolve(s3_backend.url, s3_backend.storage_options)
+    assert commit.write_pointer(root, 1)
+    backend_type = type(root.backend)
+    real_replace = backend_type.replace_if_unchanged
+    rounds: list[str] = []
+
+    def another_writer_first(self: Any, path: str, data: bytes, expected: Any) -> bool:
+        rounds.append(path)
+        self.fs.pipe_file(path, f"{layout.format_iteration(len(rounds) + 1)}\n".encode())  # still behind us
+        return real_replace(self, path, data, expected)
+
+    monkeypatch.setattr(backend_type, "replace_if_unchanged", another_writer_first)
+    with pytest.raises(StorageError) as raised:
+        commit.write_pointer(root, 99)
+    message = str(raised.value)
+    assert f"cannot move {commit.pointer_url(root)} to iter_000000099: it changed " in message
+    assert f"times while we tried; is another run saving to {root.url}?" in message
+    assert len(rounds) > 1 and set(rounds) == {root.join(POINTER_NAME)}
+    assert commit.read_pointer(root) == len(rounds) + 1
+
+
+def test_iterations_are_the_iteration_folders_ascending_committed_or_not(root: Location) -> None:
+    """list_iterations: folders named like iterations, whatever they hold; not files, not other names."""
+    assert layout.list_iterations(root) == []  # nothing there yet
+    _save(root, 3, 10)
+    _put(root, "iter_000000001", "model", "leftover")  # an uncommitted folder
+    _put(root, "iter_000000007", data=b"a file, not a folder")
+    _put(root, "notes", "iter_000000004")
+    assert layout.list_iterations(root) == [1, 3, 10]
+
+
+def test_an_iteration_listing_that_fails_is_a_storage_error_naming_the_folder(
+    root: Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def denied(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(root.fs), "ls", denied)
+    with pytest.raises(StorageError) as raised:
+        layout.list_iterations(root)
+    assert str(raised.value).startswith(f"cannot list checkpoints under {root.url}: ")
+    assert isinstance(raised.value.__cause__, PermissionError)
+
+
+def test_retention_deletes_what_its_plan_says_and_reports_it(root: Location, caplog: pytest.LogCaptureFixture) -> None:
+    """keep_last_n=2 with the pointer on 4: 3 and 4 stay, 5 (newer, being written) stays, 1 and 2 go."""
+    _save(root, 1, 2, 3, 4, 5)
+    _set_pointer(root, 4)
+    _put(root, "iter_000000000", "model", "debris")  # an uncommitted folder below
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint.retention"):
+        assert retention.apply_retention(root, 2, protected=(5,)) == [0, 1, 2]
+    assert layout.list_iterations(root) == [3, 4, 5]
+    assert commit.read_pointer(root) == 4
+    assert _messages(caplog, retention) == [
+        f"deleted ['iter_000000000', 'iter_000000001', 'iter_000000002'] under {root.url} (keep_last_n=2)"
+    ]
+    # The pointer's own iteration and what the caller names as latest decide, not what is newest.
+    assert retention.apply_retention(root, 1, latest=5) == [3, 4]
+    assert layout.list_iterations(root) == [5]
+
+
+def test_retention_keeps_n_committed_counting_only_committed_iterations(root: Location) -> None:
+    """Uncommitted folders do not count towards keep_last_n: two committed ones stay."""
+    _save(root, 1, 2, 4)
+    root.fs.rm(root.join("iter_000000002", commit.COMMIT_RECORD_NAME))  # 2 is no longer committed
+    assert retention.apply_retention(root, 2) == [2]
+    assert layout.list_iterations(root) == [1, 4]
+    assert commit.committed_iterations(root) == [1, 4]
+
+
+def test_retention_without_a_pointer_deletes_nothing(root: Location) -> None:
+    _save(root, 1, 2, 3)
+    root.fs.rm(root.join(POINTER_NAME))
+    assert retention.apply_retention(root, 1) == []
+    assert layout.list_iterations(root) == [1, 2, 3]
+
+
+def test_a_failed_deletion_is_logged_skipped_and_the_rest_still_deleted(
+    root: Location, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save(root, 1, 2, 3)
+    real_discard = commit.discard_iteration
+
+    def discard(where: Location, iteration: int) -> None:
+        if iteration == 1:
+            raise PermissionError(13, "Permission denied")
+        real_discard(where, iteration)
+
+    monkeypatch.setattr(commit, "discard_iteration", discard)
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.retention"):
+        assert retention.apply_retention(root, 1) == [2]
+    assert layout.list_iterations(root) == [1, 3]
+    assert _messages(caplog, retention) == [
+        "could not delete iter_000000001 (retried at the next save): [Errno 13] Permission denied"
+    ]
+
+
+def test_retention_that_cannot_read_the_pointer_deletes_nothing_and_says_so(
+    root: Location, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save(root, 1, 2, 3)
+    root.fs.pipe_file(root.join(POINTER_NAME), b"garbage")
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.retention"):
+        assert retention.apply_retention(root, 1) == []
+    assert layout.list_iterations(root) == [1, 2, 3]
+    (message,) = _messages(caplog, retention)
+    assert message.startswith(f"retention skipped under {root.url} (retried at the next save): ")
+    assert commit.pointer_url(root) in message
+
+
+def test_publishing_an_iteration_the_pointer_passed_is_refused_with_what_to_do(root: Location) -> None:
+    """Another run moved the pointer past this iteration while it was written: not committed."""
+    _save(root, 7)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.publish(root, 5, ("model",), 1)
+    assert str(raised.value) == (
+        f"cannot commit {root.url_of(layout.iteration_path(root, 5))}: {commit.pointer_url(root)} moved to the "
+        f"newer iter_000000007 while it was being saved, so another run is saving to {root.url}; the pointer "
+        "never moves backwards, so this iteration stays uncommitted. Give each run its own save_dirname"
+    )
+    assert commit.read_pointer(root) == 7 and not commit.is_committed(root, 5)
+
+
+def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iteration(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between this save's read of the pointer and its conditional PUT another run moved it to a
+    newer iteration: the save is committed, the pointer stays on the other run's iteration, and
+    publish says which."""
+    root = resolve(s3_backend.url, s3_backend.storage_options)
+    assert commit.write_pointer(root, 3)
+    writer = FsspecStorageWriter(root.url_of(layout.key_path(root, 5, "model")), s3_backend.storage_options)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+    backend_type = type(root.backend)
+    real_replace = backend_type.replace_if_unchanged
+    moved: list[str] = []
+
+    def another_run_first(self: Any, path: str, data: bytes, expected: Any) -> bool:
+        if path.endswith(POINTER_NAME) and not moved:
+            moved.append(path)
+            self.fs.pipe_file(path, b"iter_000000009\n")
+        return real_replace(self, path, data, expected)
+
+    monkeypatch.setattr(backend_type, "replace_if_unchanged", another_run_first)
+    assert commit.publish(root, 5, ("model",), 1) == 9
+    assert moved and commit.read_pointer(root) == 9 and commit.is_committed(root, 5)
+
+
+@pytest.mark.parametrize("keep_last_n", [0, -1])
+def test_a_retention_plan_for_fewer_than_one_iteration_is_refused_naming_the_value(keep_last_n: int) -> None:
+    with pytest.raises(ValueError) as raised:
+        retention.plan_deletions([1, 2], [1, 2], keep_last_n=keep_last_n, latest=2)
+    assert str(raised.value) == f"keep_last_n must be >= 1, got {keep_last_n}"
+
+
+def _written_key(root: Location, iteration: int, save_id: str) -> None:
+    """One key of ``iteration`` finished by a save whose token is ``save_id``; not committed."""
+    writer = FsspecStorageWriter(root.url_of(layout.key_path(root, iteration, "model")), save_id=save_id)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+
+
+def test_publish_commits_only_a_key_its_own_save_wrote(root: Location) -> None:
+    """A key whose .metadata carries another save's token is not committed by this one."""
+    _written_key(root, 5, save_id="a" * 32)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="b" * 32)
+    assert root.url_of(layout.iteration_path(root, 5)) in str(raised.value)
+    assert not commit.is_committed(root, 5) and commit.read_pointer(root) is None
+    assert commit.publish(root, 5, ("model",), 1, save_id="a" * 32) == 5
+    assert commit.is_committed(root, 5)
+
+
+def test_publish_over_a_garbage_pointer_is_an_error_naming_it(root: Location) -> None:
+    _written_key(root, 5, save_id="a" * 32)
+    _put(root, POINTER_NAME, data=b"not a folder name\n")
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    assert commit.pointer_url(root) in str(raised.value)
+    assert not commit.is_committed(root, 5)
+
+
+def test_retention_spares_an_older_iteration_being_rewritten(root: Location) -> None:
+    """An overwrite of iteration 1 behind the pointer (4) is protected while it is written."""
+    _save(root, 1, 2, 3, 4)
+    assert retention.apply_retention(root, 1, protected=(1,)) == [2, 3]
+    assert layout.list_iterations(root) == [1, 4]
