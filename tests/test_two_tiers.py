@@ -133,7 +133,7 @@ def test_a_drain_killed_part_way_leaves_the_durable_pointer_and_the_next_run_res
     durable_files = fs.find(s3_backend.url + "/iter_000000004")
     assert any(name.endswith(".distcp") for name in durable_files)  # the copy was under way
     assert _pointer(s3_backend.url, s3_backend.storage_options) == 2  # ... and not committed
-    assert not commit.is_committed(resolve(s3_backend.url, s3_backend.storage_options), 4)
+    assert 4 not in commit.committed_iterations(resolve(s3_backend.url, s3_backend.storage_options))
 
     with caplog.at_level(logging.INFO, logger="dcp_fsspec"):
         iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, local, keep_last_n_local=2)
