@@ -336,27 +336,6 @@ def require_saved_together(root: Location, record: CommitRecord, *, trust_checkp
             )
 
 
-def commit_iteration(
-    root: Location, iteration: int, keys: tuple[str, ...], world_size: int, *, behind_pointer: bool = False
-) -> CommitRecord:
-    """Mark ``iteration`` committed once each of ``keys`` is a finished DCP checkpoint.
-
-    Called by rank 0 after every rank reported success, and before the pointer moves. Unless
-    ``behind_pointer`` (an explicit overwrite of an older iteration), an iteration the pointer
-    has moved past is not committed: another run saving to the same folder moved it while this
-    save was in flight, and that run's retention may already be deleting these files, which
-    is safe only while they are uncommitted.
-
-    Raises:
-        CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
-        CheckpointExistsError: the pointer names a newer iteration (and not ``behind_pointer``).
-    """
-    latest = None if behind_pointer else read_pointer(root)
-    if latest is not None and latest > iteration:
-        raise _moved_past(root, iteration, latest)
-    return commit_record(root, iteration, keys, world_size)
-
-
 def publish(
     root: Location,
     iteration: int,
