@@ -31,8 +31,16 @@ from dcp_fsspec.local_s3 import LocalS3Server
 from tests.servers import ServerUnavailable
 from tests.servers.azurite import LocalAzurite
 from tests.servers.gcs import ENVIRON as GCS_ENVIRON
-from tests.servers.gcs import LocalGCSServer
+from tests.servers.gcs import LocalGCSServer, import_gcsfs
 from tests.servers.sshd import LocalSSHServer
+
+# gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT once, at import: import it now, the way the GCS
+# emulator needs, before any test or framework (fsspec's registry, a training framework's
+# cloud-IO helpers) imports it with the variable's default.
+try:
+    import_gcsfs()
+except ServerUnavailable:  # gcsfs absent: the gs:// tests say so themselves
+    pass
 
 
 @dataclass
