@@ -18,8 +18,11 @@ venv: $(VENV)/.installed
 demo: venv
 	$(PY) -m dcp_fsspec demo
 
+# The suite, under ten minutes on two cores. The slow multi-rank cases (marker `slow`) run too
+# under SLOW=1, which .ci/run sets: `make test SLOW=1` runs everything.
+SLOW ?=
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 1 true yes,$(SLOW)),,-m "not slow")
 
 bench: venv
 	$(PY) -m benchmarks.run

@@ -200,6 +200,7 @@ def test_cuda_tensors_are_staged_into_pinned_shared_memory() -> None:
     stager.close()
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp2_async_saves_resume_bitwise(shared_backend: Backend, tmp_path: Path) -> None:
     def run(name: str, **kwargs: Any) -> dict[str, Any]:
         phase = Phase(

@@ -44,6 +44,7 @@ def _assert_same_state(resumed: dict[str, Any], reference: dict[str, Any]) -> No
         assert_equal(resumed[part], reference[part], part)
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp2_training_resumed_in_fresh_processes_matches_uninterrupted_training(
     shared_backend: Backend, tmp_path: Path
 ) -> None:
@@ -61,6 +62,7 @@ def test_two_rank_fsdp2_training_resumed_in_fresh_processes_matches_uninterrupte
     assert resumed["losses"] == {s: reference["losses"][s] for s in (5, 6, 7, 8)}
 
 
+@pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_on_a_different_world_size(s3_backend: Backend, tmp_path: Path) -> None:
     _run(s3_backend, tmp_path, "two", 2, expect_resume=0, stop_at=3, save_every=3, reference_steps=9)
     one = _run(s3_backend, tmp_path, "one", 1, expect_resume=3, stop_at=6, save_every=3)

@@ -52,6 +52,7 @@ def _state(value: float) -> dict[str, Any]:
     return {"w": torch.full((16,), value), "step": int(value)}
 
 
+@pytest.mark.slow
 def test_committed_iterations_cost_one_listing_however_many_folders_there_are(
     s3_backend: Backend, requests: Counter[str]
 ) -> None:
@@ -64,6 +65,7 @@ def test_committed_iterations_cost_one_listing_however_many_folders_there_are(
     assert sum(requests.values()) < 10, requests
 
 
+@pytest.mark.slow
 def test_a_save_with_retention_over_thousands_of_junk_folders_costs_a_bounded_number_of_requests(
     s3_backend: Backend, requests: Counter[str]
 ) -> None:
@@ -80,6 +82,7 @@ def test_a_save_with_retention_over_thousands_of_junk_folders_costs_a_bounded_nu
     assert saved < 30, requests
 
 
+@pytest.mark.slow
 def test_retention_decides_over_thousands_of_junk_folders_below_the_pointer_with_a_bounded_number_of_requests(
     s3_backend: Backend, requests: Counter[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -150,6 +150,7 @@ def _save_while_rank1_dies(rank: int, store: str, url: str, how: str, timeout: f
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
+@pytest.mark.slow
 def test_when_a_rank_is_killed_or_hangs_mid_save_the_other_rank_fails_in_bounded_time(
     local_backend: Backend, tmp_path: Path, how: str
 ) -> None:

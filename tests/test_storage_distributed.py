@@ -6,6 +6,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
@@ -70,6 +71,7 @@ def test_two_ranks_save_and_one_rank_loads_full_tensors(shared_backend: Backend,
         assert torch.equal(loaded[key], value), key
 
 
+@pytest.mark.slow
 def test_two_ranks_load_with_a_different_sharding(shared_backend: Backend, tmp_path: Path) -> None:
     run_ranks(_save_sharded_rows, 2, tmp_path, shared_backend.url, shared_backend.storage_options)
     run_ranks(_load_sharded_columns, 2, tmp_path, shared_backend.url, shared_backend.storage_options)

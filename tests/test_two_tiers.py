@@ -262,6 +262,7 @@ def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any
         ckpt.save(iteration + 1, trainer={"w": target["w"] * 3})
 
 
+@pytest.mark.slow
 def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_from_the_durable_tier(
     s3_backend: Backend, tmp_path: Path
 ) -> None:

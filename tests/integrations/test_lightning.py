@@ -181,6 +181,7 @@ def _sharded_run(rank: int, world_size: int, url: str, options: dict[str, Any], 
 
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
+@pytest.mark.slow
 def test_sharded_checkpoint_on_two_ranks_resumes_bit_identical(
     lightning_backend: Backend, async_mode: str, tmp_path: Path
 ) -> None:

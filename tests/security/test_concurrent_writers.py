@@ -65,6 +65,7 @@ def _equal(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> bool:
 
 
 @pytest.mark.parametrize("backend_name", ["local", "s3"])
+@pytest.mark.slow
 def test_two_processes_saving_the_same_iteration_commit_one_writers_checkpoint_never_a_mix(
     backend_name: str, request: pytest.FixtureRequest
 ) -> None:
