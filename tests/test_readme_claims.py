@@ -63,9 +63,9 @@ def named_guarantees(tests: Path) -> set[tuple[str, str]]:
     return named
 
 
-# Promises the table makes that no test checks yet (issue 16 left them open): each one is a test
-# to write, or a cell to mark "not tested". The list may only shrink: a test that names one of
-# them fails the rule below until it is taken off, and so does a new untested promise.
+# Promises the table makes that no test checks yet: empty since issue 16 (round 2), and it stays
+# so: a new promise comes with its test, or its cell says "not tested". A test that names an entry
+# fails the rule below until the entry is taken off, and so does a new untested promise.
 KNOWN_UNTESTED: set[tuple[str, str]] = set()
 
 
