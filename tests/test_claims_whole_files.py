@@ -95,17 +95,14 @@ class _DiskFull(OSError):
     """Stands for whatever ends a write part-way in one process."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: memory:// publishes a data file at open (fsspec's MemoryFileSystem commits the "
-    "MemoryFile on open and BufferedUpload.abort's discard() is a no-op there), so a partial file "
-    "stays under its final name (the README says 'not guaranteed' on memory://)",
-)
 def test_a_memory_save_that_fails_part_way_through_a_data_file_leaves_no_file_under_its_name(
     memory_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """memory:// lives and dies with its process, so a crash leaves nothing to look at; a save
-    that fails part-way through a data file must leave the file complete or absent."""
+    that fails part-way through a data file must leave the file complete or absent.
+
+    Guarantee row: 'a data file is complete or absent' (memory)
+    """
     from fsspec.implementations.memory import MemoryFile
 
     real_write = MemoryFile.write

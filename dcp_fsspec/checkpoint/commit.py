@@ -491,10 +491,17 @@ def claim_iteration(root: Location, iteration: int, save_id: str) -> bool:
     their token into theirs, so no two saves write one file. It decides nothing else: the
     commit checks each key's token whoever holds the claim.
 
+    Where the backend cannot make one writer among processes the creator
+    (``exclusive_across_processes`` false: GCS, Azure, SFTP today) nobody takes the claim, so every
+    save puts its token into its data file names: a racing save can then never replace another's
+    data file under one name, and the commit's token check refuses a mix.
+
     Returns:
         True if this call created the claim.
     """
     backend = root.backend
+    if not backend.exclusive_across_processes:
+        return False
     path = root.join(layout.format_iteration(iteration), CLAIM_NAME)
     try:
         with backend.exclusive(layout.iteration_path(root, iteration)):

@@ -59,6 +59,10 @@ class Backend:
     * ``is_local``: plain local files (``os`` calls, ``fsync``, in-place reads).
     * ``conditional_writes``: the store settles concurrent pointer updates itself (S3's
       ``If-Match``); elsewhere :meth:`exclusive` serializes them.
+    * ``exclusive_across_processes``: of writers in several processes, :meth:`exclusive` (or the
+      store's conditional writes) lets exactly one create a small file that is absent (local disk:
+      ``flock``; S3: ``If-None-Match``; ``memory://``: one process). Elsewhere (GCS, Azure, SFTP
+      today) two processes may both believe they created it.
     """
 
     name: ClassVar[str] = "generic fsspec"
@@ -66,6 +70,7 @@ class Backend:
     shared_across_processes: ClassVar[bool] = True
     is_local: ClassVar[bool] = False
     conditional_writes: ClassVar[bool] = False
+    exclusive_across_processes: ClassVar[bool] = False
 
     def __init__(
         self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy, url_of: Callable[[str], str] | None = None

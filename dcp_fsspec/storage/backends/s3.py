@@ -41,6 +41,7 @@ _BUCKETS_SEEN: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDiction
 class S3Backend(Backend):
     name = "S3"
     conditional_writes = True
+    exclusive_across_processes = True
 
     @classmethod
     def accepts(cls, fs: fsspec.AbstractFileSystem) -> bool:
