@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint._extension import ZStandard
 
-from dcp_fsspec import ChecksumMismatchError, CorruptCheckpointError
+from dcp_fsspec import Checkpointer, ChecksumMismatchError, CorruptCheckpointError
 from dcp_fsspec.storage import verification
 from dcp_fsspec.storage.records import parse_layout
 from dcp_fsspec.storage.verification import verify_checkpoint
 from tests.conftest import Backend
-from tests.helpers import load, raises_through_dcp, save
+from tests.helpers import flip_a_byte_of_each_data_file_once_written, load, raises_through_dcp, save
 from tests.test_verify import _flip_tensor_byte, _record
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -204,3 +204,16 @@ def test_a_zstd_bomb_fails_the_load_without_expanding(memory_backend: Backend, b
     assert type(raised.value) is CorruptCheckpointError
     assert path in str(raised.value) and "'weight'" in str(raised.value)
     assert peak[0] < 32 * MiB, peak
+
+
+def test_verify_before_commit_refuses_a_compressed_iteration_whose_record_changed_once_written(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    with Checkpointer(local_backend.url, verify_before_commit=True, compression="zstd") as ckpt:
+        ckpt.save(1, trainer={"w": weights})
+        flip_a_byte_of_each_data_file_once_written(monkeypatch)
+        with pytest.raises(CorruptCheckpointError) as info:
+            ckpt.save(2, trainer={"w": weights * 2})
+        assert "iter_000000002" in str(info.value) and "'trainer" in str(info.value)
+        assert ckpt.latest_checkpoint() == "iter_000000001"
