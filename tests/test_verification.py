@@ -7,17 +7,20 @@ must raise exactly that class.
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.distributed.checkpoint._extension import ZStandard
 
-from dcp_fsspec import ChecksumMismatchError, CorruptCheckpointError
+from dcp_fsspec import Checkpointer, ChecksumMismatchError, CorruptCheckpointError
 from dcp_fsspec.storage import verification
 from dcp_fsspec.storage.records import parse_layout
 from dcp_fsspec.storage.verification import verify_checkpoint
 from tests.conftest import Backend
-from tests.helpers import load, raises_through_dcp, save
+from tests.helpers import flip_a_byte_of_each_data_file_once_written, load, raises_through_dcp, save
 from tests.test_verify import _flip_tensor_byte, _record
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -104,3 +107,113 @@ def test_a_file_that_shrinks_while_it_is_verified_reports_each_record_it_no_long
     report = verify_checkpoint(memory_backend.url, max_request_bytes=64)
     assert {p.item for p in report.problems} == lost
     assert all("the file ended after" in p.what for p in report.problems)
+
+
+# --- transformed (compressed) records -------------------------------------------------------
+
+zstandard = pytest.importorskip("zstandard")
+
+# Torch's ZStandard writes no frame checksum: a flipped byte then surfaces as our CRC-32 mismatch;
+# compression="zstd" (LeveledZStandard) writes one: zstd itself rejects the frame.
+COMPRESSORS = {
+    "compression_zstd": ({"compression": "zstd"}, CorruptCheckpointError),
+    "torch_ZStandard": ({"_extensions": [ZStandard()]}, ChecksumMismatchError),
+}
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+def test_the_verification_of_a_compressed_checkpoint_checks_every_tensor_record_against_its_crc(
+    memory_backend: Backend, compressor: str
+) -> None:
+    save(_state(), memory_backend, **COMPRESSORS[compressor][0])
+    report = verify_checkpoint(memory_backend.url)
+    assert report.ok, report.problems
+    assert (report.tensors_checked, report.unchecked) == (2, 0)
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+def test_a_flipped_byte_in_a_compressed_record_fails_the_verification_and_the_load_alike_naming_the_entry(
+    memory_backend: Backend, compressor: str
+) -> None:
+    options, error = COMPRESSORS[compressor]
+    save(_state(), memory_backend, **options)
+    path, offset, length = _record(memory_backend, "weight")
+    data = bytearray(memory_backend.fs.cat_file(path))
+    data[offset + length // 2] ^= 0x01  # in the middle of randn's bytes: zstd stores them as literals
+    memory_backend.fs.pipe_file(path, bytes(data))
+    report = verify_checkpoint(memory_backend.url)
+    assert [(p.url.endswith(path), p.item, p.error) for p in report.problems] == [(True, "weight", error.__name__)]
+    with raises_through_dcp(CorruptCheckpointError) as raised:
+        load({k: torch.zeros_like(v) for k, v in _state().items()}, memory_backend)
+    assert type(raised.value) is error and "'weight'" in str(raised.value)
+
+
+def _streamed_bomb(size: int) -> bytes:
+    """A zstd frame of ``size`` zero bytes that does not declare its size (as a stream writes it)."""
+    packer = zstandard.ZstdCompressor(level=3).compressobj()
+    zeros = bytes(8 * MiB)
+    return b"".join(packer.compress(zeros) for _ in range(size // len(zeros))) + packer.flush()
+
+
+BOMBS = {
+    "declared_size": lambda size: zstandard.ZstdCompressor(level=3).compress(bytes(size)),
+    "streamed": _streamed_bomb,
+}
+MiB = 1024 * 1024
+
+
+def _plant_bomb(backend: Backend, bomb: str) -> str:
+    """Save compressed, then put a zstd frame of 256 MiB of zeros where ``weight``'s 8 KiB go."""
+    save(_state(), backend, compression="zstd")
+    path, offset, length = _record(backend, "weight")
+    frame = BOMBS[bomb](256 * MiB)
+    assert len(frame) <= length  # zstd ignores what follows the frame: the rest stays as it was
+    data = bytearray(backend.fs.cat_file(path))
+    data[offset : offset + len(frame)] = frame
+    backend.fs.pipe_file(path, bytes(data))
+    return path
+
+
+@contextmanager
+def _peak_python_memory() -> Iterator[list[int]]:
+    """The most memory Python's allocators held at once in the block (bytes objects included)."""
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("bomb", BOMBS)
+def test_a_zstd_bomb_fails_the_verification_without_expanding(memory_backend: Backend, bomb: str) -> None:
+    path = _plant_bomb(memory_backend, bomb)
+    with _peak_python_memory() as peak:
+        report = verify_checkpoint(memory_backend.url)
+    assert [(p.url.endswith(path), p.item, p.error) for p in report.problems] == [(True, "weight", "CorruptCheckpointError")]
+    assert peak[0] < 32 * MiB, peak
+
+
+@pytest.mark.parametrize("bomb", BOMBS)
+def test_a_zstd_bomb_fails_the_load_without_expanding(memory_backend: Backend, bomb: str) -> None:
+    path = _plant_bomb(memory_backend, bomb)
+    state = {k: torch.zeros_like(v) for k, v in _state().items()}
+    with _peak_python_memory() as peak, raises_through_dcp(CorruptCheckpointError) as raised:
+        load(state, memory_backend)
+    assert type(raised.value) is CorruptCheckpointError
+    assert path in str(raised.value) and "'weight'" in str(raised.value)
+    assert peak[0] < 32 * MiB, peak
+
+
+def test_verify_before_commit_refuses_a_compressed_iteration_whose_record_changed_once_written(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    with Checkpointer(local_backend.url, verify_before_commit=True, compression="zstd") as ckpt:
+        ckpt.save(1, trainer={"w": weights})
+        flip_a_byte_of_each_data_file_once_written(monkeypatch)
+        with pytest.raises(CorruptCheckpointError) as info:
+            ckpt.save(2, trainer={"w": weights * 2})
+        assert "iter_000000002" in str(info.value) and "'trainer" in str(info.value)
+        assert ckpt.latest_checkpoint() == "iter_000000001"

@@ -28,7 +28,7 @@ import torch
 from torch.futures import Future
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -49,7 +49,7 @@ from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .settings import merge_storage_kwargs
-from .transforms import UndoQueue, missing_package, reader_transforms, untransform
+from .transforms import UndoQueue, missing_package, reader_transforms, untransform, untransformed_limit
 from .trust import load_object
 from .urls import UrlBound
 
@@ -135,6 +135,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.max_gap_bytes = max_gap_bytes
         self.threads = threads
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        self.state_dict_metadata: dict[str, STORAGE_TYPES] = {}  # bounds what a transformed record expands to
         self.load_id = uuid.uuid4().hex
         self.metadata_failure: DcpFsspecError | None = None
         self._undo_queue: UndoQueue | None = None  # during read_data, when records are transformed
@@ -143,6 +144,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.storage_data = {}
+        self.state_dict_metadata = {}
         self._rebind(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.metadata_failure = None
@@ -177,6 +179,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         if metadata.storage_data is None:
             raise CorruptCheckpointError(f"the .metadata of {self.location.url!r} lists no storage data")
         self.storage_data = metadata.storage_data
+        self.state_dict_metadata = metadata.state_dict_metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Check, before any byte lands in a target, that every data file the plan reads is there
@@ -413,6 +416,7 @@ class _LoadDecoder(RecordDecoder):
         self.planner = planner
         self.trust_checkpoint = reader.trust_checkpoint
         self.transforms = reader.transforms
+        self.state_dict_metadata = reader.state_dict_metadata
         self.undo_queue = reader._undo_queue
         self._target: torch.Tensor | None = None
         tensor_items = [i for i in record.items if i.type != LoadItemType.BYTE_IO]
@@ -545,8 +549,11 @@ class _LoadDecoder(RecordDecoder):
                 f"{self.record.url!r} holds records saved with {list(self.record.transforms)}; install "
                 f"{package} to load them: pip install 'dcp-fsspec[zstd]'"
             )
+        item = self.record.items[0]
+        index = item.storage_index
+        limit = untransformed_limit(self.state_dict_metadata.get(index.fqn), index)
         try:
-            return untransform(self.transforms, self.record.items[0], self.record.transforms, data)
+            return untransform(self.transforms, item, self.record.transforms, data, limit)
         except Exception as e:  # noqa: BLE001 - an unknown descriptor or undecodable bytes: damage
             what = f"cannot undo the transforms {list(self.record.transforms)} ({type(e).__name__}: {e})"
             raise self._error(RecordFault(what)) from e

@@ -18,6 +18,7 @@ unit: its CRC-32 (inside the record) is checked after the transforms are undone.
 from __future__ import annotations
 
 import io
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,9 +26,10 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms, _StorageWriterTransforms
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
-from ..errors import MissingDriverError
+from ..errors import CorruptCheckpointError, MissingDriverError
 
 COMPRESSIONS = ("zstd",)
 # zstd's own default; torch's ZStandard compresses at it too.
@@ -154,44 +156,83 @@ def missing_package(transforms: _StorageReaderTransforms, descriptors: Sequence[
 
 
 _ZSTD_DESCRIPTOR = f"{ZStandard.registry_name()}/1"
+# A tensor record is torch.save's archive (or, in safetensors format, the bare bytes): the
+# tensor's bytes plus a few KiB of zip headers and pickle. Anything larger than this over the
+# tensor's size is not a record DCP wrote.
+_ARCHIVE_SLACK = 64 * 1024
+# .metadata says nothing of a pickled object's size; a transformed one may grow to this much.
+MAX_UNTRANSFORMED_OBJECT = 1024**3
 
 
-def _one_zstd_frame(data: memoryview) -> bytearray | None:
-    """``data`` decompressed in one call, when it is one zstd frame and ``zstandard`` is here.
+def untransformed_limit(entry: TensorStorageMetadata | BytesStorageMetadata | None, index: MetadataIndex) -> int:
+    """The most bytes the record of ``index`` may take once its transforms are undone.
 
-    What torch's ``ZStandard`` reader does, without its stream wrappers and their copies (about
-    half the time of a record); ``None`` leaves anything else (``pyzstd`` only, several frames)
-    to the generic path.
+    Transformed bytes come from storage and are untrusted: a few KiB of zstd can claim to
+    expand to terabytes. ``.metadata`` says how big a tensor chunk is, so a tensor record may
+    expand to its chunk's bytes plus the archive around them; a pickled object (no size in
+    ``.metadata``) to :data:`MAX_UNTRANSFORMED_OBJECT`.
+    """
+    if not isinstance(entry, TensorStorageMetadata):
+        return MAX_UNTRANSFORMED_OBJECT
+    offsets = tuple(index.offset or ())
+    sizes = next((c.sizes for c in entry.chunks if tuple(c.offsets) == offsets), entry.size)
+    return math.prod(sizes) * entry.properties.dtype.itemsize + _ARCHIVE_SLACK
+
+
+def _too_big(descriptors: Sequence[str], limit: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"undoing {list(descriptors)} gives more than the {limit} bytes .metadata allows this record"
+    )
+
+
+def _one_zstd_frame(data: memoryview, limit: int) -> bytearray | None:
+    """``data`` decompressed in one call, if ``zstandard`` is here (``None``: it is not).
+
+    What torch's ``ZStandard`` reader does (its first frame), without its stream wrappers and
+    their copies (about half the time of a record); never more than ``limit`` bytes are made.
     """
     try:
         import zstandard
     except ImportError:
         return None
-    unpacker = zstandard.ZstdDecompressor().decompressobj()
-    out = unpacker.decompress(data)
-    if not unpacker.eof or unpacker.unused_data:
-        return None
-    return bytearray(out)
+    try:
+        declared = zstandard.get_frame_parameters(data).content_size
+        if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
+            raise _too_big([_ZSTD_DESCRIPTOR], limit)  # before zstandard allocates what it declares
+        # Past max_output_size zstandard stops with "did not decompress full frame", as for a
+        # truncated frame: both mean the record is not what DCP wrote.
+        return bytearray(zstandard.ZstdDecompressor().decompress(data, max_output_size=limit))
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"not a complete zstd frame of at most {limit} bytes ({e})") from e
 
 
 def untransform(
-    transforms: _StorageReaderTransforms, item: ReadItem, descriptors: Sequence[str], data: memoryview
+    transforms: _StorageReaderTransforms,
+    item: ReadItem,
+    descriptors: Sequence[str],
+    data: memoryview,
+    limit: int,
 ) -> bytearray:
-    """The record a transformed record (all of it, in memory) was made from.
+    """The record a transformed record (all of it, in memory) was made from, at most ``limit``
+    bytes (:func:`untransformed_limit`): a record that expands further is damage, and memory
+    never holds more than ``limit`` of it.
 
     Raises whatever the registry or an extension raises for an unknown descriptor or bytes it
-    cannot undo; the caller reports that as damage to the record.
+    cannot undo (:class:`CorruptCheckpointError` for a record too big); the caller reports that
+    as damage to the record.
     """
     if list(descriptors) == [_ZSTD_DESCRIPTOR] and transforms.extension_registry.extensions.get(
         ZStandard.registry_name()
     ) is ZStandard:
-        whole = _one_zstd_frame(data)
+        whole = _one_zstd_frame(data, limit)
         if whole is not None:
             return whole
     stream = transforms.transform_load_stream(item, descriptors, io.BytesIO(data))
     out = bytearray()  # writable: the decoder hands its bytes to torch.frombuffer
-    while chunk := stream.read(4 * 1024 * 1024):
+    while chunk := stream.read(min(4 * 1024 * 1024, limit + 1 - len(out))):
         out += chunk
+        if len(out) > limit:
+            raise _too_big(descriptors, limit)
     return out
 
 

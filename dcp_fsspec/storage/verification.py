@@ -5,13 +5,17 @@ it: only DCP metadata's classes, every entry inside the folder at a real offset 
 is long enough for every item in it; every tensor record decodes with the decoder loads use
 (:class:`~.decoding.RecordDecoder`), holds the dtype and shape ``.metadata`` promises, and its
 bytes match the CRC-32 stored in the record (CRC 0 means "not recorded" and is counted, not
-failed). Pickled (non-tensor) entries and transformed records are checked for presence and size
-only: nothing in the format records a checksum for them.
+failed). A transformed record (compressed: ``transform_descriptors`` in its storage entry) is
+undone first, with :func:`~.transforms.untransform` as a load does, and never expands past what
+``.metadata`` says its tensor takes (a zstd bomb is a problem, not an allocation); zstd's frame
+checksum and then the record's CRC-32 are checked. Pickled (non-tensor) entries are checked for
+presence and size only: nothing in the format records a checksum for them.
 
 It streams: the tensor records are read in file order as coalesced ranges through
 :func:`~.fetch.fetch_in_order`, so memory stays within ``window_bytes`` whatever the
 checkpoint's size; only a record too odd for our parser (and at most 64 MiB) is held whole, to
-try ``torch.load`` on it.
+try ``torch.load`` on it, and a transformed record is held whole (it is one unit: its bytes
+mean nothing until its transforms are undone) and judged, and let go, as soon as it is complete.
 
 Damage is reported, not raised: each :class:`VerifyProblem` names the file, the item, the error
 a load would raise and, for a checksum mismatch, both CRC-32s. This module knows one checkpoint
@@ -30,19 +34,22 @@ from typing import Any, Protocol
 
 import fsspec
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDriverError, StorageError
 from .decoding import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_records, read_metadata
 from .failures import storage_errors
 from .fetch import Span, fetch_in_order, plan_spans
 from .names import METADATA_NAME
 from .retry import DEFAULT_RETRY, RetryPolicy
+from .transforms import missing_package, reader_transforms, untransform, untransformed_limit
 from .urls import Location, resolve
 
 logger = logging.getLogger(__name__)
@@ -87,7 +94,7 @@ class VerifyReport:
         items: entries listed in their ``.metadata`` files.
         tensors_checked: tensor records whose CRC-32 was compared.
         unchecked: records present but without a checksum to compare (pickled objects,
-            tensors saved without one, transformed records).
+            tensors saved without one).
         bytes_read: bytes of data files downloaded.
         problems: everything found wrong; empty when the checkpoint is sound.
         notes: things worth knowing that are not damage (e.g. uncommitted folders skipped).
@@ -165,7 +172,8 @@ def verify_checkpoint(
 
     Raises:
         StorageError: the backend failed while listing or reading.
-        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
+        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`; also a
+            transformed record needs a package not installed here (zstandard).
     """
     location = resolve(url, storage_options, fs, retry=retry)
     report = VerifyReport(url=location.url, kind="checkpoint")
@@ -180,6 +188,9 @@ class _TensorRecord(RecordPlace):
     fqn: str
     dtype: torch.dtype
     sizes: tuple[int, ...] | None
+    index: MetadataIndex
+    transforms: tuple[str, ...] = ()
+    limit: int = 0  # for a transformed record: the most bytes it may expand to
 
 
 @dataclass
@@ -191,6 +202,7 @@ class _Checkpoint:
     threads: int
     progress: ProgressSink | None
     trust_checkpoint: bool = False
+    transforms: _StorageReaderTransforms = field(default_factory=lambda: reader_transforms(None))
 
     @property
     def metadata_url(self) -> str:
@@ -265,15 +277,16 @@ class _Checkpoint:
                 )  # fmt: skip
                 continue
             tensor_meta = metadata.state_dict_metadata.get(index.fqn)
-            if not isinstance(tensor_meta, TensorStorageMetadata) or info.transform_descriptors:
-                self.report.unchecked += 1  # a pickled object, or transformed bytes: nothing to compare
+            if not isinstance(tensor_meta, TensorStorageMetadata):
+                self.report.unchecked += 1  # a pickled object: nothing to compare
                 continue
             chunk = next((c for c in tensor_meta.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
             key = (path, info.offset, info.length)
             if key not in by_place:
                 by_place[key] = _TensorRecord(
                     path, url, info.offset, info.length, index.fqn, tensor_meta.properties.dtype,
-                    None if chunk is None else tuple(chunk.sizes),
+                    None if chunk is None else tuple(chunk.sizes), index,
+                    tuple(info.transform_descriptors or ()), untransformed_limit(tensor_meta, index),
                 )  # fmt: skip
         for url, fqns in missing_files.items():
             shown = ", ".join(sorted(fqns)[:5]) + (f" and {len(fqns) - 5} more" if len(fqns) > 5 else "")
@@ -289,7 +302,10 @@ class _Checkpoint:
         decoders: dict[int, RecordDecoder] = {}
 
         def start(i: int) -> RecordDecoder:
-            decoders[i] = RecordDecoder(records[i], max_whole=_MAX_WHOLE)
+            rec = records[i]
+            decoders[i] = (
+                _TransformedDecoder(rec, self.transforms) if rec.transforms else RecordDecoder(rec, max_whole=_MAX_WHOLE)
+            )
             return decoders[i]
 
         fetched = fetch_in_order(
@@ -320,6 +336,54 @@ class _Checkpoint:
             yield span, data
 
 
+class _TransformedDecoder(RecordDecoder):
+    """Holds a transformed record whole; once complete, undoes its transforms (within the
+    record's limit), decodes and checks it, and keeps only the verdict (:attr:`fault`, or the
+    tensor's dtype and shape in :attr:`found`) — one transformed record in memory at a time."""
+
+    def __init__(self, rec: _TensorRecord, transforms: _StorageReaderTransforms) -> None:
+        super().__init__(rec)
+        self.rec = rec
+        self.transforms = transforms
+        self.found: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self.hold_whole()
+
+    def feed(self, view: memoryview) -> None:
+        super().feed(view)
+        if self.done and self.whole is not None:
+            data, self.whole = memoryview(self.whole), None
+            self._judge_whole(data)
+
+    def _judge_whole(self, data: memoryview) -> None:
+        rec = self.rec
+        package = missing_package(self.transforms, rec.transforms)
+        if package is not None:  # not damage: this machine cannot read what is there
+            raise MissingDriverError(
+                f"{rec.url!r} holds records saved with {list(rec.transforms)}; install {package} to "
+                "verify them: pip install 'dcp-fsspec[zstd]'"
+            )
+        try:
+            raw = untransform(self.transforms, _read_item(rec), rec.transforms, data, rec.limit)
+        except Exception as e:  # noqa: BLE001 - an unknown descriptor or undecodable bytes: damage
+            self.fault = RecordFault(f"cannot undo the transforms {list(rec.transforms)} ({type(e).__name__}: {e})")
+            return
+        tensor = self.decode(memoryview(raw))
+        if isinstance(tensor, RecordFault):
+            self.fault = tensor
+        else:
+            self.found = (tensor.dtype, tuple(tensor.shape))
+
+
+def _read_item(rec: _TensorRecord) -> ReadItem:
+    """A read of the whole of ``rec``: what torch's read transforms are handed (only extensions
+    of the user's own look at it)."""
+    zeros = torch.Size([0] * len(rec.sizes or ()))
+    return ReadItem(
+        type=LoadItemType.TENSOR, dest_index=rec.index, dest_offsets=zeros,
+        storage_index=rec.index, storage_offsets=zeros, lengths=torch.Size(rec.sizes or ()),
+    )  # fmt: skip
+
+
 def _judge(rec: _TensorRecord, decoder: RecordDecoder | None) -> RecordFault | None:
     """What is wrong with a tensor record once all its bytes were fed (``None``: not one came)."""
     if decoder is not None and decoder.fault is not None:
@@ -327,7 +391,10 @@ def _judge(rec: _TensorRecord, decoder: RecordDecoder | None) -> RecordFault | N
     if decoder is None or not decoder.done:
         received = 0 if decoder is None else decoder.received
         return RecordFault(f"the file ended after {received} of the record's {rec.length} bytes")
-    if decoder.whole is not None:
+    if isinstance(decoder, _TransformedDecoder):
+        assert decoder.found is not None
+        dtype, size = decoder.found
+    elif decoder.whole is not None:
         tensor = decoder.decode(memoryview(decoder.whole))
         if isinstance(tensor, RecordFault):
             return tensor
@@ -338,4 +405,4 @@ def _judge(rec: _TensorRecord, decoder: RecordDecoder | None) -> RecordFault | N
     if dtype != rec.dtype or (rec.sizes is not None and size != rec.sizes):
         expected = "?" if rec.sizes is None else list(rec.sizes)
         return RecordFault(f"the record holds {dtype} {list(size)} but .metadata says {rec.dtype} {expected}")
-    return None if decoder.whole is not None else decoder.check_streamed()
+    return None if decoder.whole is not None or isinstance(decoder, _TransformedDecoder) else decoder.check_streamed()
