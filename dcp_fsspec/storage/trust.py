@@ -118,7 +118,12 @@ def load_object(data: bytes, entry: str, *, trust_checkpoint: bool = False) -> A
             (named, with how to allow it), or the bytes are not a ``torch.save`` archive.
     """
     try:
-        return torch.load(io.BytesIO(data), weights_only=not trust_checkpoint)
+        if trust_checkpoint:
+            return torch.load(io.BytesIO(data), weights_only=False)
+        # A BytesIO entry (torch's own e2e train state holds one) is rebuilt from its bytes and
+        # position; whatever its __dict__ holds goes through the same weights_only checks.
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as e:
         if trust_checkpoint:
             raise _undecodable(entry, e) from e
