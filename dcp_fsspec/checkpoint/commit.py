@@ -94,10 +94,9 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
         StorageError: the backend failed.
     """
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
-    root.backend.invalidate(posixpath.dirname(path))
-    try:
-        raw = root.backend.call("cat_file", path)
-    except FileNotFoundError:
+    # One GET on S3, present or not (s3fs's cat_file asks HEAD first, then LIST when absent).
+    raw = root.backend.read_versioned(path).data
+    if raw is None:
         return None
     try:
         if len(raw) > _MAX_RECORD_BYTES:
