@@ -22,6 +22,7 @@ import logging
 import posixpath
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
@@ -40,6 +41,8 @@ CLAIM_NAME = ".saving"
 _MAX_RECORD_BYTES = 1024 * 1024
 # How often a pointer update re-reads and tries again after losing a race to another writer.
 _POINTER_ROUNDS = 20
+# How many keys' .metadata a commit or a load's token check reads at once.
+_READS_AT_ONCE = 16
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,9 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
         StorageError: the backend failed.
     """
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
-    root.backend.invalidate(posixpath.dirname(path))
-    try:
-        raw = root.backend.call("cat_file", path)
-    except FileNotFoundError:
+    # One GET on S3, present or not (s3fs's cat_file asks HEAD first, then LIST when absent).
+    raw = root.backend.read_versioned(path).data
+    if raw is None:
         return None
     try:
         if len(raw) > _MAX_RECORD_BYTES:
@@ -325,15 +327,14 @@ def require_saved_together(root: Location, record: CommitRecord, *, trust_checkp
     if record.save_id is None:
         return
     listed = _files_of(root, record.iteration)
-    for key in record.keys:
-        problem = key_problem(root, record.iteration, key, record.save_id, listed, trust_checkpoint=trust_checkpoint)
-        if problem is not None:
-            folder = root.url_of(layout.iteration_path(root, record.iteration))
-            raise CorruptCheckpointError(
-                f"{folder} is not the checkpoint its {COMMIT_RECORD_NAME} committed: {problem} (another "
-                "process saved the same iteration into it); it is not loaded. Load another iteration, "
-                "or delete this folder"
-            )
+    problem = _first_key_problem(root, record.iteration, record.keys, record.save_id, listed, trust_checkpoint=trust_checkpoint)
+    if problem is not None:
+        folder = root.url_of(layout.iteration_path(root, record.iteration))
+        raise CorruptCheckpointError(
+            f"{folder} is not the checkpoint its {COMMIT_RECORD_NAME} committed: {problem} (another "
+            "process saved the same iteration into it); it is not loaded. Load another iteration, "
+            "or delete this folder"
+        )
 
 
 def publish(
@@ -424,15 +425,13 @@ def commit_record(
             f"cannot commit {folder_url}: key {key!r} at {url} has no {METADATA_NAME}, so its save "
             "did not finish; save the iteration again"
         )
-    if save_id is not None:
-        for key in keys:
-            problem = key_problem(root, iteration, key, save_id, listed)
-            if problem is not None:
-                raise CheckpointExistsError(
-                    f"cannot commit {folder_url}: {problem}, so another process is saving the same "
-                    f"iteration into {root.url} (a restarted job racing the old one, or two jobs with "
-                    "one save_dirname); this save is not committed. Give each run its own save_dirname"
-                )
+    problem = None if save_id is None else _first_key_problem(root, iteration, keys, save_id, listed)
+    if problem is not None:
+        raise CheckpointExistsError(
+            f"cannot commit {folder_url}: {problem}, so another process is saving the same "
+            f"iteration into {root.url} (a restarted job racing the old one, or two jobs with "
+            "one save_dirname); this save is not committed. Give each run its own save_dirname"
+        )
     record = CommitRecord(iteration, tuple(keys), world_size, time.time(), save_id)
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
     if not create_atomically(root, path, record.to_json()):
@@ -442,6 +441,31 @@ def commit_record(
             "Give each run its own save_dirname"
         )
     return record
+
+
+def _first_key_problem(
+    root: Location,
+    iteration: int,
+    keys: tuple[str, ...],
+    save_id: str,
+    listed: set[str] | None = None,
+    *,
+    trust_checkpoint: bool = False,
+) -> str | None:
+    """:func:`key_problem` of the first of ``keys`` (in order) that has one; ``None`` if none has.
+
+    Every key's ``.metadata`` is read at once: the keys' reads are one round trip, not one each.
+
+    Raises:
+        CorruptCheckpointError: a ``.metadata`` is not DCP metadata.
+        StorageError: the backend failed.
+    """
+    def problem_of(key: str) -> str | None:
+        return key_problem(root, iteration, key, save_id, listed, trust_checkpoint=trust_checkpoint)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(keys), _READS_AT_ONCE)), thread_name_prefix="dcp-fsspec-commit") as pool:
+        problems = list(pool.map(problem_of, keys))
+    return next((p for p in problems if p is not None), None)
 
 
 def key_problem(

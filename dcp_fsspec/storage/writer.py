@@ -241,8 +241,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         with storage_errors("prepare checkpoint folder", self.location.url, also=(Exception,)):
             # Drivers raise their own types (asyncssh's SFTPFailure), hence also=Exception.
             backend.make_folder(self.location.path)
-            exists = backend.call("exists", metadata_path)
-        if exists and not self.overwrite:
+            # Only without overwrite (with it, prepare_global_plan removes an old .metadata), and
+            # as one read: on S3 one GET, where "exists" of a missing file is a HEAD and a LIST.
+            exists = not self.overwrite and backend.read_versioned(metadata_path).data is not None
+        if exists:
             # "Checkpoint already exists": torch's words, which code written for torch matches.
             raise CheckpointExistsError(
                 f"Checkpoint already exists at {self.location.url!r} and overwrite=False; pass "

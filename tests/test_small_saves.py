@@ -1,0 +1,150 @@
+"""Small, frequent saves: a save costs a bounded number of requests, not requests per check.
+
+Many runs checkpoint small states often (RL policies, LoRA adapters, the demo); there a save's
+time is its round trips, not its bytes. These tests record every S3 request a
+:class:`~dcp_fsspec.Checkpointer` save and load of a ~3 MiB state in four keys send to the moto
+server, print the log (``pytest -s`` shows it), and bound their number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import s3fs
+import torch
+
+from dcp_fsspec import Checkpointer
+from tests.conftest import Backend
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+
+KEYS = ("model", "optim", "scheduler", "trainer")
+# Seconds a gate waits for requests sent together; only a save that sends them one by one waits.
+DEADLINE = 20.0
+# What a save of a new iteration sends on S3: the pointer, the iteration's commit record and
+# folder (a HEAD and a LIST), its claim; per key the look for an old .metadata, the data file and
+# .metadata; then the commit: the pointer (its version for the compare-and-swap), one listing,
+# each key's .metadata (the save's token), the commit record and the pointer.
+SAVE_REQUESTS = 5 + 3 * len(KEYS) + 4 + len(KEYS)
+# What a load of the latest iteration sends: the pointer, the commit record, the iteration's
+# listing (twice: committed, then saved together), each key's .metadata twice (the token check,
+# then the preflight) and its folder's listing, and each key's data file.
+LOAD_REQUESTS = 4 + 4 * len(KEYS)
+
+
+class Gate:
+    """Holds requests until ``width`` of them are waiting together, then lets them all through.
+
+    Requests that are sent one after another never fill the gate: each waits ``DEADLINE`` and
+    then goes through alone, and :attr:`batches` shows it (a 1 where a ``width`` belongs).
+    """
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.batches: list[int] = []
+        self._open: asyncio.Event | None = None
+        self._waiting = 0
+
+    async def through(self) -> None:
+        if self._open is None:
+            self._open, self._waiting = asyncio.Event(), 0
+        event = self._open
+        self._waiting += 1
+        if self._waiting == self.width:
+            self._release()
+            return
+        try:
+            await asyncio.wait_for(event.wait(), DEADLINE)
+        except asyncio.TimeoutError:
+            if self._open is event:
+                self._release()
+
+    def _release(self) -> None:
+        assert self._open is not None
+        self.batches.append(self._waiting)
+        self._open.set()
+        self._open = None
+
+
+@dataclass
+class RequestLog:
+    """Every S3 API call made while the test runs, as ``"operation key"``, in order; requests
+    that a gate's predicate picks wait at that gate (s3fs sends them all from one event loop)."""
+
+    lines: list[str] = field(default_factory=list)
+    gates: list[tuple[Callable[[str], bool], Gate]] = field(default_factory=list)
+
+
+@pytest.fixture
+def request_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[RequestLog]:
+    log = RequestLog()
+    real = s3fs.S3FileSystem._call_s3
+
+    async def logging_call(self: s3fs.S3FileSystem, method: str, *args: Any, **kwargs: Any) -> Any:
+        line = f"{method} {kwargs.get('Key', kwargs.get('Prefix', ''))}"
+        log.lines.append(line)
+        for picks, gate in log.gates:
+            if picks(line):
+                await gate.through()
+        return await real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", logging_call)
+    yield log
+
+
+def _small_state(step: int) -> dict[str, dict[str, Any]]:
+    """~3 MiB over four keys, as a small policy's training state would be."""
+    torch.manual_seed(step)
+    return {
+        "model": {"w": torch.randn(512, 1024), "b": torch.randn(1024)},  # 2 MiB
+        "optim": {"m": torch.randn(256, 1024), "step": step},  # 1 MiB
+        "scheduler": {"last_epoch": step, "lr": 1e-3},
+        "trainer": {"step": step, "rng": torch.randint(0, 255, (1024,), dtype=torch.uint8)},
+    }
+
+
+def _show(what: str, log: list[str]) -> None:
+    print(f"\n{what}: {len(log)} requests")
+    for line in log:
+        print("  " + line)
+
+
+def test_a_small_save_and_load_cost_a_bounded_number_of_requests(s3_backend: Backend, request_log: RequestLog) -> None:
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        request_log.lines.clear()
+        ckpt.save(2, **_small_state(2))
+        saved = list(request_log.lines)
+        _show("save", saved)
+    request_log.lines.clear()
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        state = _small_state(0)
+        assert ckpt.load(**state) == 2
+        loaded = list(request_log.lines)
+        _show("load", loaded)
+    assert torch.equal(state["model"]["w"], _small_state(2)["model"]["w"])
+    assert len(saved) <= SAVE_REQUESTS, saved
+    assert len(loaded) <= LOAD_REQUESTS, loaded
+    # The pointer: read at the preparation, and once more for the compare-and-swap that moves it.
+    assert saved.count("get_object ckpt/latest_checkpoint.txt") == 2, saved
+
+
+def test_a_commit_reads_every_keys_metadata_at_once(s3_backend: Backend, request_log: RequestLog) -> None:
+    commit_reads = Gate(len(KEYS))
+
+    def every_key_written() -> bool:
+        return sum(line.startswith("put_object") and line.endswith("/.metadata") for line in request_log.lines) == len(KEYS)
+
+    # Each key's .metadata, read at the commit to check the save's token (after every key was
+    # written: the writer's look for an old one is a GET of the same name).
+    request_log.gates.append(
+        (lambda line: line.startswith("get_object") and line.endswith("/.metadata") and every_key_written(), commit_reads)
+    )
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        assert ckpt.committed_iterations() == [1]
+    assert commit_reads.batches == [len(KEYS)], request_log.lines
