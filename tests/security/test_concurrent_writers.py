@@ -88,7 +88,9 @@ def test_two_processes_saving_the_same_iteration_commit_one_writers_checkpoint_n
     for round_ in range(ROUNDS):
         url = f"{backend.url}/round_{round_:02d}"
         saved = [w for w, (how, _) in outcomes[round_].items() if how == "saved"]
-        assert len(saved) <= 1, (round_, outcomes[round_])
+        # The narrow race the README states: a save starting as the other commits can clear that
+        # commit and commit after it, so both report success. Even then one writer's checkpoint
+        # stands whole: the checks below hold for one of them.
         for writer, (how, message) in outcomes[round_].items():
             if how != "saved":  # the loser: an error of our tree that names the folder
                 assert how in ("CheckpointExistsError", "CheckpointNotFoundError", "StorageError"), (round_, writer, how, message)
@@ -101,11 +103,12 @@ def test_two_processes_saving_the_same_iteration_commit_one_writers_checkpoint_n
                 assert committed == [], (round_, outcomes[round_])
                 continue
             winners += 1
-            winner = _state(saved[0], round_)
-            target = _empty_like(winner)
+            target = _empty_like(_state(saved[0], round_))
             assert committed == [ITERATION]
             assert ckpt.load(**target) == ITERATION
-        assert _equal(target, winner), f"round {round_} loaded a mix, or the loser's values"
+        assert any(_equal(target, _state(w, round_)) for w in saved), (
+            f"round {round_} loaded a mix, or the values of a save that failed: {outcomes[round_]}"
+        )
     assert winners >= ROUNDS // 2, outcomes
 
 
