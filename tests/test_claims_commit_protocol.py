@@ -31,6 +31,11 @@ def root(request: pytest.FixtureRequest) -> Location:
     return resolve(backend.url, backend.storage_options)
 
 
+def _committed(root: Location, iteration: int) -> bool:
+    """Whether ``iteration`` has a commit record and every key it lists has ``.metadata``."""
+    return commit.inspect_iteration(root, iteration)[0] is not None
+
+
 def _pointer_file(root: Location) -> bytes:
     return root.fs.cat_file(root.join(POINTER_NAME))
 
@@ -209,7 +214,7 @@ def test_publishing_an_iteration_the_pointer_passed_is_refused_with_what_to_do(r
         f"newer iter_000000007 while it was being saved, so another run is saving to {root.url}; the pointer "
         "never moves backwards, so this iteration stays uncommitted. Give each run its own save_dirname"
     )
-    assert commit.read_pointer(root) == 7 and not commit.is_committed(root, 5)
+    assert commit.read_pointer(root) == 7 and not _committed(root, 5)
 
 
 def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iteration(
@@ -234,7 +239,7 @@ def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iterati
 
     monkeypatch.setattr(backend_type, "replace_if_unchanged", another_run_first)
     assert commit.publish(root, 5, ("model",), 1) == 9
-    assert moved and commit.read_pointer(root) == 9 and commit.is_committed(root, 5)
+    assert moved and commit.read_pointer(root) == 9 and _committed(root, 5)
 
 
 @pytest.mark.parametrize("keep_last_n", [0, -1])
@@ -256,9 +261,9 @@ def test_publish_commits_only_a_key_its_own_save_wrote(root: Location) -> None:
     with pytest.raises(CheckpointExistsError) as raised:
         commit.publish(root, 5, ("model",), 1, save_id="b" * 32)
     assert root.url_of(layout.iteration_path(root, 5)) in str(raised.value)
-    assert not commit.is_committed(root, 5) and commit.read_pointer(root) is None
+    assert not _committed(root, 5) and commit.read_pointer(root) is None
     assert commit.publish(root, 5, ("model",), 1, save_id="a" * 32) == 5
-    assert commit.is_committed(root, 5)
+    assert _committed(root, 5)
 
 
 def test_publish_over_a_garbage_pointer_is_an_error_naming_it(root: Location) -> None:
@@ -267,7 +272,7 @@ def test_publish_over_a_garbage_pointer_is_an_error_naming_it(root: Location) ->
     with pytest.raises(CorruptCheckpointError) as raised:
         commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert commit.pointer_url(root) in str(raised.value)
-    assert not commit.is_committed(root, 5)
+    assert not _committed(root, 5)
 
 
 def test_retention_spares_an_older_iteration_being_rewritten(root: Location) -> None:
