@@ -258,7 +258,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         """Name each rank's files; when overwriting, un-commit the old checkpoint first."""
         if self.overwrite:
             backend, metadata_path = self.location.backend, self._metadata_path()
-            with storage_errors("remove the old", self.location.url_of(metadata_path)):
+            # Drivers raise their own types here too (azure-core's HttpResponseError on a 403).
+            with storage_errors("remove the old", self.location.url_of(metadata_path), also=(Exception,)):
                 if backend.call("exists", metadata_path):
                     backend.call("rm_file", metadata_path)
         return [
