@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 _RECORD_FORMAT = 1
 # In an iteration folder while a save writes it: which save took the folder first.
 CLAIM_NAME = ".saving"
+# What a save that takes over a folder holding something (a dead save's leftovers, or a commit
+# it may replace) puts in the commit record's place before it deletes anything: the field naming
+# that save's token. Only that save may replace it with a record.
+_TAKEN_OVER_BY = "taken_over_by"
 # A record is a few hundred bytes (a key name each); anything far bigger was not written by us,
 # and is not parsed (json's nesting depth is bounded by its length).
 _MAX_RECORD_BYTES = 1024 * 1024
@@ -90,7 +94,8 @@ def exists(root: Location, path: str) -> bool:
 
 
 def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
-    """The commit record of ``iteration``, or ``None`` when its folder has none.
+    """The commit record of ``iteration``, or ``None`` when its folder has none (or a save's
+    take-over mark in its place: that save has not committed).
 
     Raises:
         CorruptCheckpointError: the record exists but is not one we wrote.
@@ -98,14 +103,26 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
     """
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
     # One GET on S3, present or not (s3fs's cat_file asks HEAD first, then LIST when absent).
-    raw = root.backend.read_versioned(path).data
+    return _parse_record(root, path, root.backend.read_versioned(path).data)
+
+
+def _parse_record(root: Location, path: str, raw: bytes | None) -> CommitRecord | None:
+    """The record ``raw`` holds; ``None`` for nothing or a take-over mark.
+
+    Raises:
+        CorruptCheckpointError: ``raw`` is neither (named by ``path``'s URL).
+    """
     if raw is None:
         return None
     try:
         if len(raw) > _MAX_RECORD_BYTES:
             raise ValueError(f"{len(raw)} bytes, more than a commit record's {_MAX_RECORD_BYTES}")
         doc = json.loads(raw)
-        if not isinstance(doc, dict) or not isinstance(doc["keys"], list):
+        if not isinstance(doc, dict):
+            raise TypeError("not an object")
+        if isinstance(doc.get(_TAKEN_OVER_BY), str):
+            return None
+        if not isinstance(doc["keys"], list):
             raise TypeError("not an object with a list of keys")
         keys = tuple(layout.check_key(k) for k in doc["keys"])
         save_id = doc.get("save_id")
@@ -117,6 +134,10 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
             f"commit record {root.url_of(path)} is unreadable ({e}); delete the folder "
             f"{root.url_of(posixpath.dirname(path))} if that iteration is not needed"
         ) from e
+
+
+def _take_over_mark(save_id: str) -> bytes:
+    return json.dumps({"format": _RECORD_FORMAT, _TAKEN_OVER_BY: save_id}).encode()
 
 
 def key_is_committed(root: Location, iteration: int, key: str) -> bool:
@@ -345,6 +366,7 @@ def publish(
     *,
     behind_pointer: bool = False,
     save_id: str | None = None,
+    taken_over: bool = False,
 ) -> int:
     """Commit ``iteration`` and move the pointer to it: the last step of a save, on rank 0.
 
@@ -361,6 +383,7 @@ def publish(
             committed, and the pointer stays where it is.
         save_id: the save's token, which every key's ``.metadata`` must carry (see
             :func:`commit_record`).
+        taken_over: the save took the folder over (:func:`take_over_iteration`).
 
     Returns:
         The iteration the pointer names afterwards (``iteration``, or a newer one).
@@ -376,7 +399,7 @@ def publish(
         current = _parse_pointer(root, read.data)
         if current is not None and current > iteration and not behind_pointer:
             raise _moved_past(root, iteration, current)
-        commit_record(root, iteration, keys, world_size, save_id)
+        commit_record(root, iteration, keys, world_size, save_id, taken_over=taken_over)
         if current is not None and current >= iteration:
             return current
         if _replace_pointer(root, _pointer_bytes(iteration), read):
@@ -402,7 +425,13 @@ def _moved_past(root: Location, iteration: int, latest: int) -> CheckpointExists
 
 
 def commit_record(
-    root: Location, iteration: int, keys: tuple[str, ...], world_size: int, save_id: str | None = None
+    root: Location,
+    iteration: int,
+    keys: tuple[str, ...],
+    world_size: int,
+    save_id: str | None = None,
+    *,
+    taken_over: bool = False,
 ) -> CommitRecord:
     """Write ``iteration``'s commit record once each of ``keys`` is a finished DCP checkpoint
     of this save.
@@ -412,6 +441,8 @@ def commit_record(
     (a restarted job and its zombie) may have written, or cleared, some of it. The record is
     created, never replaced (a conditional write; the caller holds ``exclusive(root)`` where the
     store has no conditional writes), so of two such saves one commits and the other raises.
+    ``taken_over``: this save put its mark in the record's place (:func:`take_over_iteration`);
+    the record replaces that mark only if it is still there.
 
     Raises:
         CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
@@ -434,11 +465,17 @@ def commit_record(
         )
     record = CommitRecord(iteration, tuple(keys), world_size, time.time(), save_id)
     path = root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME)
-    if not create_atomically(root, path, record.to_json()):
+    if taken_over and save_id is not None:
+        # Our mark must still be there: another save that took the folder over since replaced it.
+        read = root.backend.read_versioned(path)
+        created = read.data == _take_over_mark(save_id) and root.backend.replace_if_unchanged(path, record.to_json(), read)
+    else:
+        created = create_atomically(root, path, record.to_json())
+    if not created:
         raise CheckpointExistsError(
-            f"cannot commit {folder_url}: another process committed it first while this save wrote it "
-            f"(two processes saving the same iteration into {root.url}); this save is not committed. "
-            "Give each run its own save_dirname"
+            f"cannot commit {folder_url}: another process committed it, or took it over, while this "
+            f"save wrote it (two processes saving the same iteration into {root.url}); this save is "
+            "not committed. Give each run its own save_dirname"
         )
     return record
 
@@ -532,6 +569,50 @@ def claim_iteration(root: Location, iteration: int, save_id: str) -> bool:
             return create_atomically(root, path, save_id.encode())
     except FileNotFoundError:
         return False  # another save is clearing the folder: it is in use, not ours alone
+
+
+def take_over_iteration(root: Location, iteration: int, save_id: str, replacing: CommitRecord | None) -> None:
+    """Make ``iteration``'s folder this save's alone, then delete everything else in it.
+
+    For a folder that holds something: a save's leftovers (it may have died, or be running
+    still: nothing tells them apart), or the commit ``replacing`` that the caller decided to
+    replace. Before anything is deleted, this save's mark takes the commit record's place, a
+    compare-and-swap against what is there (inside ``exclusive(root)``, as a commit is). So of
+    this save and one committing the folder at the same moment exactly one wins: a commit that
+    landed first is never deleted (this raises), and once the mark is there the other's commit
+    (created only if absent) fails. Only this save's commit may replace the mark
+    (``commit_record(..., taken_over=True)``); a later save takes over a mark like any leftover.
+
+    Raises:
+        CheckpointExistsError: another save committed the iteration since the caller looked
+            (and it is not ``replacing``); nothing was deleted.
+        StorageError: the backend failed; the folder is uncommitted, perhaps half deleted.
+    """
+    backend = root.backend
+    folder = layout.iteration_path(root, iteration)
+    path = posixpath.join(folder, COMMIT_RECORD_NAME)
+    with backend.exclusive(root.path):
+        read = backend.read_versioned(path)
+        current = _parse_record(root, path, read.data)
+        if current is not None and current != replacing and not unfinished_keys(root, iteration, current.keys):
+            raised = True
+        else:
+            raised = not backend.replace_if_unchanged(path, _take_over_mark(save_id), read)
+    if raised:
+        raise CheckpointExistsError(
+            f"cannot save {root.url_of(folder)}: another process committed it while this save "
+            f"started (two processes saving the same iteration into {root.url}); it is left as "
+            "committed. Give each run its own save_dirname"
+        )
+    backend.invalidate(folder)
+    for entry in backend.call("ls", folder, detail=False):
+        if entry.rstrip("/") != path:
+            try:
+                backend.call("rm", entry, recursive=True)
+            except FileNotFoundError:
+                pass  # its writer removed it first
+    backend.abort_pending_uploads(folder)
+    backend.invalidate(folder)
 
 
 def discard_iteration(root: Location, iteration: int) -> None:

@@ -1,7 +1,9 @@
 """The save pipeline: what happens to staged state until it is a committed, named iteration.
 
 One save, read top to bottom in :meth:`SavePipeline.run`: rank 0 prepares the iteration's
-folder (refusing to replace a committed one, clearing a failed save's leftovers) → every rank
+folder (refusing to replace a committed one; taking over one that holds anything, a failed
+save's leftovers or a running save's files, with a mark that the other's commit cannot pass,
+before it clears it) → every rank
 writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` → rank 0 commits
 and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention. The pointer is read
 twice per save, at the preparation and in the compare-and-swap that moves it; retention takes
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -57,6 +59,22 @@ class SaveSettings:
     writer: WriterSettings = WriterSettings()
 
 
+class Prepared(NamedTuple):
+    """What rank 0's preparation of an iteration's folder hands every rank.
+
+    Attributes:
+        save_id: the save's token.
+        claimed: the folder was clean and this save claimed it first: it writes torch's data
+            file names (else names holding the token).
+        taken_over: the folder held something and this save's mark now stands in its commit
+            record's place (see :func:`.commit.take_over_iteration`).
+    """
+
+    save_id: str
+    claimed: bool
+    taken_over: bool
+
+
 class SavePipeline:
     """Writes staged state dicts as one iteration, commits it, moves the pointer, prunes.
 
@@ -90,22 +108,17 @@ class SavePipeline:
         keys = tuple(staged)
         # The save's token, from rank 0 to every rank: in every data file's name and every
         # key's .metadata, and checked at the commit, so a save commits only what it wrote.
-        save_id, first = self._collectives.run_on_rank0(lambda: self._prepare(iteration))
+        prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration))
         for key in keys:
-            self._write_key(iteration, key, staged[key], save_id, unique_file_names=not first)
-        latest = self._publish(iteration, keys, save_id)
+            self._write_key(iteration, key, staged[key], prepared.save_id, unique_file_names=not prepared.claimed)
+        latest = self._publish(iteration, keys, prepared)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
             retention.apply_retention(self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest)
         return latest
 
-    def _prepare(self, iteration: int) -> tuple[str, bool]:
-        """Rank 0: refuse to replace a committed iteration; clear leftovers of an uncommitted one.
-
-        Returns:
-            A new token for this save, and whether it found the folder clean and claimed it
-            first (then it writes torch's data file names; else names holding the token, since
-            the leftovers it cleared may be those of a save still running).
-        """
+    def _prepare(self, iteration: int) -> Prepared:
+        """Rank 0: refuse to replace a committed iteration; take over and clear one that holds
+        anything (its leftovers may be those of a save still running)."""
         root, overwrite = self._root, self.settings.overwrite
         folder = root.url_of(layout.iteration_path(root, iteration))
         latest = commit.read_pointer(root)
@@ -132,9 +145,9 @@ class SavePipeline:
             logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
         save_id = uuid.uuid4().hex
         if record is not None or reason != "does not exist":
-            commit.discard_iteration(root, iteration)
-            return save_id, False
-        return save_id, commit.claim_iteration(root, iteration, save_id)
+            commit.take_over_iteration(root, iteration, save_id, replacing=record)
+            return Prepared(save_id, claimed=False, taken_over=True)
+        return Prepared(save_id, commit.claim_iteration(root, iteration, save_id), taken_over=False)
 
     def _write_key(
         self, iteration: int, key: str, state_dict: dict[str, Any], save_id: str, *, unique_file_names: bool
@@ -161,7 +174,7 @@ class SavePipeline:
         except CheckpointException as e:
             raise unwrap_dcp(e, f"saving key {key!r} to {url}", mismatch=False) from e
 
-    def _publish(self, iteration: int, keys: tuple[str, ...], save_id: str) -> int:
+    def _publish(self, iteration: int, keys: tuple[str, ...], prepared: Prepared) -> int:
         """Every rank finished every key → rank 0 writes the commit record, then the pointer."""
         self._collectives.raise_if_any_failed(None)
 
@@ -174,7 +187,8 @@ class SavePipeline:
                 keys,
                 self._collectives.world_size,
                 behind_pointer=self.settings.overwrite,
-                save_id=save_id,
+                save_id=prepared.save_id,
+                taken_over=prepared.taken_over,
             )
             logger.info("committed %s", self._root.url_of(layout.iteration_path(self._root, iteration)))
             return latest
