@@ -5,7 +5,8 @@ Lightning, one ``Trainer.save_checkpoint("s3://…")`` of a model of ``--size-mi
 
 * ``lightning_default``: Lightning's own path, ``TorchCheckpointIO``: ``torch.save`` into memory,
   then one fsspec ``pipe`` (s3fs's parallel multipart upload). It takes no
-  ``storage_options``, so the worker gets the endpoint and credentials from ``AWS_*`` variables.
+  ``storage_options``, so the worker gets the endpoint and credentials from ``AWS_*`` variables
+  (and our options' timeouts from ``FSSPEC_S3``).
 * ``dcp_fsspec_ckptio``: ``Trainer(plugins=[FsspecCheckpointIO(storage_options)])``: the same
   single ``.ckpt`` file, uploaded by our backend (complete-or-absent).
 * ``dcp_fsspec_sharded``: ``FsspecModelParallelStrategy(storage_options=…)``: a sharded (DCP)
@@ -119,6 +120,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 def _run_worker(spec: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, **environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    # Lightning's own path takes no storage_options: fsspec's environment configuration gives
+    # its s3fs the same long read timeout as ours (moto completes a large multipart upload
+    # slowly on a busy machine, and a client that gives up and retries the completion fails).
+    env["FSSPEC_S3"] = json.dumps({"config_kwargs": spec["storage_options"]["config_kwargs"]})
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "benchmarks.frameworks", "--worker", json.dumps(spec)],
         capture_output=True, text=True, env=env, check=False,
@@ -194,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     finally:
         server.stop()
-    print()
-    print(table(rows))
+    print("\n" + table(rows))
     return 0
 
 

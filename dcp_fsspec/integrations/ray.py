@@ -37,7 +37,7 @@ __all__ = ["RayTrainCheckpointer"]
 _FSSPEC_SCHEMES = {"local": "", "s3": "s3://", "gcs": "gs://", "abfs": "az://"}
 
 
-def fsspec_url(filesystem: pyarrow.fs.FileSystem, path: str) -> str:
+def _fsspec_url(filesystem: pyarrow.fs.FileSystem, path: str) -> str:
     """The fsspec URL of ``path`` on a Ray storage ``filesystem`` (a ``pyarrow.fs.FileSystem``).
 
     Raises:
@@ -104,9 +104,9 @@ class RayTrainCheckpointer:
         self._path = posixpath.join(storage.experiment_fs_path, folder)
         self._rank = context.get_world_rank()
         if isinstance(load_path, ray.train.Checkpoint):
-            load_path = fsspec_url(load_path.filesystem, load_path.path)
+            load_path = _fsspec_url(load_path.filesystem, load_path.path)
         self.checkpointer = Checkpointer(
-            fsspec_url(self._filesystem, self._path), storage_options, load_path=load_path,
+            _fsspec_url(self._filesystem, self._path), storage_options, load_path=load_path,
             load_training_state=True, overwrite=True, retry=retry, writer_settings=writer_settings,
             reader_settings=reader_settings, trust_checkpoint=trust_checkpoint, compression=compression,
             verify_before_commit=verify_before_commit,
@@ -134,7 +134,7 @@ class RayTrainCheckpointer:
         iteration = parse_iteration(reported.path)
         if iteration is None or posixpath.dirname(reported.path.rstrip("/")) != self._path:
             raise CheckpointNotFoundError(
-                f"Ray's checkpoint {fsspec_url(reported.filesystem, reported.path)} is not an iteration folder of "
+                f"Ray's checkpoint {_fsspec_url(reported.filesystem, reported.path)} is not an iteration folder of "
                 f"{self.url}: give RayTrainCheckpointer the folder= that saved it"
             )
         return self.checkpointer.load(iteration, **state)

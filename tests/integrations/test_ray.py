@@ -34,8 +34,6 @@ STEPS = 6
 SAVE_EVERY = 3  # the first fit stops after its save at step 3; the second resumes there
 
 pytestmark = [
-    pytest.mark.slow,  # a Ray cluster and a worker group per fit: tens of seconds each
-    pytest.mark.timeout(900),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
@@ -123,6 +121,8 @@ def _assert_resumed_exactly(straight: dict[str, Any], resumed: Path, start: int)
     assert_equal(after["optim"], straight["optim"], "optim")
 
 
+@pytest.mark.slow  # a Ray cluster, and a worker group per fit: about a minute each on 2 busy cores
+@pytest.mark.timeout(900)
 def test_a_new_run_resumes_bit_identically_from_a_checkpoint_ray_reported_on_s3(
     straight: dict[str, Any], s3_server: LocalS3Server, tmp_path: Path
 ) -> None:
@@ -146,6 +146,8 @@ def test_a_new_run_resumes_bit_identically_from_a_checkpoint_ray_reported_on_s3(
     _assert_resumed_exactly(straight, tmp_path / "second.pt", SAVE_EVERY)
 
 
+@pytest.mark.slow  # a Ray cluster, and a worker group per fit: about a minute each on 2 busy cores
+@pytest.mark.timeout(900)
 def test_a_restarted_run_resumes_bit_identically_from_what_ray_reported_in_a_local_folder(
     straight: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -157,3 +159,24 @@ def test_a_restarted_run_resumes_bit_identically_from_what_ray_reported_in_a_loc
     assert first.checkpoint is not None and first.checkpoint.path == f"{storage}/run/dcp/iter_000000003"
     _fit(tmp_path / "again.pt", STEPS, {}, name="run", storage_path=storage)
     _assert_resumed_exactly(straight, tmp_path / "again.pt", SAVE_EVERY)
+
+
+def test_a_ray_storage_filesystem_maps_to_the_fsspec_url_of_the_same_place() -> None:
+    """What Ray makes of a storage path (a pyarrow filesystem and a path on it) → our URL."""
+    import fsspec
+
+    from dcp_fsspec.integrations.ray import _fsspec_url
+
+    assert _fsspec_url(pyarrow.fs.LocalFileSystem(), "/runs/a/dcp") == "/runs/a/dcp"
+    assert _fsspec_url(pyarrow.fs.S3FileSystem(anonymous=True), "bucket/runs/a") == "s3://bucket/runs/a"
+    wrapped = pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fsspec.filesystem("memory")))
+    assert _fsspec_url(wrapped, "/runs/a") == "memory:///runs/a"
+
+
+def test_a_ray_storage_filesystem_without_an_fsspec_counterpart_is_an_error_naming_the_path() -> None:
+    from dcp_fsspec.errors import InvalidURLError
+    from dcp_fsspec.integrations.ray import _fsspec_url
+
+    subtree = pyarrow.fs.SubTreeFileSystem("/base", pyarrow.fs.LocalFileSystem())
+    with pytest.raises(InvalidURLError, match="runs/a.*storage_filesystem="):
+        _fsspec_url(subtree, "runs/a")
