@@ -84,6 +84,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             if spec["impl"] == "dcp_fsspec_sharded":  # the strategy needs a parallelized model
                 from torch.distributed.fsdp import fully_shard
 
+                assert self.device_mesh is not None  # the strategy sets it before this hook
                 mesh = self.device_mesh["data_parallel"]
                 for layer in self.net:
                     fully_shard(layer, mesh=mesh)
