@@ -15,9 +15,10 @@ where every rank has it committed and complete there.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Collection, Sequence
 
-from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, StorageError
+from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, InvalidURLError, StorageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import Location
 from . import commit, layout, retention
@@ -108,6 +109,7 @@ class TwoTiers:
         self.durable = durable
         self._collectives = collectives
         self._keep_last_n_local = keep_last_n_local
+        self._shared_checked = False
         # Rank 0 waits this long for the other ranks' copies once its own is done: their shares are
         # about the size of its own, so the retry deadline (a bound on one stuck call) is ample.
         marker_wait = durable.retry.deadline if durable.retry is not None and durable.retry.deadline else 600.0
@@ -115,6 +117,43 @@ class TwoTiers:
             local, durable, policy=drain, keep_last_n=keep_last_n, on_end=on_drain_end,
             rank=collectives.rank, world_size=collectives.world_size, marker_wait=marker_wait,
         )  # fmt: skip
+
+    def check_shared(self) -> None:
+        """Before the first save: refuse a ``local_dirname`` that is not one folder for every rank.
+
+        A collective, once per Checkpointer: rank 0 writes a probe file into the local tier and
+        every rank looks for it. The local save commits like a direct one (rank 0 checks that
+        every file each key's ``.metadata`` names is there), so a folder each node has to
+        itself (per-node NVMe) would fail that check on the first save with a misleading error.
+
+        Raises:
+            InvalidURLError: on every rank, naming the folder and the ranks that cannot see it.
+        """
+        if self._shared_checked or not self._collectives.distributed:
+            return
+
+        def write_probe() -> tuple[str, str]:
+            name = f".dcp-fsspec-probe-{uuid.uuid4().hex[:12]}"
+            self.local.backend.make_folder(self.local.path)
+            self.local.backend.write_small_atomic(self.local.join(name), b"")
+            return name, self.local.url
+
+        # Each rank looks in its own local_dirname (ranks may be given different paths).
+        name, rank0_url = self._collectives.run_on_rank0(write_probe)
+        path = self.local.join(name)
+        self.local.backend.invalidate(self.local.path)
+        seen = self._collectives.all_gather(commit.exists(self.local, path))
+        if self._collectives.rank == 0:
+            self.local.backend.call("rm", path)
+        blind = [rank for rank, saw in enumerate(seen) if not saw]
+        if blind:
+            raise InvalidURLError(
+                f"local_dirname: rank(s) {blind} cannot see the file rank 0 wrote into {rank0_url} in theirs (a "
+                f"disk of their own; this rank's: {self.local.url}); the local tier must be one folder every rank "
+                "sees (one node's disk, or a shared file system), as rank 0 commits each local save. Per-node "
+                "local disks are not supported yet: give every rank the same shared folder, or drop local_dirname"
+            )
+        self._shared_checked = True
 
     def committed_locally(self, iteration: int) -> None:
         """``iteration`` is committed in the local tier: drain it, then prune the local tier.
