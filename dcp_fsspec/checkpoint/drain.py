@@ -158,6 +158,7 @@ def _drain_and_commit(
         # Committed by a drain that died before moving the pointer.
         latest = iteration if commit.write_pointer(durable, iteration) else commit.read_pointer(durable)
         logger.info("committed %s (the durable copy of %s)", dst, src)
+        _remove_markers(durable, iteration, world_size)
         _apply_retention(durable, keep_last_n, iteration, latest)
         return record.keys, 0
     if durable_record is not None or reason != "does not exist":

@@ -142,9 +142,16 @@ class TwoTiers:
         name, rank0_url = self._collectives.run_on_rank0(write_probe)
         path = self.local.join(name)
         self.local.backend.invalidate(self.local.path)
-        seen = self._collectives.all_gather(commit.exists(self.local, path))
+        try:
+            mine = commit.exists(self.local, path)
+        except (OSError, DcpFsspecError):
+            mine = False  # a folder this rank cannot read is no folder it shares; the error says so
+        seen = self._collectives.all_gather(mine)  # every rank gets here: no rank raises alone
         if self._collectives.rank == 0:
-            self.local.backend.call("rm", path)
+            try:
+                self.local.backend.call("rm", path)
+            except (OSError, DcpFsspecError) as e:
+                logger.info("could not remove the probe %s (harmless): %s", self.local.url_of(path), e)
         blind = [rank for rank, saw in enumerate(seen) if not saw]
         if blind:
             raise InvalidURLError(
@@ -172,7 +179,7 @@ class TwoTiers:
                 self.local, self._keep_last_n_local, protected=self._drainer.undrained() | {iteration}
             )
 
-    def _submit(self, iteration: int) -> Exception | None:
+    def _submit(self, iteration: int) -> DrainError | None:
         """Hand the committed local ``iteration`` to every rank's drainer (a collective).
 
         Rank 0 reads the save's token from the local commit record; under ``drain="latest"``
