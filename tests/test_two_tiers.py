@@ -469,3 +469,42 @@ def test_two_fsdp2_ranks_resume_bit_exact_from_the_local_tier_or_from_the_durabl
     from_durable = str(tmp_path / "from-durable")
     run_ranks(_fsdp_resume, 2, tmp_path, url, options, [local, str(tmp_path / "wiped")], from_durable)
     _resumed(from_durable, saved, 6, DURABLE)
+
+
+def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_which_to_drop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    with Checkpointer(tmp_path / "other-durable", local_dirname=local, keep_last_n_local=3) as ckpt:
+        for it in (1, 2, 3):
+            ckpt.save(it, trainer={"w": torch.ones(4) * it})
+    local_root, durable = resolve(str(local), {}), resolve(str(tmp_path / "durable"), {})
+
+    def job(iteration: int) -> drain.DrainJob:
+        return drain.DrainJob(iteration, commit.read_commit_record(local_root, iteration).save_id)  # type: ignore[union-attr,arg-type]
+
+    first, second = _HoldDrain(1), _HoldDrain(2)
+    second.release.set()  # only noticed, never held
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log.addHandler(first)
+    drain_log.addHandler(second)
+    ended = threading.Event()
+    drainer = drain.Drainer(local_root, durable, policy=drain.DRAIN_LATEST, keep_last_n=None,
+                            on_end=lambda event: ended.set() if event.iteration == 1 else None)  # fmt: skip
+    try:
+        caplog.set_level(logging.INFO, logger="dcp_fsspec")  # the holds read the drain's INFO lines
+        drainer.submit(job(1))
+        assert first.reached.wait(60)
+        drainer.submit(job(2))
+        with drainer.paused() as waiting:
+            assert waiting == [2]
+            first.release.set()
+            assert ended.wait(60)  # the drain of 1 is over; 2 must not start while paused
+            assert not second.reached.wait(1.0)
+            drainer.submit(job(3), drop=set(waiting))
+        drainer.wait(60)
+    finally:
+        first.release.set()
+        drain_log.removeHandler(first)
+        drain_log.removeHandler(second)
+    assert commit.committed_iterations(durable) == [1, 3] and not second.reached.is_set()
