@@ -23,6 +23,8 @@ from torch.distributed.fsdp import fully_shard
 
 from dcp_fsspec import Checkpointer
 
+from .ckpt_helpers import assert_equal
+
 
 @dataclass
 class Phase:
@@ -84,6 +86,13 @@ class FsdpTraining:
             "data_rng": self.data.get_state(),
             "losses": self.losses,
         }
+
+
+def assert_same_full_state(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Two :meth:`FsdpTraining.full_state` dumps agree bit for bit (model, optimizer, scheduler,
+    step, data position)."""
+    for part in ("model", "optim", "scheduler", "step", "data_rng"):
+        assert_equal(resumed[part], reference[part], part)
 
 
 def run_phase(rank: int, phase: Phase) -> None:

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from .ckpt_fsdp import Phase, run_phase
-from .ckpt_helpers import assert_equal
+from .ckpt_fsdp import Phase, assert_same_full_state, run_phase
 from .conftest import Backend
 
 pytestmark = pytest.mark.timeout(240)
@@ -39,11 +38,6 @@ def _reference(tmp_path: Path, name: str) -> dict[str, Any]:
     return torch.load(str(tmp_path / f"{name}.pt.ref"), weights_only=False)
 
 
-def _assert_same_state(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
-    for part in ("model", "optim", "scheduler", "step", "data_rng"):
-        assert_equal(resumed[part], reference[part], part)
-
-
 @pytest.mark.slow
 def test_two_rank_fsdp2_training_resumed_in_fresh_processes_matches_uninterrupted_training(
     shared_backend: Backend, tmp_path: Path
@@ -57,7 +51,7 @@ def test_two_rank_fsdp2_training_resumed_in_fresh_processes_matches_uninterrupte
 
     resumed = _run(shared_backend, tmp_path, "resumed", 2, expect_resume=4, stop_at=8, save_every=2)
     reference = _reference(tmp_path, "first")
-    _assert_same_state(resumed, reference)
+    assert_same_full_state(resumed, reference)
     assert resumed["latest"] == "iter_000000008"
     assert resumed["losses"] == {s: reference["losses"][s] for s in (5, 6, 7, 8)}
 
@@ -70,4 +64,4 @@ def test_fsdp2_checkpoint_resumes_on_a_different_world_size(s3_backend: Backend,
     reference = _reference(tmp_path, "two")
     assert one["losses"] == {s: reference["losses"][s] for s in (4, 5, 6)}  # saved by 2 ranks, resumed by 1
     assert two_again["losses"] == {s: reference["losses"][s] for s in (7, 8, 9)}  # saved by 1, resumed by 2
-    _assert_same_state(two_again, reference)
+    assert_same_full_state(two_again, reference)

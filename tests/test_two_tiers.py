@@ -22,13 +22,16 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-from dcp_fsspec import Checkpointer, DrainError, RetryPolicy
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec import Checkpointer, DrainError, InvalidURLError, RetryPolicy
+from dcp_fsspec.checkpoint import commit, drain
 from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.urls import resolve
 
+from .ckpt_fsdp import FsdpTraining, assert_same_full_state
 from .ckpt_helpers import Training, assert_same_training
 from .conftest import Backend
 from .distributed import run_ranks
@@ -254,11 +257,13 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
 
 
 def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str) -> None:
-    """Resume, then save the next iteration again (rank 0's local tier had an older copy of it)."""
+    """Resume, each rank with its own ``local_dirname``; then, all with rank 0's (saving needs one
+    folder every rank sees), save the next iteration again (rank 0's local tier had an older copy)."""
     target = {"w": torch.zeros(64)}
     with Checkpointer(url, options, local_dirname=locals_[rank]) as ckpt:
         iteration = ckpt.load(trainer=target)
         torch.save({"iteration": iteration, "w": target["w"].clone()}, f"{out}.{rank}")
+    with Checkpointer(url, options, local_dirname=locals_[0]) as ckpt:
         ckpt.save(iteration + 1, trainer={"w": target["w"] * 3})
 
 
@@ -336,3 +341,170 @@ def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the
     finally:
         hold.release.set()
         drain_log.removeHandler(hold)
+
+
+def _committed_locally(local: Path, iteration: int) -> None:
+    """Save ``iteration`` under ``local`` (its own drain goes to another durable folder)."""
+    with Checkpointer(local.parent / "other-durable", local_dirname=local) as ckpt:
+        ckpt.save(iteration, **_trained(1).keys())
+
+
+def test_rank0_commits_the_durable_copy_only_once_every_other_rank_marked_its_files_of_this_save(
+    tmp_path: Path,
+) -> None:
+    local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
+    _committed_locally(local, 3)
+    token = commit.read_commit_record(resolve(str(local), {}), 3).save_id  # type: ignore[union-attr]
+    job = drain.DrainJob(3, token)
+    local_root = resolve(str(local), {})
+
+    def drain_as_rank0_of_two() -> None:
+        drain.drain_iteration(local_root, durable, job, rank=0, world_size=2, keep_last_n=None, marker_wait=0.5)
+
+    with pytest.raises(DrainError) as raised:  # rank 1 never copied its files
+        drain_as_rank0_of_two()
+    assert "rank(s) [1]" in str(raised.value) and str(tmp_path / "durable" / "iter_000000003") in str(raised.value)
+    marker = tmp_path / "durable" / "iter_000000003" / drain.marker_name(1)
+    marker.write_bytes(b"another-save")  # a marker left by a drain of another save of iteration 3
+    with pytest.raises(DrainError):
+        drain_as_rank0_of_two()
+    assert commit.read_pointer(durable) is None  # nothing was committed
+    marker.write_bytes(token.encode())
+    drain_as_rank0_of_two()
+    assert commit.read_pointer(durable) == 3 and not marker.exists()  # committed; the marker is gone
+
+
+def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
+    names = ["model/__0_0.distcp", "model/__1_0.distcp", "model/__1_ab12_3.distcp", "model/.metadata",
+             "optim/__2_0.distcp", "extra.txt"]  # fmt: skip
+    assert [drain.owner_of(n, world_size=2) for n in names] == [0, 1, 1, 0, 0, 0]  # rank 2 is no rank here
+    assert [drain.owner_of(n, world_size=3) for n in names] == [0, 1, 1, 0, 2, 0]
+
+
+def _two_ranks_with_own_folders_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:
+    try:
+        with Checkpointer(url, local_dirname=f"{base}/node-{rank}") as ckpt:
+            ckpt.save(1, trainer={"w": torch.ones(4)})
+    except InvalidURLError as e:
+        Path(f"{out}.{rank}").write_text(str(e))
+
+
+@pytest.mark.slow
+def test_a_local_dirname_each_rank_has_to_itself_is_refused_at_the_first_save_naming_it(tmp_path: Path) -> None:
+    out = str(tmp_path / "error")
+    run_ranks(_two_ranks_with_own_folders_save, 2, tmp_path, str(tmp_path / "durable"), str(tmp_path), out)
+    for rank in (0, 1):
+        message = Path(f"{out}.{rank}").read_text()
+        assert str(tmp_path / "node-0") in message and str(tmp_path / f"node-{rank}") in message, message
+        assert "rank(s) [1]" in message
+    assert not (tmp_path / "durable" / "latest_checkpoint.txt").exists()
+
+
+def _fsdp_training(seed: int) -> FsdpTraining:
+    torch.set_num_threads(1)
+    return FsdpTraining(init_device_mesh("cpu", (dist.get_world_size(),)), seed)
+
+
+def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any], local: str, out: str) -> None:
+    """FSDP2 training saves 2 and 4 (drained) and 6, whose durable copy is then undone (as a
+    drain killed before its commit leaves it); rank 0 dumps the full state at each save."""
+    training = _fsdp_training(0)
+    with Checkpointer(url, options, local_dirname=local, keep_last_n_local=3) as ckpt:
+        for iteration in (2, 4, 6):
+            while training.trainer["step"] < iteration:
+                training.step()
+            ckpt.save(iteration, **training.keys())
+            ckpt.wait()
+            state = training.full_state()
+            if rank == 0:
+                torch.save(state, f"{out}.{iteration}")
+        if rank == 0:
+            root = resolve(url, options)
+            commit.discard_iteration(root, 6)
+            commit.write_atomically(root, root.join(commit.POINTER_NAME), b"iter_000000004\n")
+
+
+def _fsdp_resume(rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str) -> None:
+    """Resume FSDP2 training (other initial weights); record the iteration and tier each rank
+    resumed, and (rank 0) the full state."""
+    training = _fsdp_training(1)
+    tiers: list[str | None] = []
+    with Checkpointer(url, options, local_dirname=locals_[rank], on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+        iteration = ckpt.load(**training.keys())
+    training.after_load()
+    state = training.full_state()
+    Path(f"{out}.{rank}").write_text(json.dumps([iteration, tiers]))
+    if rank == 0:
+        torch.save(state, f"{out}.state")
+
+
+def _resumed(out: str, saved: str, iteration: int, tier: str) -> None:
+    """Both ranks resumed ``iteration`` from ``tier``; model, optimizer, scheduler and data
+    position are bitwise those saved."""
+    for rank in (0, 1):
+        assert json.loads(Path(f"{out}.{rank}").read_text()) == [iteration, [tier]], f"rank {rank}"
+    resumed, reference = torch.load(f"{out}.state", weights_only=False), torch.load(f"{saved}.{iteration}", weights_only=False)
+    assert_same_full_state(resumed, reference)
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_resume_bit_exact_from_the_local_tier_or_from_the_durable_one_when_a_rank_lost_it(
+    s3_backend: Backend, tmp_path: Path
+) -> None:
+    url, options = s3_backend.url, s3_backend.storage_options
+    local, saved = str(tmp_path / "node-local"), str(tmp_path / "saved")
+    run_ranks(_fsdp_save, 2, tmp_path, url, options, local, saved)
+    assert _pointer(url, options) == 4 and _pointer(local, {}) == 6
+    fs = fsspec.filesystem("s3", **options)
+    shards = {name.rsplit("/", 1)[1] for name in fs.find(f"{url}/iter_000000004/model")}
+    assert shards == {"__0_0.distcp", "__1_0.distcp", ".metadata"}  # each rank's shard; no marker left
+
+    # Both ranks still have the local folder: 6, newer than the durable pointer, comes from it ...
+    from_local = str(tmp_path / "from-local")
+    run_ranks(_fsdp_resume, 2, tmp_path, url, options, [local, local], from_local)
+    _resumed(from_local, saved, 6, LOCAL)
+    assert _pointer(url, options) == 6  # ... and was drained again on the way
+
+    # Rank 1 is on a fresh node (its local folder is empty): both resume 6 from the durable tier.
+    from_durable = str(tmp_path / "from-durable")
+    run_ranks(_fsdp_resume, 2, tmp_path, url, options, [local, str(tmp_path / "wiped")], from_durable)
+    _resumed(from_durable, saved, 6, DURABLE)
+
+
+def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_which_to_drop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    with Checkpointer(tmp_path / "other-durable", local_dirname=local, keep_last_n_local=3) as ckpt:
+        for it in (1, 2, 3):
+            ckpt.save(it, trainer={"w": torch.ones(4) * it})
+    local_root, durable = resolve(str(local), {}), resolve(str(tmp_path / "durable"), {})
+
+    def job(iteration: int) -> drain.DrainJob:
+        return drain.DrainJob(iteration, commit.read_commit_record(local_root, iteration).save_id)  # type: ignore[union-attr,arg-type]
+
+    first, second = _HoldDrain(1), _HoldDrain(2)
+    second.release.set()  # only noticed, never held
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log.addHandler(first)
+    drain_log.addHandler(second)
+    ended = threading.Event()
+    drainer = drain.Drainer(local_root, durable, policy=drain.DRAIN_LATEST, keep_last_n=None,
+                            on_end=lambda event: ended.set() if event.iteration == 1 else None)  # fmt: skip
+    try:
+        caplog.set_level(logging.INFO, logger="dcp_fsspec")  # the holds read the drain's INFO lines
+        drainer.submit(job(1))
+        assert first.reached.wait(60)
+        drainer.submit(job(2))
+        with drainer.paused() as waiting:
+            assert waiting == [2]
+            first.release.set()
+            assert ended.wait(60)  # the drain of 1 is over; 2 must not start while paused
+            assert not second.reached.wait(1.0)
+            drainer.submit(job(3), drop=set(waiting))
+        drainer.wait(60)
+    finally:
+        first.release.set()
+        drain_log.removeHandler(first)
+        drain_log.removeHandler(second)
+    assert commit.committed_iterations(durable) == [1, 3] and not second.reached.is_set()

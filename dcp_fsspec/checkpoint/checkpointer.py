@@ -110,10 +110,12 @@ class Checkpointer:
         compression_level: the zstd level (default 3; 1 is fastest, 19+ smallest).
         local_dirname: a fast local tier (node-local disk; any fsspec URL or local path): each
             save is committed there first (same layout, its own pointer), then copied to
-            ``save_dirname`` in the background (the *drain*); the durable pointer moves once that
-            copy is committed. :meth:`load` resumes the newest iteration every rank can read,
-            from the local tier where it is committed and complete there. Every rank's files must
-            be in it (one node, or a shared folder). ``None``: save to ``save_dirname`` directly.
+            ``save_dirname`` in the background (the *drain*: every rank copies the files it
+            wrote); the durable pointer moves once that copy is committed. :meth:`load` resumes
+            the newest iteration every rank can read, from the local tier where it is committed
+            and complete there. Saving needs one folder every rank sees (one node, or a shared
+            file system): the first :meth:`save` checks, and raises ``InvalidURLError`` for a
+            folder each node has to itself. ``None``: save to ``save_dirname`` directly.
         local_storage_options: fsspec options for ``local_dirname``.
         keep_last_n_local: how many committed iterations the local tier keeps (>= 1); never one
             still to drain, nor the newest.
@@ -258,6 +260,8 @@ class Checkpointer:
             raise ValueError("save() needs at least one key, e.g. save(iteration, model=model)")
         for key in state:
             layout.check_key(key)
+        if self._tiers is not None:
+            self._tiers.check_shared()
         start = time.perf_counter()
         if self._async_mode == ASYNC_DISABLED:
             state_dicts = self._stage(state)

@@ -1,31 +1,40 @@
 """The drain: copying locally committed iterations to the durable ``save_dirname``, one at a time.
 
-With a local tier, a save commits under ``local_dirname`` first; :class:`Drainer` then copies that
-iteration's files to ``save_dirname`` in a background thread and commits it there with the same
-rules as a direct save (:func:`.commit.publish`: every key's ``.metadata`` carries the save's
-token and names files that are there, the commit record is created, the pointer moves by
-compare-and-swap, never backwards). Files are copied, not re-serialised, by the storage layer's
-concurrent uploads (:mod:`dcp_fsspec.storage.copying`). Only a committed local iteration is ever
-copied; leftovers of a drain that died (a killed process) are cleared before the next copy.
+With a local tier, a save commits under ``local_dirname`` first; every rank's :class:`Drainer`
+then copies, in a background thread, the files of that iteration that rank wrote (its own data
+files, ``__{rank}_*.distcp``; rank 0 also every ``.metadata`` and any file no other rank owns)
+to ``save_dirname``, by the storage layer's concurrent uploads (:mod:`dcp_fsspec.storage.copying`),
+without re-serialising anything. The background threads run no collective (training may be
+running its own on the same groups): each rank ``r > 0`` says it is done by writing a marker,
+``.drained.{r}`` holding the save's token, into the durable iteration folder; rank 0 copies its
+own data files, waits (bounded) for every other rank's marker, copies the ``.metadata`` files
+last, and commits the iteration there with the same rules as a direct save
+(:func:`.commit.publish`: every key's ``.metadata`` carries the save's token and names files
+that are there, the commit record is created, the pointer moves by compare-and-swap, never
+backwards), then removes the markers. Only a committed local iteration is copied: rank 0 reads
+its token from the local commit record and hands it to every rank.
 
-One drain runs at a time. Saves faster than drains follow the policy: ``"every"`` makes the next
-submit wait for the drain in flight (every iteration goes up), ``"latest"`` keeps one waiting
-iteration and replaces it by a newer one (logged). A failed drain does not stop training: its
-error is kept, returned by the next :meth:`Drainer.submit` (the caller warns) and raised by
-:meth:`Drainer.wait`, until a later drain succeeds. The drain runs on rank 0 only, so it needs no
-collective; ``local_dirname`` must then hold every rank's files (one node, or a shared folder).
+One drain runs at a time on each rank. Saves faster than drains follow the policy: ``"every"``
+makes the next submit wait for the drain in flight (every iteration goes up), ``"latest"``
+drops waiting iterations (the caller decides which, the same on every rank: see
+:meth:`Drainer.paused`). A failed drain does not stop training: its error is kept, returned by
+the next :meth:`Drainer.submit` (the caller warns) and raised by :meth:`Drainer.wait`, until a
+later drain succeeds.
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ..errors import DcpFsspecError, DrainError
-from ..storage.copying import check_inside, copy_files, list_files
+from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_of
 from ..storage.names import COMMIT_RECORD_NAME
 from ..storage.urls import Location
 from . import commit, layout, retention
@@ -38,67 +47,89 @@ DRAIN_LATEST = "latest"
 DRAIN_POLICIES = (DRAIN_EVERY, DRAIN_LATEST)
 # Not copied: the durable commit writes its own record, and the claim belongs to the local save.
 _NOT_COPIED = frozenset({COMMIT_RECORD_NAME, commit.CLAIM_NAME})
+# A rank's data files, plain or with the save's token (storage/writer.py: ``_prefix``).
+_DATA_FILE = re.compile(r"__(\d+)_.*\.distcp")
+MARKER_PREFIX = ".drained."
+# How long rank 0 waits for the other ranks' markers after its own copy, without a retry deadline.
+_MARKER_WAIT_SECONDS = 600.0
+
+
+def marker_name(rank: int) -> str:
+    """The file rank ``rank`` (> 0) writes into the durable iteration folder once its files are there."""
+    return f"{MARKER_PREFIX}{rank}"
+
+
+def owner_of(name: str, world_size: int) -> int:
+    """The rank that copies ``name``: the rank in a data file's name, else (``.metadata`` and
+    anything else) rank 0, which also takes a data file naming a rank outside the world."""
+    match = _DATA_FILE.fullmatch(posixpath.basename(name))
+    rank = int(match.group(1)) if match else 0
+    return rank if rank < world_size else 0
+
+
+@dataclass(frozen=True)
+class DrainJob:
+    """One iteration to drain, as every rank sees it.
+
+    Attributes:
+        iteration: committed under ``local_dirname`` (rank 0 read its commit record).
+        token: the save's token from that record: what the markers hold (``""`` for a record
+            written before tokens existed).
+    """
+
+    iteration: int
+    token: str
 
 
 def drain_iteration(
-    local: Location, durable: Location, iteration: int, *, keep_last_n: int | None, workers: int = 8
+    local: Location,
+    durable: Location,
+    job: DrainJob,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    keep_last_n: int | None,
+    marker_wait: float = _MARKER_WAIT_SECONDS,
+    workers: int = 8,
 ) -> tuple[tuple[str, ...], int]:
-    """Copy the committed local ``iteration`` to ``durable``, commit it there, apply retention.
+    """Copy this rank's files of the committed local ``job.iteration`` to ``durable``; on rank 0,
+    wait for the other ranks' markers, commit it there and apply retention.
 
     Args:
-        local: the ``local_dirname`` location.
+        local: this rank's ``local_dirname`` location.
         durable: the ``save_dirname`` location.
-        iteration: an iteration committed under ``local``.
+        job: the iteration and its save's token.
+        rank: this rank; world_size: how many ranks drain it.
         keep_last_n: the durable tier's retention; ``None`` keeps everything.
+        marker_wait: seconds rank 0 waits for the other ranks' markers once its own files are copied.
         workers: files copied at once.
 
     Returns:
-        The keys of the iteration and the file bytes copied (0 when nothing needed copying).
+        The keys of the iteration (rank 0; ``()`` on other ranks) and the file bytes this rank
+        copied (0 when nothing needed copying).
 
     Raises:
-        DrainError: the local iteration is not committed, or copying or committing failed; the
-            durable pointer did not move. The message names both folders.
+        DrainError: the local iteration is not committed, copying or committing failed, or a
+            rank's marker did not come in time; the durable pointer did not move. The message
+            names both folders.
     """
+    iteration = job.iteration
     src = local.url_of(layout.iteration_path(local, iteration))
     dst = durable.url_of(layout.iteration_path(durable, iteration))
     try:
-        record, why = commit.inspect_iteration(local, iteration)
-        if record is None:
-            raise DrainError(
-                f"not copying {src} to {dst}: the local copy {why}, and a durable copy is only made of a "
-                "committed one; save the iteration again"
-            )
         latest = commit.read_pointer(durable)
         if latest is not None and latest >= iteration:
             if latest > iteration:
                 logger.info("not draining %s: %s already names the newer %s", src, commit.pointer_url(durable),
                             layout.format_iteration(latest))  # fmt: skip
-            return record.keys, 0
-        nbytes = 0
-        durable_record, reason = commit.inspect_iteration(durable, iteration)
-        if durable_record is None:
-            if reason != "does not exist":
-                logger.info("clearing %s, left by a drain that never committed (%s)", dst, reason)
-                commit.discard_iteration(durable, iteration)
-            files = {
-                name: size
-                for name, size in list_files(local, layout.iteration_path(local, iteration)).items()
-                if posixpath.basename(name) not in _NOT_COPIED
-            }
-            check_inside(local, files)
-            logger.info("draining %s to %s (%d files, %.1f MiB)", src, dst, len(files), sum(files.values()) / 2**20)
-            copy_files(local, durable, files, workers=workers)
-            nbytes = sum(files.values())
-            logger.debug("copied %s to %s; committing it there", src, dst)
-            latest = commit.publish(
-                durable, iteration, record.keys, record.world_size, save_id=record.save_id
-            )
-        else:  # committed by a drain that died before moving the pointer
-            latest = iteration if commit.write_pointer(durable, iteration) else commit.read_pointer(durable)
-        logger.info("committed %s (the durable copy of %s)", dst, src)
-        if keep_last_n is not None:
-            retention.apply_retention(durable, keep_last_n, protected=(iteration,), latest=latest)
-        return record.keys, nbytes
+            return (), 0
+        if rank != 0:
+            nbytes = _copy_own(local, durable, iteration, rank, world_size, lambda name: True, workers)
+            durable.backend.write_small_atomic(durable.join(layout.format_iteration(iteration), marker_name(rank)),
+                                               job.token.encode())  # fmt: skip
+            logger.debug("copied rank %d's files of %s to %s", rank, src, dst)
+            return (), nbytes
+        return _drain_and_commit(local, durable, job, world_size, keep_last_n, marker_wait, workers)
     except DrainError:
         raise
     except (OSError, DcpFsspecError) as e:
@@ -108,15 +139,122 @@ def drain_iteration(
         ) from e
 
 
+def _drain_and_commit(
+    local: Location, durable: Location, job: DrainJob, world_size: int, keep_last_n: int | None,
+    marker_wait: float, workers: int,
+) -> tuple[tuple[str, ...], int]:  # fmt: skip
+    """Rank 0's part of :func:`drain_iteration`, after the pointer check."""
+    iteration = job.iteration
+    src = local.url_of(layout.iteration_path(local, iteration))
+    dst = durable.url_of(layout.iteration_path(durable, iteration))
+    record, why = commit.inspect_iteration(local, iteration)
+    if record is None:
+        raise DrainError(
+            f"not copying {src} to {dst}: the local copy {why}, and a durable copy is only made of a "
+            "committed one; save the iteration again"
+        )
+    durable_record, reason = commit.inspect_iteration(durable, iteration)
+    if durable_record is not None and durable_record.save_id == record.save_id:
+        # Committed by a drain that died before moving the pointer.
+        latest = iteration if commit.write_pointer(durable, iteration) else commit.read_pointer(durable)
+        logger.info("committed %s (the durable copy of %s)", dst, src)
+        _remove_markers(durable, iteration, world_size)
+        _apply_retention(durable, keep_last_n, iteration, latest)
+        return record.keys, 0
+    if durable_record is not None or reason != "does not exist":
+        # Not discarded whole: the other ranks may be copying into it now. Uncommitting it is
+        # enough; every file this save names is written again, and .metadata last.
+        logger.info("overwriting %s, left by a drain that never finished (%s)", dst,
+                    "another save's commit" if durable_record is not None else reason)  # fmt: skip
+        if durable_record is not None:
+            durable.backend.call("rm", durable.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME))
+    logger.info("draining %s to %s", src, dst)
+    nbytes = _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) == DATA, workers)
+    _wait_for_markers(durable, job, world_size, marker_wait)
+    nbytes += _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) != DATA, workers)
+    logger.debug("copied %s to %s; committing it there", src, dst)
+    latest = commit.publish(durable, iteration, record.keys, record.world_size, save_id=record.save_id)
+    logger.info("committed %s (the durable copy of %s)", dst, src)
+    _remove_markers(durable, iteration, world_size)
+    _apply_retention(durable, keep_last_n, iteration, latest)
+    return record.keys, nbytes
+
+
+def _copy_own(
+    local: Location, durable: Location, iteration: int, rank: int, world_size: int,
+    which: Callable[[str], bool], workers: int,
+) -> int:  # fmt: skip
+    """Copy the files of ``iteration`` that ``rank`` owns and ``which`` accepts; return their bytes."""
+    files = {
+        name: size
+        for name, size in list_files(local, layout.iteration_path(local, iteration)).items()
+        if posixpath.basename(name) not in _NOT_COPIED and owner_of(name, world_size) == rank and which(name)
+    }
+    check_inside(local, files)
+    logger.debug("rank %d copies %d files (%.1f MiB) of %s", rank, len(files), sum(files.values()) / 2**20,
+                 layout.format_iteration(iteration))  # fmt: skip
+    copy_files(local, durable, files, workers=workers)
+    return sum(files.values())
+
+
+def _wait_for_markers(durable: Location, job: DrainJob, world_size: int, seconds: float) -> None:
+    """Block until every rank > 0 wrote its marker holding ``job.token``.
+
+    Raises:
+        DrainError: ``seconds`` passed first; the message names the ranks still missing.
+    """
+    folder = layout.format_iteration(job.iteration)
+    missing = set(range(1, world_size))
+    deadline, pause = time.monotonic() + seconds, 0.02
+    while True:
+        for rank in sorted(missing):
+            data = durable.backend.read_versioned(durable.join(folder, marker_name(rank))).data
+            if data is not None and data == job.token.encode():
+                missing.discard(rank)
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise DrainError(
+                f"not committing {durable.url_of(durable.join(folder))}: rank(s) {sorted(missing)} did not copy "
+                f"their files of it within {seconds:.0f} s (no {marker_name(min(missing))} holding this save's "
+                "token); see those ranks' logs for their drain's error. The pointer stays, and the next save "
+                "drains again"
+            )
+        time.sleep(pause)
+        pause = min(1.0, pause * 2)
+
+
+def _remove_markers(durable: Location, iteration: int, world_size: int) -> None:
+    """Delete the markers of a committed iteration; one left behind is harmless (logged)."""
+    for rank in range(1, world_size):
+        path = durable.join(layout.format_iteration(iteration), marker_name(rank))
+        try:
+            durable.backend.call("rm", path)
+        except FileNotFoundError:
+            pass
+        except (OSError, DcpFsspecError) as e:
+            logger.info("could not remove %s (harmless): %s", durable.url_of(path), e)
+
+
+def _apply_retention(durable: Location, keep_last_n: int | None, iteration: int, latest: int | None) -> None:
+    if keep_last_n is not None:
+        retention.apply_retention(durable, keep_last_n, protected=(iteration,), latest=latest)
+
+
 class Drainer:
-    """One background thread that drains iterations, one at a time, under a policy.
+    """One background thread that drains iterations on this rank, one at a time, under a policy.
+
+    Every rank has one and is handed the same jobs in the same order; the thread runs no
+    collective (see the module docstring).
 
     Args:
-        local: the ``local_dirname`` location.
+        local: this rank's ``local_dirname`` location.
         durable: the ``save_dirname`` location.
         policy: :data:`DRAIN_EVERY` or :data:`DRAIN_LATEST`.
         keep_last_n: the durable tier's retention.
-        on_end: called (in the drain thread) with a ``drain_end`` event after each drain.
+        on_end: called (in the drain thread, on rank 0) with a ``drain_end`` event after each drain.
+        rank, world_size: this rank, and how many ranks drain each iteration.
+        marker_wait: see :func:`drain_iteration`.
     """
 
     def __init__(
@@ -127,45 +265,77 @@ class Drainer:
         policy: str,
         keep_last_n: int | None,
         on_end: Callable[[CheckpointEvent], None],
+        rank: int = 0,
+        world_size: int = 1,
+        marker_wait: float = _MARKER_WAIT_SECONDS,
     ) -> None:
         if policy not in DRAIN_POLICIES:
             raise ValueError(f"drain={policy!r} is not supported; choose one of {list(DRAIN_POLICIES)}")
         self._local = local
         self._durable = durable
-        self._policy = policy
+        self.policy = policy
         self._keep_last_n = keep_last_n
         self._on_end = on_end
+        self._rank = rank
+        self._world_size = world_size
+        self._marker_wait = marker_wait
         self._cond = threading.Condition()
         self._running: int | None = None
-        self._waiting: int | None = None
+        self._waiting: list[DrainJob] = []
+        self._paused = False
         self._thread: threading.Thread | None = None
         self._error: DrainError | None = None
 
-    def submit(self, iteration: int) -> DrainError | None:
-        """Drain ``iteration`` (committed locally) after the drain in flight, per the policy.
+    @contextmanager
+    def paused(self) -> Iterator[list[int]]:
+        """Start no waiting job while inside; yields the waiting iterations.
+
+        The caller agrees with the other ranks which waiting iterations to drop (only those no
+        rank has started: rank 0 would wait for markers that never come) and passes them to
+        :meth:`submit` before leaving.
+        """
+        with self._cond:
+            self._paused = True
+            waiting = [job.iteration for job in self._waiting]
+        try:
+            yield waiting
+        finally:
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+
+    def submit(self, job: DrainJob, *, drop: Collection[int] = ()) -> DrainError | None:
+        """Drain ``job`` after the drain in flight; with :data:`DRAIN_EVERY` first wait for it.
+
+        Args:
+            job: the iteration committed locally, and its token.
+            drop: waiting iterations that go up no more (:data:`DRAIN_LATEST`; logged).
 
         Returns:
             The error of the last finished drain if it failed (the durable tier is behind).
         """
         with self._cond:
-            if self._policy == DRAIN_EVERY:
-                self._cond.wait_for(lambda: self._running is None and self._waiting is None)
-            failure, replaced = self._error, self._waiting
-            self._waiting = iteration
+            if self.policy == DRAIN_EVERY:
+                self._cond.wait_for(lambda: self._running is None and not self._waiting)
+            failure = self._error
+            dropped = [j.iteration for j in self._waiting if j.iteration in drop]
+            self._waiting = [j for j in self._waiting if j.iteration not in drop] + [job]
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="dcp-fsspec-drain", daemon=True)
                 self._thread.start()
-        if replaced is not None:
+            self._cond.notify_all()
+        if dropped and self._rank == 0:
             logger.info(
                 "drain='latest': %s is replaced by %s before being copied to %s (a drain was in flight)",
-                layout.format_iteration(replaced), layout.format_iteration(iteration), self._durable.url,
+                ", ".join(map(layout.format_iteration, dropped)), layout.format_iteration(job.iteration),
+                self._durable.url,
             )  # fmt: skip
         return failure
 
     def undrained(self) -> set[int]:
         """The iterations in flight or waiting: local retention must keep them."""
         with self._cond:
-            return {i for i in (self._running, self._waiting) if i is not None}
+            return {j.iteration for j in self._waiting} | ({self._running} if self._running is not None else set())
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until no drain is in flight or waiting; raise the last drain's error, if it failed.
@@ -175,7 +345,7 @@ class Drainer:
             DrainError: the last drain failed: the durable tier is behind the local one.
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._running is None and self._waiting is None, timeout):
+            if not self._cond.wait_for(lambda: self._running is None and not self._waiting, timeout):
                 raise TimeoutError(
                     f"the drain of {layout.format_iteration(self._running or 0)} to {self._durable.url} did not "
                     f"finish within {timeout} s; it goes on in the background"
@@ -186,34 +356,47 @@ class Drainer:
     def _serve(self) -> None:
         while True:
             with self._cond:
-                if self._waiting is None:
+                self._cond.wait_for(lambda: not self._paused)
+                if not self._waiting:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                iteration, self._waiting = self._waiting, None
-                self._running = iteration
-            error: DrainError | None = None
-            keys: tuple[str, ...] = ()
-            nbytes, start = 0, time.perf_counter()
-            try:
-                keys, nbytes = drain_iteration(self._local, self._durable, iteration, keep_last_n=self._keep_last_n)
-            except DrainError as e:
-                error = e
-            except Exception as e:  # noqa: BLE001 - kept and raised by wait(), like any drain failure
-                error = DrainError(f"draining {layout.format_iteration(iteration)} to {self._durable.url} failed: {e!r}")
-            if error is not None:
-                logger.warning("%s", error)
-            url = self._durable.url_of(layout.iteration_path(self._durable, iteration))
-            event = CheckpointEvent(
-                "drain_end", iteration, url, keys, nbytes, time.perf_counter() - start, tier="durable",
-                error=None if error is None else str(error),
-            )  # fmt: skip
-            try:
-                self._on_end(event)  # before wait() returns, so a caller that waited has seen it
-            except Exception as e:  # noqa: BLE001 - a callback's bug must not stop the drains
-                logger.warning("the on_drain_end callback failed for %s: %r", url, e)
+                job = self._waiting.pop(0)
+                self._running = job.iteration
+            error = self._drain(job)
             with self._cond:
                 self._running = None
                 # A later drain that succeeds brings the durable tier up to date: the failure is over.
                 self._error = error
                 self._cond.notify_all()
+
+    def _drain(self, job: DrainJob) -> DrainError | None:
+        """Drain one job; report it (rank 0); return its error."""
+        error: DrainError | None = None
+        keys: tuple[str, ...] = ()
+        nbytes, start = 0, time.perf_counter()
+        try:
+            keys, nbytes = drain_iteration(
+                self._local, self._durable, job, rank=self._rank, world_size=self._world_size,
+                keep_last_n=self._keep_last_n, marker_wait=self._marker_wait,
+            )  # fmt: skip
+        except DrainError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - kept and raised by wait(), like any drain failure
+            error = DrainError(
+                f"draining {layout.format_iteration(job.iteration)} to {self._durable.url} failed: {e!r}"
+            )
+        if error is not None:
+            logger.warning("%s", error)
+        if self._rank != 0:
+            return error
+        url = self._durable.url_of(layout.iteration_path(self._durable, job.iteration))
+        event = CheckpointEvent(
+            "drain_end", job.iteration, url, keys, nbytes, time.perf_counter() - start, tier="durable",
+            error=None if error is None else str(error),
+        )  # fmt: skip
+        try:
+            self._on_end(event)  # before wait() returns, so a caller that waited has seen it
+        except Exception as e:  # noqa: BLE001 - a callback's bug must not stop the drains
+            logger.warning("the on_drain_end callback failed for %s: %r", url, e)
+        return error

@@ -1,24 +1,29 @@
 """Two tiers: a fast ``local_dirname`` every save commits to first, and the durable ``save_dirname``.
 
 :class:`TwoTiers` is what the Checkpointer holds when it is given ``local_dirname``: after each
-local commit it hands the iteration to the :class:`~.drain.Drainer` and applies the local
-retention (``keep_last_n_local``; never an iteration still to drain, never the newest), and warns
-if the last drain failed; at ``wait`` it waits for the drain and raises its error on every rank. For ``load`` it decides which tier to read, as a pure function of a few
-facts (:func:`choose_tier`): the newest iteration committed in at least one tier that every rank
-can read, read from the local tier where every rank has it committed and complete there.
+local commit it hands the iteration, with its save's token, to every rank's
+:class:`~.drain.Drainer` (each copies the files it wrote; under ``drain="latest"`` the ranks agree
+first on which waiting iterations to drop), applies the local retention (``keep_last_n_local``;
+never an iteration still to drain, never the newest), and warns if the last drain failed; at
+``wait`` it waits for every rank's drain and raises any rank's error on every rank. These steps
+run in the caller's thread, so their collectives never overlap training's. For ``load`` it
+decides which tier to read, as a pure function of a few facts (:func:`choose_tier`): the newest
+iteration committed in at least one tier that every rank can read, read from the local tier
+where every rank has it committed and complete there.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Collection, Sequence
 
-from ..errors import CorruptCheckpointError, DcpFsspecError, StorageError
+from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, InvalidURLError, StorageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import Location
 from . import commit, layout, retention
 from ._collectives import Collectives
-from .drain import Drainer
+from .drain import DRAIN_LATEST, Drainer, DrainJob
 from .events import CheckpointEvent
 
 logger = logging.getLogger(__name__)
@@ -76,7 +81,8 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> list[int]:
 class TwoTiers:
     """The local tier, the drain to the durable one, and the load decision between them.
 
-    Every rank calls every method; rank 0 alone drains, prunes and reads the durable pointer.
+    Every rank calls every method; every rank drains its own files; rank 0 alone commits the
+    durable copy, prunes and reads the durable pointer.
 
     Args:
         local: the ``local_dirname`` location.
@@ -103,33 +109,110 @@ class TwoTiers:
         self.durable = durable
         self._collectives = collectives
         self._keep_last_n_local = keep_last_n_local
-        self._drainer = Drainer(local, durable, policy=drain, keep_last_n=keep_last_n, on_end=on_drain_end)
+        self._shared_checked = False
+        # Rank 0 waits this long for the other ranks' copies once its own is done: their shares are
+        # about the size of its own, so the retry deadline (a bound on one stuck call) is ample.
+        marker_wait = durable.retry.deadline if durable.retry is not None and durable.retry.deadline else 600.0
+        self._drainer = Drainer(
+            local, durable, policy=drain, keep_last_n=keep_last_n, on_end=on_drain_end,
+            rank=collectives.rank, world_size=collectives.world_size, marker_wait=marker_wait,
+        )  # fmt: skip
+
+    def check_shared(self) -> None:
+        """Before the first save: refuse a ``local_dirname`` that is not one folder for every rank.
+
+        A collective, once per Checkpointer: rank 0 writes a probe file into the local tier and
+        every rank looks for it. The local save commits like a direct one (rank 0 checks that
+        every file each key's ``.metadata`` names is there), so a folder each node has to
+        itself (per-node NVMe) would fail that check on the first save with a misleading error.
+
+        Raises:
+            InvalidURLError: on every rank, naming the folder and the ranks that cannot see it.
+        """
+        if self._shared_checked or not self._collectives.distributed:
+            return
+
+        def write_probe() -> tuple[str, str]:
+            name = f".dcp-fsspec-probe-{uuid.uuid4().hex[:12]}"
+            self.local.backend.make_folder(self.local.path)
+            self.local.backend.write_small_atomic(self.local.join(name), b"")
+            return name, self.local.url
+
+        # Each rank looks in its own local_dirname (ranks may be given different paths).
+        name, rank0_url = self._collectives.run_on_rank0(write_probe)
+        path = self.local.join(name)
+        self.local.backend.invalidate(self.local.path)
+        try:
+            mine = commit.exists(self.local, path)
+        except (OSError, DcpFsspecError):
+            mine = False  # a folder this rank cannot read is no folder it shares; the error says so
+        seen = self._collectives.all_gather(mine)  # every rank gets here: no rank raises alone
+        if self._collectives.rank == 0:
+            try:
+                self.local.backend.call("rm", path)
+            except (OSError, DcpFsspecError) as e:
+                logger.info("could not remove the probe %s (harmless): %s", self.local.url_of(path), e)
+        blind = [rank for rank, saw in enumerate(seen) if not saw]
+        if blind:
+            raise InvalidURLError(
+                f"local_dirname: rank(s) {blind} cannot see the file rank 0 wrote into {rank0_url} in theirs (a "
+                f"disk of their own; this rank's: {self.local.url}); the local tier must be one folder every rank "
+                "sees (one node's disk, or a shared file system), as rank 0 commits each local save. Per-node "
+                "local disks are not supported yet: give every rank the same shared folder, or drop local_dirname"
+            )
+        self._shared_checked = True
 
     def committed_locally(self, iteration: int) -> None:
         """``iteration`` is committed in the local tier: drain it, then prune the local tier.
 
         If the last drain failed, say so (a WARNING naming both tiers): this one tries again.
         """
-        if self._collectives.rank != 0:
-            return
-        failure = self._drainer.submit(iteration)
+        failure = self._submit(iteration)
         if failure is not None:
             logger.warning(
                 "the durable tier %s is behind the local tier %s: %s. Training goes on: %s is committed "
                 "locally and is being drained", self.durable.url, self.local.url, failure,
                 layout.format_iteration(iteration),
             )  # fmt: skip
-        retention.apply_retention(
-            self.local, self._keep_last_n_local, protected=self._drainer.undrained() | {iteration}
-        )
+        if self._collectives.rank == 0:
+            retention.apply_retention(
+                self.local, self._keep_last_n_local, protected=self._drainer.undrained() | {iteration}
+            )
+
+    def _submit(self, iteration: int) -> DrainError | None:
+        """Hand the committed local ``iteration`` to every rank's drainer (a collective).
+
+        Rank 0 reads the save's token from the local commit record; under ``drain="latest"``
+        the ranks drop only the waiting iterations that every rank still has waiting, so no
+        rank commits, or waits for, an iteration another rank dropped or started.
+        """
+        token = self._collectives.run_on_rank0(lambda: self._local_token(iteration))
+        job = DrainJob(iteration, token)
+        if self._drainer.policy != DRAIN_LATEST:
+            return self._drainer.submit(job)
+        with self._drainer.paused() as waiting:
+            everywhere = set.intersection(*(set(w) for w in self._collectives.all_gather(waiting)))
+            return self._drainer.submit(job, drop=everywhere)
+
+    def _local_token(self, iteration: int) -> str:
+        """The token of the save committed locally as ``iteration`` (``""`` if unreadable: the
+        drain then refuses it, naming why)."""
+        try:
+            record = commit.read_commit_record(self.local, iteration)
+        except (OSError, DcpFsspecError) as e:
+            logger.warning("cannot read the local commit record of %s under %s: %s",
+                           layout.format_iteration(iteration), self.local.url, e)  # fmt: skip
+            return ""
+        return "" if record is None or record.save_id is None else record.save_id
 
     def resumed_locally(self, iteration: int, durable_latest: int | None) -> None:
         """``load`` read ``iteration`` from the local tier: drain it if the durable tier lacks it
         (a drain that a killed run left unfinished)."""
-        if self._collectives.rank == 0 and (durable_latest is None or durable_latest < iteration):
-            logger.info("%s is newer than the durable tier %s: draining it again", layout.format_iteration(iteration),
-                        self.durable.url)  # fmt: skip
-            self._drainer.submit(iteration)
+        if durable_latest is None or durable_latest < iteration:
+            if self._collectives.rank == 0:
+                logger.info("%s is newer than the durable tier %s: draining it again",
+                            layout.format_iteration(iteration), self.durable.url)  # fmt: skip
+            self._submit(iteration)
 
     def forget_newer_than(self, iteration: int) -> None:
         """``load`` resumed ``iteration``: drop the local iterations newer than it (rank 0).
@@ -157,13 +240,18 @@ class TwoTiers:
                            self.local.url, e)  # fmt: skip
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for the drain; every rank raises its error (the durable tier is behind).
+        """Wait for every rank's drain; every rank raises the error of any (the durable tier is behind).
 
         Raises:
             DrainError: the last drain failed.
             TimeoutError: ``timeout`` passed first.
         """
-        self._collectives.run_on_rank0(lambda: self._drainer.wait(timeout))
+        error: Exception | None = None
+        try:
+            self._drainer.wait(timeout)
+        except (DrainError, TimeoutError) as e:
+            error = e
+        self._collectives.raise_if_any_failed(error)
 
     def choose(self, iteration: int | None, *, trust_checkpoint: bool) -> tuple[tuple[int, str] | None, int | None]:
         """Agree across ranks on the tier ``load`` reads: ``(choice, durable_latest)``.
