@@ -4,13 +4,14 @@ from its ``Config``, as torchtitan's trainer builds it) to moto S3 and to a loca
 by a fresh manager over fresh objects, and its weights, optimizer state, LR schedule and data
 position bit-identical to a run that was never interrupted.
 
-Single process here (no process group: torchtitan's synchronous path needs none); FSDP2 over a
-CPU mesh on 2 real gloo ranks, each run a fresh pair of processes, in the ``slow`` tests, where
-torchtitan's async modes run too (they need a process group).
+Single process here (no process group: torchtitan's synchronous path needs none; its async
+modes get a group of this process alone); FSDP2 over a CPU mesh on 2 real gloo ranks, each run
+a fresh pair of processes, in the ``slow`` tests, synchronous and async.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig  # noqa: E402
 
-from dcp_fsspec.errors import CheckpointNotFoundError  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError, StorageError  # noqa: E402
 from dcp_fsspec.integrations.torchtitan import FsspecCheckpointManager  # noqa: E402
 from tests.ckpt_helpers import assert_equal  # noqa: E402
 from tests.conftest import Backend  # noqa: E402
@@ -184,6 +185,27 @@ def test_resuming_skips_a_step_without_metadata_and_a_missing_step_names_its_url
     with pytest.raises(CheckpointNotFoundError, match=f"{local_backend.url}/step-3"):
         resumed.manager.load(step=3)
     resumed.manager.close()
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A process group of this process alone: torchtitan's async modes need one."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg-store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_async_save_is_raised_by_the_next_wait_naming_its_url(
+    one_rank: None, local_backend: Backend, tmp_path: Path
+) -> None:
+    Path(local_backend.url).mkdir(parents=True)
+    (Path(local_backend.url) / "step-2").write_bytes(b"a file where the step's folder goes")
+    run = Run(_config(local_backend.url, {}, interval=2, async_mode="async"), str(tmp_path))
+    with pytest.raises(StorageError, match=f"{local_backend.url}/step-2"):
+        run.train(2)  # saves step 2 in a thread, then waits for it
+    run.manager.close()
 
 
 def test_the_config_torchtitan_logs_and_saves_holds_no_secret() -> None:
