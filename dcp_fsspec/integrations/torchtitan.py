@@ -112,7 +112,7 @@ class FsspecCheckpointManager(CheckpointManager):
         self.reader_settings = config.reader_settings
         self.retry = config.retry
         self.trust_checkpoint = config.trust_checkpoint
-        self._saving_url = ""  # the step the async save in flight writes, for its errors
+        self._saving = ""  # the step the latest save wrote (or an async one writes)
         if self.purge_thread is not None:
             # torchtitan's purge thread deletes with os/shutil or fsspec's default options: one
             # that deletes through ours takes its place, on the same queue.
@@ -146,6 +146,7 @@ class FsspecCheckpointManager(CheckpointManager):
             checkpoint_id, self.storage_options, overwrite=True, retry=self.retry, **self.writer_settings.as_kwargs()
         )
         response: Future[Any] | AsyncSaveResponse | None = None
+        self._saving = checkpoint_id
         if async_mode == AsyncMode.DISABLED:
             unwrapped(lambda: dcp.save(state_dict, storage_writer=writer), f"saving {redact_url(checkpoint_id)}")
         else:
@@ -155,7 +156,6 @@ class FsspecCheckpointManager(CheckpointManager):
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS if pinned else AsyncCheckpointerType.THREAD,
                 async_stager=self.stager if pinned else None,
             )  # fmt: skip
-            self._saving_url = redact_url(checkpoint_id)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return response
@@ -182,7 +182,7 @@ class FsspecCheckpointManager(CheckpointManager):
 
     def _wait_for_saving(self) -> None:
         """Wait for the async save in flight; its failure is raised as one of our errors."""
-        unwrapped(super()._wait_for_saving, f"saving {self._saving_url}")
+        unwrapped(super()._wait_for_saving, f"saving {redact_url(self._saving)}")
 
     # -- finding, loading and deleting steps through our storage options --------------------------
 
@@ -247,12 +247,20 @@ class FsspecCheckpointManager(CheckpointManager):
 
     def _purge_stale_checkpoints(self) -> None:
         """Queue all but the newest ``keep_latest_k`` step folders for deletion (rank 0), as
-        torchtitan does: every ``step-N`` folder counts, complete or not."""
+        torchtitan does: every ``step-N`` folder counts, complete or not.
+
+        The step just saved counts even before its folder can be listed (an async save may not
+        have written a file yet): it is one of the ``keep_latest_k`` kept, which is why
+        torchtitan refuses ``keep_latest_k=1``. Otherwise an async run would keep one more.
+        """
         if not self._should_purge():
             return
         where = self._locate(self.folder)
-        steps = sorted(self._steps(where))
-        for _step, name in steps[: -self.keep_latest_k]:
+        steps = set(self._steps(where))
+        saving = self._saving.rstrip("/").rpartition("/")
+        if saving[0] == self.folder.rstrip("/") and (match := STEP_NAME.fullmatch(saving[2])):
+            steps.add((int(match.group(1)), saving[2]))
+        for _step, name in sorted(steps)[: -self.keep_latest_k]:
             self.purge_queue.put(child(where, name).url)
 
     def _remove(self, url: str) -> None:

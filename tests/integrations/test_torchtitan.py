@@ -208,6 +208,17 @@ def test_a_failed_async_save_is_raised_by_the_next_wait_naming_its_url(
     run.manager.close()
 
 
+def test_an_async_run_keeps_the_latest_k_counting_the_save_in_flight(
+    one_rank: None, titan_backend: Backend, tmp_path: Path
+) -> None:
+    """Each save is purged for right after it starts, before its folder may be listed: it still
+    counts as one of the 2 kept, so an async run ends with 2 folders, as a synchronous one does."""
+    run = Run(_config(titan_backend.url, titan_backend.storage_options, interval=1, keep_latest_k=2, async_mode="async"), str(tmp_path))
+    run.train(4)
+    run.manager.close()
+    assert _steps_left(titan_backend) == ["step-3", "step-4"]
+
+
 def test_the_config_torchtitan_logs_and_saves_holds_no_secret() -> None:
     config = _config("s3://user:hunter2@bucket/run", {"key": "AKIA-ID", "secret": "hunter3"})
     shown = f"{config!r} {config.to_dict()}"
