@@ -187,6 +187,28 @@ def test_resuming_skips_a_step_without_metadata_and_a_missing_step_names_its_url
     resumed.manager.close()
 
 
+def test_an_empty_folder_starts_from_initial_load_path_model_only(titan_backend: Backend, tmp_path: Path) -> None:
+    """torchtitan's initial load, through the storage options: the weights of another run's step,
+    not its optimizer state; a path without a checkpoint is an error naming it."""
+    seed = Run(_config(titan_backend.sub("seed"), titan_backend.storage_options, interval=2), str(tmp_path))
+    seed.train(2)
+    seed.manager.close()
+
+    def fine_tune(initial: str) -> Run:
+        config = _config(titan_backend.sub("tune"), titan_backend.storage_options, initial_load_path=initial)
+        return Run(config, str(tmp_path), seed=1)
+
+    tuned = fine_tune(titan_backend.sub("seed", "step-2"))
+    assert tuned.manager.load()
+    assert not tuned.optimizers.optimizers[0].state and tuned.train_state.step == 0  # (state() makes some)
+    assert_equal(seed.state()["model"], tuned.state()["model"])
+    tuned.manager.close()
+    missing = fine_tune(titan_backend.sub("seed", "step-3"))
+    with pytest.raises(CheckpointNotFoundError, match="seed/step-3"):
+        missing.manager.load()
+    missing.manager.close()
+
+
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Iterator[None]:
     """A process group of this process alone: torchtitan's async modes need one."""
