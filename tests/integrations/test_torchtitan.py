@@ -75,12 +75,32 @@ class TrainState(Stateful):
         self.step = int(state_dict["step"])
 
 
+class Transposed(nn.Linear):
+    """A layer whose state dict holds its weight transposed: a tensor made afresh by a hook at
+    every ``state_dict()`` (as a hook splitting a fused weight makes one), not the parameter."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__(inputs, outputs)
+        self._register_state_dict_hook(Transposed._transpose_out)
+        self._register_load_state_dict_pre_hook(Transposed._transpose_in)
+
+    @staticmethod
+    def _transpose_out(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t().contiguous()
+
+    @staticmethod
+    def _transpose_in(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+
+
 class Run:
     """One training run: model, torchtitan's containers, and the manager that checkpoints them."""
 
-    def __init__(self, config: FsspecCheckpointManager.Config | None, base_folder: str, seed: int = 0) -> None:
+    def __init__(
+        self, config: FsspecCheckpointManager.Config | None, base_folder: str, seed: int = 0, last: type[nn.Linear] = nn.Linear
+    ) -> None:
         torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), last(16, 4))
         if dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -168,6 +188,23 @@ def test_a_fresh_manager_resumes_bit_identical_and_keeps_the_latest_k(titan_back
     resumed.manager.close()
     assert_equal(expected, resumed.state())
     assert _steps_left(titan_backend) == ["step-4", "step-6"]
+
+
+def test_a_model_whose_state_dict_is_made_afresh_resumes_bit_identical(local_backend: Backend, tmp_path: Path) -> None:
+    """DCP loads a hook-made tensor into a copy, not the parameter: the manager puts the loaded
+    model entries back into the model (as torchtitan's does), or the resumed run trains on its
+    own initial weights."""
+    uninterrupted = Run(None, str(tmp_path), last=Transposed)
+    uninterrupted.train(STEPS)
+    config = _config(local_backend.url, {}, interval=2)
+    first = Run(config, str(tmp_path), last=Transposed)
+    first.train(RESUME)
+    first.manager.close()
+    resumed = Run(config, str(tmp_path), seed=1, last=Transposed)
+    assert resumed.manager.load()
+    resumed.train(STEPS)
+    resumed.manager.close()
+    assert_equal(uninterrupted.state(), resumed.state())
 
 
 def test_resuming_skips_a_step_without_metadata_and_a_missing_step_names_its_url(local_backend: Backend, tmp_path: Path) -> None:
