@@ -111,7 +111,9 @@ class Run:
                     fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
         self.optimizers = OptimizersContainer.Config(
-            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})],
+            param_groups=[
+                ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})
+            ],
             implementation="for-loop",
         ).build(model_parts=[self.model])
         self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers, training_steps=STEPS)
@@ -272,7 +274,8 @@ def test_an_async_run_keeps_the_latest_k_counting_the_save_in_flight(
 ) -> None:
     """Each save is purged for right after it starts, before its folder may be listed: it still
     counts as one of the 2 kept, so an async run ends with 2 folders, as a synchronous one does."""
-    run = Run(_config(titan_backend.url, titan_backend.storage_options, interval=1, keep_latest_k=2, async_mode="async"), str(tmp_path))
+    config = _config(titan_backend.url, titan_backend.storage_options, interval=1, keep_latest_k=2, async_mode="async")
+    run = Run(config, str(tmp_path))
     run.train(4)
     run.manager.close()
     assert _steps_left(titan_backend) == ["step-3", "step-4"]
