@@ -7,10 +7,17 @@ PY     := $(VENV)/bin/python
 
 .PHONY: venv demo test bench mutation clean
 
+# torchtitan for its integration's tests, without its dependencies: its full requirements
+# (datasets<4.8) would hold fsspec and s3fs back, and pip backtracks for minutes over them.
+# These are what importing its checkpoint manager and optimizers needs (the [torchtitan] extra
+# is the full install, for users).
+TITAN  ?= torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps $(TITAN)
 	touch $@
 
 venv: $(VENV)/.installed

@@ -13,6 +13,7 @@ tests used it, passed, skipped and failed.
 
 from __future__ import annotations
 
+import importlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -110,6 +111,18 @@ def _start_or_skip(server: Any) -> Any:
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def import_or_skip(module: str, reason: str) -> Any:
+    """``pytest.importorskip``, except under ``CI=true``, where a missing module fails the tests
+    that need it: CI installs every extra the suite uses, so a skip there would hide a broken
+    install."""
+    if _in_ci():
+        try:
+            return importlib.import_module(module)
+        except ImportError as e:
+            pytest.fail(f"{reason} ({e}; CI=true: make venv installs every extra the suite uses)", pytrace=False)
+    return pytest.importorskip(module, reason=reason)
 
 
 @pytest.fixture(scope="session")

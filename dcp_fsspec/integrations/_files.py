@@ -10,14 +10,20 @@ import dataclasses
 import importlib
 import os
 import posixpath
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointNotFoundError, MissingDriverError
-from ..storage.failures import storage_errors
+from ..storage.failures import storage_errors, unwrap_dcp
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.uploads import ByteBudget, publish_whole
 from ..storage.urls import Location, resolve
+
+if TYPE_CHECKING:
+    from ..storage.reader import FsspecStorageReader
 
 MiB = 1024 * 1024
 
@@ -86,3 +92,14 @@ def remove(where: Location) -> None:
 def is_dcp_checkpoint(where: Location) -> bool:
     """Whether ``where`` is a committed DCP checkpoint (its ``.metadata`` is written last)."""
     return exists(child(where, ".metadata"))
+
+
+def unwrapped(call: Callable[[], Any], action: str, *, reader: FsspecStorageReader | None = None) -> Any:
+    """``call()`` (a ``dcp.save``/``dcp.load``, or waiting for an async save), with DCP's per-rank
+    ``CheckpointException`` turned into one of our errors (on a load, a failure we do not
+    recognise means the checkpoint does not fit the model)."""
+    try:
+        return call()
+    except CheckpointException as e:
+        failure = reader.metadata_failure if reader is not None else None
+        raise unwrap_dcp(e, action, mismatch=reader is not None, metadata_failure=failure) from e

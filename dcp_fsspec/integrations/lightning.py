@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ._files import child, is_dcp_checkpoint, locate, read_file, remove, require, write_file
+from ._files import child, is_dcp_checkpoint, locate, read_file, remove, require, unwrapped, write_file
 
 require("lightning.pytorch", "lightning", "dcp_fsspec.integrations.lightning")
 
@@ -33,7 +32,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions,
     get_model_state_dict,
@@ -43,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 
 from ..checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
 from ..errors import CheckpointNotFoundError  # noqa: E402
-from ..storage.failures import unwrap_dcp  # noqa: E402
 from ..storage.reader import FsspecStorageReader  # noqa: E402
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
 from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
@@ -226,7 +223,7 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
             url, self.storage_options, overwrite=True, retry=self.retry, **self.writer_settings.as_kwargs()
         )
         if self.async_mode == ASYNC_DISABLED:
-            _unwrapped(lambda: dcp.save(shards, storage_writer=writer), f"saving {where.url}")
+            unwrapped(lambda: dcp.save(shards, storage_writer=writer), f"saving {where.url}")
         else:
             if self._save_group is None:
                 # The background thread's collectives need a group of their own: on the default
@@ -240,7 +237,7 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
         """Block until the asynchronous save in flight (if any) is written; raise its error."""
         future, self._save_in_flight = self._save_in_flight, None
         if future is not None:
-            _unwrapped(future.result, f"saving {self._url_in_flight}")
+            unwrapped(future.result, f"saving {self._url_in_flight}")
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Load the sharded checkpoint at ``checkpoint_path`` into the model and optimizers.
@@ -269,7 +266,7 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
             **self.reader_settings.as_kwargs(),
         )  # fmt: skip
         planner = SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=self.trust_checkpoint)
-        _unwrapped(
+        unwrapped(
             lambda: dcp.load(shards, storage_reader=reader, planner=planner), f"loading {where.url}", reader=reader
         )
         self.model.load_state_dict(shards["state_dict"], strict=strict)
@@ -289,13 +286,3 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
 def _check_async_mode(async_mode: str) -> None:
     if async_mode not in (ASYNC_DISABLED, ASYNC_THREAD):
         raise ValueError(f"async_mode={async_mode!r} is not supported; choose {ASYNC_DISABLED!r} or {ASYNC_THREAD!r}")
-
-
-def _unwrapped(call: Callable[[], Any], action: str, *, reader: FsspecStorageReader | None = None) -> Any:
-    """``call()``, with DCP's per-rank ``CheckpointException`` turned into one of our errors
-    (on a load, a failure we do not recognise means the checkpoint does not fit the model)."""
-    try:
-        return call()
-    except CheckpointException as e:
-        failure = reader.metadata_failure if reader is not None else None
-        raise unwrap_dcp(e, action, mismatch=reader is not None, metadata_failure=failure) from e

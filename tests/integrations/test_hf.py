@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the [hf] extra is not installed: pip install -e '.[test]'")
+from tests.conftest import import_or_skip
+
+import_or_skip("transformers", "the [hf] extra is not installed: pip install -e '.[test]'")
 
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("lightning", reason="the [lightning] extra is not installed: pip install -e '.[test]'")
+from tests.conftest import import_or_skip
+
+import_or_skip("lightning", "the [lightning] extra is not installed: pip install -e '.[test]'")
 
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402

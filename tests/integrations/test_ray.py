@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("ray.train", reason="the [ray] extra is not installed: pip install -e '.[test]'")
+from tests.conftest import import_or_skip
+
+import_or_skip("ray.train", "the [ray] extra is not installed: pip install -e '.[test]'")
 
 import pyarrow.fs  # noqa: E402
 import ray  # noqa: E402
