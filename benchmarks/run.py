@@ -93,11 +93,12 @@ class Runner:
             self.notes.append(f"{tags['scenario']}/{tags['backend']}/{opts.get('impl', 'raw')} "
                               f"{phase} failed (rc {rc}): {_last_line(err)}")
         server_peak = procmem.peak_mib() - rss_before
-        server_cpu = self.server_cpu() - server_cpu_before
+        server_cpu_after = self.server_cpu()
         for s in samples:
             s.update(tags)
             if tags["backend"] == "s3":
-                s["server_cpu_seconds"] = server_cpu
+                if server_cpu_before is not None and server_cpu_after is not None:
+                    s["server_cpu_seconds"] = server_cpu_after - server_cpu_before
                 if isinstance(self.server, CountingS3Server):  # moto: in this process
                     s["server_peak_extra_rss_mib"] = server_peak
             s.setdefault("impl", opts.get("impl", "raw"))
@@ -165,13 +166,14 @@ class Runner:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def server_cpu(self) -> float:
+    def server_cpu(self) -> float | None:
         """user+sys seconds the S3 server has used: moto's threads are this process's only
-        work while a worker runs; a gateway's are its processes' (0 for one not started here)."""
+        work while a worker runs; a gateway's are its processes' (None: not started here)."""
         if isinstance(self.server, CountingS3Server):
             t = os.times()
             return t.user + t.system
-        return procmem.cpu_seconds(self.server.server_pids())
+        pids = self.server.server_pids()
+        return procmem.cpu_seconds(pids) if pids else None
 
     def get_modes(self) -> list[str]:
         if not isinstance(self.server, CountingS3Server):
