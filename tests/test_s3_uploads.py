@@ -138,6 +138,20 @@ def test_over_https_the_client_is_left_as_it_is(s3_backend: Backend) -> None:
     assert fsspec.asyn.sync(fs.loop, _checksummed_bodies, fs) is False  # botocore's defaults stay
 
 
+def test_a_request_body_is_read_as_views_of_its_bytes_not_copies() -> None:
+    """aiohttp sends a body in 256 KiB reads; each read of a plain BytesIO copies them again."""
+    from dcp_fsspec.storage.backends.s3 import _Body
+
+    data = os.urandom(1 * MiB + 5)
+    body = _Body(data)
+    chunks = list(iter(lambda: body.read(256 * 1024), b""))
+    assert all(memoryview(c).obj is data for c in chunks)  # views of the body's own bytes
+    assert [len(c) for c in chunks] == [256 * 1024] * 4 + [5]
+    assert b"".join(chunks) == data and len(body.read(10)) == 0  # at the end: nothing more
+    body.seek(0)  # a retried attempt reads it from the start again
+    assert bytes(body.read()) == data
+
+
 def test_the_bucket_is_checked_once_per_filesystem_not_at_every_save(s3_backend: Backend) -> None:
     seen = Requests(s3_backend.fs)  # the writers below reuse this cached filesystem
     for key in ("model", "optim", "model"):

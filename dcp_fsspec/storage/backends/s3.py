@@ -265,7 +265,9 @@ class _Body(io.BytesIO):
 
     ``BytesIO(bytes)`` shares the bytes until its buffer is exported, and aiohttp exports it
     (``getbuffer()``) only to learn its size, which copies the whole body once more; a read-only
-    view answers that. aiohttp then sends the body in small reads.
+    view answers that. aiohttp then sends the body in 256 KiB reads, and ``BytesIO.read`` would
+    copy each into new bytes (a second copy of every byte, ~5 % of a save's client CPU): a read
+    here is a view of the bytes, which aiohttp and the socket take as they take bytes.
     """
 
     def __init__(self, data: bytes) -> None:
@@ -274,6 +276,12 @@ class _Body(io.BytesIO):
 
     def getbuffer(self) -> memoryview:
         return memoryview(self._data)
+
+    def read(self, size: int | None = -1) -> Any:  # a memoryview: bytes' interface, no copy
+        start = self.tell()
+        end = len(self._data) if size is None or size < 0 else min(start + size, len(self._data))
+        self.seek(max(start, end))
+        return memoryview(self._data)[start:end]
 
     def close(self) -> None:
         self._data = b""
