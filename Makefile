@@ -31,8 +31,12 @@ SLOW ?=
 test: venv
 	$(PY) -m pytest -q $(if $(filter 1 true yes,$(SLOW)),,-m "not slow")
 
+# One process, then two gloo ranks (memory:// lives in one process: not at 2 ranks); each run
+# writes its tables under benchmarks/results/. `python -m benchmarks.run --help` for the rest
+# (--server ceph|seaweedfs, --sizes 256M,1G,4G).
 bench: venv
 	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run --ranks 2 --backends s3,local --no-async --out benchmarks/results/ranks2
 
 # Mutation testing of the commit protocol, the pointer, the step layout and retention (config:
 # [tool.mutmut] in pyproject.toml; equivalent mutants: mutation/EQUIVALENT.md). Not part of

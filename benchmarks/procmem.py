@@ -1,10 +1,13 @@
-"""This process's resident memory and its peak, from ``/proc/self`` (Linux).
+"""This process's resident memory and its peak, from ``/proc/self`` (Linux); the CPU time of
+other processes (an S3 server's), from ``/proc/PID/stat``.
 
 Writing ``5`` to ``/proc/self/clear_refs`` resets ``VmHWM`` (the peak) to the current RSS, so
 a phase's peak is read without a sampling thread and without missing short spikes.
 """
 
 from __future__ import annotations
+
+import os
 
 
 def _status_kib(field: str) -> int:
@@ -31,3 +34,19 @@ def reset_peak() -> bool:
         return True
     except OSError:
         return False
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """user+sys seconds the processes ``pids`` (all their threads) have used so far; one that
+    has exited counts 0."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # Fields after the command name (which may hold spaces), from state on: utime
+                # and stime are the 12th and 13th of them.
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -78,6 +78,7 @@ class Cell:
     nbytes: int
     rss: float | None
     cpu: float | None  # user+sys seconds of the worker processes
+    server_cpu: float | None  # user+sys seconds of the S3 server meanwhile
     requests: float | None
     up: float | None
     down: float | None
@@ -92,6 +93,10 @@ class Cell:
     @property
     def cpu_per_gb(self) -> float | None:
         return None if self.cpu is None else self.cpu / (self.nbytes / 1e9)
+
+    @property
+    def server_cpu_per_gb(self) -> float | None:
+        return None if self.server_cpu is None else self.server_cpu / (self.nbytes / 1e9)
 
 
 def _median(values: list[Any]) -> Any:
@@ -117,6 +122,7 @@ def _cell(samples: list[dict[str, Any]]) -> Cell:
         nbytes=samples[0]["nbytes"],
         rss=_median([s.get("peak_extra_rss_mib") for s in samples]),
         cpu=_median([s.get("cpu_seconds") for s in samples]),
+        server_cpu=_median([s.get("server_cpu_seconds") for s in samples]),
         requests=_median([_server(s, "requests") for s in samples]),
         up=_median([_server(s, "up") for s in samples]),
         down=_median([_server(s, "down") for s in samples]),
@@ -179,20 +185,25 @@ def render(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
         f"{m.get('fsspec')} · s3fs {m.get('s3fs')} · moto {m.get('moto')} · s3torchconnector "
         f"{m.get('s3torchconnector')}",
         "",
-        f"State: {args.get('size_mib')} MiB realistic"
+        (f"States: realistic, {', '.join(f'{n} MiB' for n in args['sizes'])}" if args.get("sizes")
+         else f"State: {args.get('size_mib')} MiB realistic")
         + (f", and {args.get('many_small')} small tensors" if args.get("many_small") else "")
         + f"; world size {args.get('world_size')}; medians of {args.get('repeats')} repeats, "
         "each save and each load in a fresh process. GB/s = 10^9 bytes of tensor data per "
         "second. "
-        + (f"S3 is the server at {meta['s3_server']}" if meta.get("s3_server", "moto") != "moto"
-           else "S3 is moto on 127.0.0.1 in the benchmark's own process")
+        + _server_text(meta.get("s3_server", "moto"))
         + "; the server and the worker share this machine's cores. Client CPU s/GB: user+sys "
-        "seconds of the worker process(es) per 10^9 bytes (the server's CPU not included). "
+        "seconds of the worker process(es) per 10^9 bytes; server CPU s/GB: the S3 server's "
+        "meanwhile (where it runs here). "
         "Peak +RSS: the worker's peak resident memory above what it held when the phase started (state or load target already allocated). "
         + (f"Server: CompleteMultipartUpload {args.get('moto_complete')}; ranged GETs "
            f"{GET_MODES.get(args.get('moto_get', ''), '?')}." if meta.get("s3_server", "moto") == "moto" else ""),
     ]
-    scenarios = sorted({k[0][0] for k in cells}, key=lambda s: (s != "state", s))
+    scenarios = sorted({k[0][0] for k in cells}, key=_scenario_order)
+    sweep = _sizes(cells, [s for s in scenarios if s.startswith("state-")], meta)
+    if sweep:
+        out += ["", "## Cost per size", "",
+                "Each cell: GB/s · client CPU s/GB · peak +RSS MiB (medians).", "", sweep]
     for scen in scenarios:
         out += ["", f"## {scen}", "", _measurements(cells, scen, meta), "", _ratios(cells, scen)]
     targets = _targets(cells)
@@ -214,6 +225,40 @@ def render(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _server_text(server: str) -> str:
+    if server == "moto":
+        return "S3 is moto on 127.0.0.1 in the benchmark's own process"
+    names = {"ceph": "Ceph RGW", "seaweedfs": "SeaweedFS"}
+    return f"S3 is {names[server]} on 127.0.0.1 (tests/servers/)" if server in names else f"S3 is the server at {server}"
+
+
+def _scenario_order(scen: str) -> tuple[int, float, str]:
+    """``state``, then the sweep's ``state-256M`` … by size, then the rest."""
+    if scen == "state":
+        return (0, 0, scen)
+    if scen.startswith("state-"):
+        label = scen.split("-", 1)[1]
+        return (1, float(label[:-1]) * (1024 if label.endswith("G") else 1), scen)
+    return (2, 0, scen)
+
+
+def _sizes(cells: dict[tuple[Key, str], Cell], scenarios: list[str], meta: dict[str, Any]) -> str:
+    """One row per backend, implementation and phase; one column per size of the sweep."""
+    if not scenarios:
+        return ""
+    rows = []
+    for backend, impl in sorted({r for scen in scenarios for r in _rows_of(cells, scen)},
+                                key=lambda r: (BACKEND_ORDER.index(r[0]), r[1] != OURS, r[1])):
+        for phase in ("save", "load"):
+            row = [backend, _row_label(backend, impl, meta), phase]
+            for scen in scenarios:
+                c = cells.get(((scen, backend, impl), phase))
+                row.append("–" if c is None else f"{c.gbps:.3f} · {_f(c.cpu_per_gb)} · {_f(c.rss, '{:+.0f}')}")
+            if any(cell != "–" for cell in row[3:]):
+                rows.append(row)
+    return _md(["backend", "implementation", "phase", *[s.split("-", 1)[1] for s in scenarios]], rows)
+
+
 def _rows_of(cells: dict[tuple[Key, str], Cell], scen: str) -> list[tuple[str, str]]:
     order = [OURS, *PEERS, "raw", FLOOR]
     rows = {(k[0][1], k[0][2]) for k in cells if k[0][0] == scen}
@@ -227,7 +272,8 @@ def _pair(sv: Cell | None, ld: Cell | None, field: str, fmt: str = "{:.0f}") -> 
 def _measurements(cells: dict[tuple[Key, str], Cell], scen: str, meta: dict[str, Any]) -> str:
     header = ["backend", "implementation", "save GB/s", "load GB/s", "save s", "load s",
               "uploaded ÷ size", "downloaded ÷ size", "requests save / load",
-              "peak +RSS MiB save / load", "client CPU s/GB save / load", "bitwise"]
+              "peak +RSS MiB save / load", "client CPU s/GB save / load",
+              "server CPU s/GB save / load", "bitwise"]
     rows = []
     for backend, impl in _rows_of(cells, scen):
         sv = cells.get(((scen, backend, impl), "save"))
@@ -248,6 +294,7 @@ def _measurements(cells: dict[tuple[Key, str], Cell], scen: str, meta: dict[str,
             _pair(sv, ld, "requests"),
             _pair(sv, ld, "rss"),
             _pair(sv, ld, "cpu_per_gb", "{:.2f}"),
+            _pair(sv, ld, "server_cpu_per_gb", "{:.2f}"),
             {True: "ok", False: "MISMATCH", None: "–"}[ld.verified if ld else None],
         ])
     return _md(header, rows)

@@ -1,9 +1,11 @@
 """Run every implementation and physical reference, alternately, and write the tables.
 
-``python -m benchmarks.run [--size-mib 1024] [--repeats 3] [--out benchmarks/results]``
+``python -m benchmarks.run [--size-mib 1024 | --sizes 256M,1G,4G] [--ranks 2] [--server ceph]
+[--repeats 3] [--out benchmarks/results]``
 
-Starts what it needs itself: the counting moto server on 127.0.0.1 (port chosen by the OS),
-a temporary local folder, and ``memory://`` inside the workers. Each save and each load runs
+Starts what it needs itself: the S3 server on 127.0.0.1 (the counting moto server by default,
+or SeaweedFS or Ceph RGW from ``tests/servers/``, ports chosen free), a temporary local folder,
+and ``memory://`` inside the workers. Each save and each load runs
 in a fresh worker process (``benchmarks.worker``); within a repeat the implementations take
 turns in an order that rotates from repeat to repeat. Every worker's JSON line is echoed to
 stdout as it arrives; at the end ``<out>/samples.json`` holds them all and ``<out>/results.md``
@@ -27,17 +29,28 @@ from typing import Any
 
 from . import procmem, report
 from .impls import IMPLS
-from .s3server import CountingS3Server, ExternalS3
+from tests.servers import ServerUnavailable
+from tests.servers.ceph import LocalCephRGW
+from tests.servers.s3gateway import S3Gateway
+from tests.servers.seaweedfs import LocalSeaweedFS
+
+from .s3server import CountingS3Server
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "dcp-fsspec-bench"
 BACKENDS = ("s3", "local", "memory")
+SERVERS = {"seaweedfs": LocalSeaweedFS, "ceph": LocalCephRGW}
+S3Server = CountingS3Server | S3Gateway
+# What Ceph's OSD file grows to per byte of the largest state (the state under several
+# implementations at once, overwritten objects until RGW's garbage collection runs): measured
+# ~10 GB for a 1 GiB run.
+CEPH_DISK_PER_STATE_BYTE = 10
 
 
 class Runner:
     """Launches workers and keeps every sample and note."""
 
-    def __init__(self, args: argparse.Namespace, server: CountingS3Server | ExternalS3, local_root: str):
+    def __init__(self, args: argparse.Namespace, server: S3Server, local_root: str):
         self.args = args
         self.server = server
         self.local_root = local_root
@@ -61,10 +74,11 @@ class Runner:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         if tags["backend"] == "s3":
             cmd += ["--storage-options", json.dumps(self.so)]
-            if self.server.counters_url:
+            if isinstance(self.server, CountingS3Server):
                 cmd += ["--counters-url", self.server.counters_url]
         rss_before = procmem.rss_mib()
         procmem.reset_peak()
+        server_cpu_before = self.server_cpu()
         try:
             proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True,
                                   timeout=a.timeout)
@@ -79,10 +93,14 @@ class Runner:
             self.notes.append(f"{tags['scenario']}/{tags['backend']}/{opts.get('impl', 'raw')} "
                               f"{phase} failed (rc {rc}): {_last_line(err)}")
         server_peak = procmem.peak_mib() - rss_before
+        server_cpu_after = self.server_cpu()
         for s in samples:
             s.update(tags)
-            if tags["backend"] == "s3" and self.server.app is not None:  # moto: in this process
-                s["server_peak_extra_rss_mib"] = server_peak
+            if tags["backend"] == "s3":
+                if server_cpu_before is not None and server_cpu_after is not None:
+                    s["server_cpu_seconds"] = server_cpu_after - server_cpu_before
+                if isinstance(self.server, CountingS3Server):  # moto: in this process
+                    s["server_peak_extra_rss_mib"] = server_peak
             s.setdefault("impl", opts.get("impl", "raw"))
             print(json.dumps(s), flush=True)
         self.samples.extend(samples)
@@ -148,15 +166,24 @@ class Runner:
 
     # -- helpers -------------------------------------------------------------------------
 
+    def server_cpu(self) -> float | None:
+        """user+sys seconds the S3 server has used: moto's threads are this process's only
+        work while a worker runs; a gateway's are its processes' (None: not started here)."""
+        if isinstance(self.server, CountingS3Server):
+            t = os.times()
+            return t.user + t.system
+        pids = self.server.server_pids()
+        return procmem.cpu_seconds(pids) if pids else None
+
     def get_modes(self) -> list[str]:
-        if self.server.app is None:
+        if not isinstance(self.server, CountingS3Server):
             return ["ranges"]  # a real S3 server serves ranges as S3 does
         return {"both": ["ranges", "stock"]}.get(self.args.moto_get, [self.args.moto_get])
 
     @contextmanager
     def moto_get(self, mode: str) -> Iterator[None]:
         """Serve ranged GETs from the range (``ranges``) or as stock moto does, for a block."""
-        app = self.server.app
+        app = self.server.app if isinstance(self.server, CountingS3Server) else None
         if app is None:
             yield
             return
@@ -226,10 +253,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--size-mib", type=int, default=1024,
                    help="tensor data in the realistic state (0: skip that scenario)")
+    p.add_argument("--sizes", type=parse_sizes, default=None, metavar="256M,1G,4G",
+                   help="a sweep: the realistic state at each size (instead of --size-mib), "
+                        "and a table of GB/s, CPU s/GB and +RSS per size")
     p.add_argument("--many-small", type=int, default=0, metavar="N",
                    help="also run a state of N small tensors (e.g. 10000)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--world-size", type=int, default=1,
+    p.add_argument("--world-size", "--ranks", dest="world_size", type=int, default=1,
                    help="ranks per save/load (gloo); each rank saves its own keys")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--impls", default=",".join(IMPLS))
@@ -241,9 +271,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moto-complete", choices=["lean", "stock"], default="lean",
                    help="CompleteMultipartUpload with one copy of the object (lean) or moto's "
                         "own (~5 copies in memory, ~80 MB/s here)")
+    p.add_argument("--server", choices=["moto", *SERVERS], default="moto",
+                   help="the S3 server to start on 127.0.0.1: moto in this process (counts "
+                        "requests), or SeaweedFS / Ceph RGW (tests/servers/; installed apart)")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
-                   help="a running S3 server instead of the embedded moto (SeaweedFS, Ceph RGW: "
-                        "see ../shared/servers/README.md); no server-side counters then")
+                   help="a running S3 server instead of starting one; no request counters, "
+                        "no server CPU then")
     p.add_argument("--s3-key", default="testing", help="access key for --s3-endpoint")
     p.add_argument("--s3-secret", default="testing", help="secret key for --s3-endpoint")
     p.add_argument("--no-async", action="store_true", help="skip the Checkpointer async hook")
@@ -257,17 +290,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
     if args.moto_get is None:
-        args.moto_get = "both" if args.size_mib <= 1024 else "ranges"
+        args.moto_get = "both" if max(args.sizes or [args.size_mib]) <= 1024 else "ranges"
     return args
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``256M,1G,4G`` → MiB each (a plain number is MiB)."""
+    sizes = []
+    for item in filter(None, (t.strip().upper() for t in text.split(","))):
+        factor = {"G": 1024, "M": 1}.get(item[-1], 0)
+        try:
+            sizes.append(int(item[:-1] if factor else item) * (factor or 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a size such as 256M or 4G") from None
+    return sizes
+
+
+def size_label(mib: int) -> str:
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+def start_server(args: argparse.Namespace, sizes: list[int], notes: list[str]) -> tuple[S3Server, list[int]]:
+    """The S3 server the run measures, started; and the sizes it has room for (Ceph's OSD
+    disk is a file that grows with what is stored: a size that does not fit is skipped)."""
+    if args.s3_endpoint:
+        return S3Gateway(args.s3_endpoint, args.s3_key, args.s3_secret), sizes
+    if args.server == "moto":
+        return CountingS3Server(lean_complete=args.moto_complete == "lean").start(), sizes
+    parent = args.local_dir or tempfile.gettempdir()
+    if args.server == "ceph":
+        # The local folder of the same run shares the disk: two copies of the state at most.
+        room = shutil.disk_usage(parent).free - 2 * (max(sizes) << 20)
+        fits = [n for n in sizes if CEPH_DISK_PER_STATE_BYTE * (n << 20) <= room]
+        for n in sorted(set(sizes) - set(fits)):
+            notes.append(f"{size_label(n)} skipped on Ceph: its OSD needs ~{CEPH_DISK_PER_STATE_BYTE * n / 1024:.0f} GiB "
+                         f"of disk, {room / 2**30:.0f} GiB free under {parent}")
+        if not fits:
+            raise SystemExit("; ".join(notes))
+        server: S3Gateway = LocalCephRGW(disk_gib=-(-CEPH_DISK_PER_STATE_BYTE * max(fits) // 1024) + 4)
+        sizes = fits
+    else:
+        server = SERVERS[args.server]()
+    try:
+        return server.start(), sizes
+    except ServerUnavailable as e:
+        raise SystemExit(f"--server {args.server}: {e}") from e
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    scenarios = []
-    if args.size_mib > 0:
-        scenarios.append({"scenario": "state", "size_mib": args.size_mib, "many_small": 0})
-    if args.many_small > 0:
-        scenarios.append({"scenario": "many-small", "size_mib": 0, "many_small": args.many_small})
     backends = [b for b in args.backends.split(",") if b]
     impls = [i for i in args.impls.split(",") if i]
     notes: list[str] = []
@@ -279,22 +350,26 @@ def main(argv: list[str] | None = None) -> None:
         if why:
             impls.remove(name)
             notes.append(f"{name} skipped: {why}")
+    sizes = args.sizes or ([args.size_mib] if args.size_mib > 0 else [])
+    server: S3Server = S3Gateway()  # without S3: nothing to start, nothing measured on it
+    if "s3" in backends:
+        server, sizes = start_server(args, sizes, notes)
+    scenarios = [{"scenario": f"state-{size_label(n)}" if args.sizes else "state", "size_mib": n, "many_small": 0}
+                 for n in sizes]  # fmt: skip
+    if args.many_small > 0:
+        scenarios.append({"scenario": "many-small", "size_mib": 0, "many_small": args.many_small})
     for n in notes:
         print(f"note: {n}", file=sys.stderr, flush=True)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     revision = git_revision()
-    server: CountingS3Server | ExternalS3
-    if args.s3_endpoint:
-        server = ExternalS3(args.s3_endpoint, args.s3_key, args.s3_secret).start()
-    else:
-        server = CountingS3Server(lean_complete=args.moto_complete == "lean").start()
     local_root = tempfile.mkdtemp(prefix="dcp-fsspec-bench-", dir=args.local_dir)
-    runner = Runner(args, server, local_root)
-    runner.notes.extend(notes)
-    async_ok = not args.no_async and "dcp_fsspec" in impls
     try:
-        server.create_bucket(BUCKET)
+        runner = Runner(args, server, local_root)
+        runner.notes.extend(notes)
+        async_ok = not args.no_async and "dcp_fsspec" in impls
+        if "s3" in backends:
+            server.create_bucket(BUCKET)
         for repeat in range(args.repeats):
             for scen in scenarios:
                 for backend in backends:
@@ -315,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
         "commit": revision,
         "machine": report.machine(),
         "args": vars(args),
-        "s3_server": args.s3_endpoint or "moto",
+        "s3_server": args.s3_endpoint or args.server,
         "impls": {i: IMPLS[i].label for i in impls},
         "notes": runner.notes,
     }

@@ -330,41 +330,6 @@ class CountingS3Server(LocalS3Server):
         return self.endpoint_url + COUNTERS_PATH
 
 
-class ExternalS3:
-    """A running S3 server at ``endpoint_url`` (SeaweedFS, Ceph RGW: see
-    ``../shared/servers``), in the runner's place of :class:`CountingS3Server`: the same
-    ``storage_options()``, ``environ()`` and ``create_bucket()``; no counters (the server is
-    not ours to instrument) and ranges served as S3 serves them."""
-
-    app = None
-    counters_url = None
-
-    def __init__(self, endpoint_url: str, key: str, secret: str) -> None:
-        self.endpoint_url = endpoint_url
-        self._key, self._secret = key, secret
-
-    def start(self) -> ExternalS3:
-        return self
-
-    def stop(self) -> None:
-        pass
-
-    def storage_options(self) -> dict[str, Any]:
-        return {"key": self._key, "secret": self._secret, "client_kwargs": {"endpoint_url": self.endpoint_url},
-                "config_kwargs": {"read_timeout": 900, "connect_timeout": 10}}  # fmt: skip
-
-    def environ(self) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": self._key, "AWS_SECRET_ACCESS_KEY": self._secret,
-                "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION, "AWS_ENDPOINT_URL": self.endpoint_url}  # fmt: skip
-
-    def create_bucket(self, bucket: str) -> None:
-        import fsspec
-
-        fs = fsspec.filesystem("s3", **self.storage_options(), skip_instance_cache=True)
-        if not fs.exists(bucket):
-            fs.mkdir(bucket)
-
-
 def fetch_counters(url: str) -> dict[str, dict[str, float]]:
     """The server's counters as a worker process sees them."""
     from urllib.request import urlopen

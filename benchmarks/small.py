@@ -1,0 +1,204 @@
+"""Small, frequent checkpoints: the latency of one save and one load, not bandwidth.
+
+``python -m benchmarks.small [--repeats 10] [--server moto|seaweedfs|ceph] [--backends s3,local]``
+
+A ~3 MiB state in four keys (model, optim, scheduler, trainer), as RL policies, adapters and
+small models checkpoint it, saved and loaded again and again in one process:
+
+* ``dcp_fsspec``: ``Checkpointer.save(i, model=…, optim=…, scheduler=…, trainer=…)`` and
+  ``Checkpointer.load(…)`` (the pointer, every key);
+* ``torch + pointer``: what a torchtitan-style trainer does with torch's own writer: one
+  ``dcp.save`` per key with ``FsspecWriter`` into the iteration's folder, then the pointer file
+  written; a load reads the pointer and runs one ``dcp.load`` per key with ``FsspecReader``.
+
+The first save and load of each (connections, imports) are not counted; the table shows the
+medians of the rest, in ms, and on moto the requests one save and one load sent (counted at the
+server). One JSON line per implementation and backend, then the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .run import SERVERS, start_server
+from .s3server import CountingS3Server, delta, fetch_counters, totals
+
+BUCKET = "dcp-fsspec-small"
+POINTER = "latest_checkpoint.txt"
+
+
+def small_state(seed: int = 0) -> dict[str, dict[str, Any]]:
+    """~3 MiB in four keys: a small MLP's weights, its Adam state, a scheduler, a trainer."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"emb.weight": (512, 256), "fc1.weight": (512, 512), "fc1.bias": (512,), "fc2.weight": (256, 512)}
+    model = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    optim = {"state": {k: {"exp_avg": torch.randn(s, generator=g) * 1e-3, "step": torch.tensor(10.0)}
+                       for k, s in list(shapes.items())[:2]},  # fmt: skip
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(shapes)}]}
+    return {
+        "model": model,
+        "optim": optim,
+        "scheduler": {"last_epoch": 10, "base_lrs": [1e-3], "_step_count": 11},
+        "trainer": {"step": 10, "tokens_seen": 10 * 4096, "rng": torch.randint(0, 2**31, (624,), generator=g)},
+    }
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: _zeros_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+            for k, v in state.items()}  # fmt: skip
+
+
+class Ours:
+    label = "dcp_fsspec Checkpointer"
+
+    def __init__(self, url: str, so: dict[str, Any]) -> None:
+        from dcp_fsspec import Checkpointer
+
+        self.ckpt = Checkpointer(url, so, keep_last_n=2)
+
+    def save(self, iteration: int, state: dict[str, Any]) -> None:
+        self.ckpt.save(iteration, **state)
+
+    def load(self, target: dict[str, Any]) -> int:
+        return self.ckpt.load(**target)
+
+
+class TorchWithPointer:
+    label = "torch FsspecWriter/Reader + pointer"
+
+    def __init__(self, url: str, so: dict[str, Any]) -> None:
+        self.fs, self.root = fsspec.core.url_to_fs(url, **so)
+        self.url, self.so = url.rstrip("/"), so
+
+    def save(self, iteration: int, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        folder = f"{self.url}/iter_{iteration:09d}"
+        for key, value in state.items():
+            dcp.save(value, storage_writer=FsspecWriter(f"{folder}/{key}", **self.so))
+        self.fs.pipe_file(f"{self.root}/{POINTER}", f"iter_{iteration:09d}".encode())
+
+    def load(self, target: dict[str, Any]) -> int:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        name = self.fs.cat_file(f"{self.root}/{POINTER}").decode()
+        for key, value in target.items():
+            dcp.load(value, storage_reader=FsspecReader(f"{self.url}/{name}/{key}", **self.so))
+        return int(name.split("_")[1])
+
+
+IMPLS: dict[str, Callable[[str, dict[str, Any]], Any]] = {"dcp_fsspec": Ours, "torch": TorchWithPointer}
+
+
+def measure(impl: Any, repeats: int, counters_url: str | None) -> dict[str, Any]:
+    state = small_state()
+    save_ms, load_ms, save_requests, load_requests = [], [], [], []
+    for i in range(repeats + 1):  # the first of each warms up
+        before = fetch_counters(counters_url) if counters_url else None
+        t0 = time.perf_counter()
+        impl.save(i + 1, state)
+        t1 = time.perf_counter()
+        middle = fetch_counters(counters_url) if counters_url else None
+        target = _zeros_like(state)
+        t2 = time.perf_counter()
+        loaded = impl.load(target)
+        t3 = time.perf_counter()
+        after = fetch_counters(counters_url) if counters_url else None
+        same = all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state), strict=True))
+        if loaded != i + 1 or not same:
+            raise AssertionError(f"{impl.label} loaded iteration {loaded} wrongly (saved {i + 1})")
+        if i == 0:
+            continue
+        save_ms.append((t1 - t0) * 1e3)
+        load_ms.append((t3 - t2) * 1e3)
+        if before is not None and middle is not None and after is not None:
+            save_requests.append(totals(delta(before, middle))["requests"])
+            load_requests.append(totals(delta(middle, after))["requests"])
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+    return {
+        "save_ms": statistics.median(save_ms),
+        "load_ms": statistics.median(load_ms),
+        "save_requests": statistics.median(save_requests) if save_requests else None,
+        "load_requests": statistics.median(load_requests) if load_requests else None,
+        "state_bytes": nbytes,
+        "repeats": repeats,
+    }
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    return []
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = ["| backend | implementation | save ms | load ms | requests per save / load |", "|---|---|---:|---:|---|"]
+    for r in rows:
+        req = "–" if r["save_requests"] is None else f"{r['save_requests']:.0f} / {r['load_requests']:.0f}"
+        lines.append(f"| {r['backend']} | {r['label']} | {r['save_ms']:.0f} | {r['load_ms']:.0f} | {req} |")
+    by = {(r["backend"], r["impl"]): r for r in rows}
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        ours, torch_ = by.get((backend, "dcp_fsspec")), by.get((backend, "torch"))
+        if ours and torch_:
+            lines.append(f"| {backend} | ours ÷ torch | {ours['save_ms'] / torch_['save_ms']:.2f}× | "
+                         f"{ours['load_ms'] / torch_['load_ms']:.2f}× | |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.small", description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=10, help="saves and loads measured (after one warm-up)")
+    p.add_argument("--backends", default="s3,local")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--server", choices=["moto", *SERVERS], default="moto")
+    p.add_argument("--s3-endpoint", default=None, metavar="URL", help="a running S3 server instead")
+    p.add_argument("--s3-key", default="testing")
+    p.add_argument("--s3-secret", default="testing")
+    p.add_argument("--moto-complete", default="lean", help=argparse.SUPPRESS)
+    p.add_argument("--local-dir", default=None)
+    args = p.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    server = None
+    if "s3" in backends:
+        server, _ = start_server(args, [1], [])
+    rows = []
+    try:
+        if server is not None:
+            server.create_bucket(BUCKET)
+        with tempfile.TemporaryDirectory(prefix="dcp-fsspec-small-", dir=args.local_dir) as local:
+            for backend in backends:
+                for name in filter(None, args.impls.split(",")):
+                    if backend == "s3":
+                        assert server is not None
+                        url, so = f"s3://{BUCKET}/{name}", server.storage_options()
+                        counters = server.counters_url if isinstance(server, CountingS3Server) else None
+                    else:
+                        url, so, counters = f"{local}/{name}", {}, None
+                    impl = IMPLS[name](url, so)
+                    row = {"kind": "small", "backend": backend, "impl": name, "label": impl.label,
+                           "server": args.s3_endpoint or args.server if backend == "s3" else None,
+                           **measure(impl, args.repeats, counters)}  # fmt: skip
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    finally:
+        if server is not None:
+            server.stop()
+    print(render(rows))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
