@@ -4,7 +4,9 @@
 :class:`~dcp_fsspec.Checkpointer` at ``checkpoint_url`` instead of ``output_dir/checkpoint-N``
 folders: the model, optimizer, LR scheduler, ``TrainerState`` and torch's RNG state, written by
 our storage writer (sharded models as shards), committed, and pruned to ``save_total_limit``
-remotely. ``train(resume_from_checkpoint=True)`` resumes from the newest committed iteration;
+remotely. On several processes (DDP) every rank takes part in each save and load (DCP writes
+each replicated tensor once), and each rank's RNG state is kept apart, so every rank resumes
+with its own. ``train(resume_from_checkpoint=True)`` resumes from the newest committed iteration;
 ``resume_from_checkpoint="s3://…/iter_000000040"`` (or the run's URL) from that one.
 
 The Trainer's seams carry it: ``_save_checkpoint`` saves, and ``_load_from_checkpoint``,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import tempfile
 from typing import Any, cast
@@ -27,18 +30,21 @@ from ._files import require
 require("transformers", "hf", "dcp_fsspec.integrations.hf")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from transformers import Trainer  # noqa: E402
 from transformers.trainer_callback import ExportableState  # noqa: E402
 
 from ..checkpoint import Checkpointer  # noqa: E402
 from ..checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
 from ..checkpoint.layout import parse_iteration  # noqa: E402
-from ..errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidURLError  # noqa: E402
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
 from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
 from ..storage.urls import normalize_url, redact_url  # noqa: E402
 
 __all__ = ["FsspecTrainer"]
+
+logger = logging.getLogger(__name__)
 
 # The Trainer reads its state from this file in the folder it resumes from.
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -94,7 +100,7 @@ class FsspecTrainer(Trainer):
         state_json = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
         self.checkpointer.save(
             self.state.global_step, model=self.model, optim=self.optimizer, scheduler=self.lr_scheduler,
-            trainer={"state": state_json, "torch_rng": torch.get_rng_state()},
+            trainer={"state": state_json, "torch_rng": _every_ranks_rng_state()},
         )  # fmt: skip
 
     # -- resuming -------------------------------------------------------------------------------
@@ -110,11 +116,9 @@ class FsspecTrainer(Trainer):
             self.checkpointer.wait()  # the last asynchronous save, committed (or its error)
             return output
         iteration = self._iteration_named(resume_from_checkpoint)
-        trainer: dict[str, Any] = {"state": "", "torch_rng": torch.get_rng_state()}
-        self.checkpointer.load(iteration, trainer=trainer)
         with tempfile.TemporaryDirectory(prefix="dcp-fsspec-resume-") as local:
             with open(os.path.join(local, TRAINER_STATE_NAME), "w") as f:
-                f.write(trainer["state"])
+                f.write(self._load_trainer_entry(iteration)["state"])
             self._resuming = (local, iteration)
             try:
                 output = super().train(local, *args, **kwargs)
@@ -169,6 +173,49 @@ class FsspecTrainer(Trainer):
         if iteration is None:
             super()._load_rng_state(checkpoint)
             return
-        trainer: dict[str, Any] = {"state": "", "torch_rng": torch.get_rng_state()}
+        _restore_rng_state(self._load_trainer_entry(iteration)["torch_rng"], self.checkpointer.url, iteration)
+
+    def _load_trainer_entry(self, iteration: int) -> dict[str, Any]:
+        """The ``trainer`` entry of ``iteration``: the TrainerState's JSON and the ranks' RNG states."""
+        trainer: dict[str, Any] = {"state": "", "torch_rng": b""}
         self.checkpointer.load(iteration, trainer=trainer)
-        torch.set_rng_state(trainer["torch_rng"])
+        return trainer
+
+
+def _every_ranks_rng_state() -> bytes:
+    """Every rank's torch RNG state, in rank order, as one value the same on every rank.
+
+    The ranks' states differ (each draws for its own batches), and a value every rank saves under
+    one name is written once by DCP, so each state is gathered rather than saved as is. Bytes,
+    not a tensor: a loaded tensor must match its placeholder's shape, which the number of ranks
+    that saved would decide.
+    """
+    state = torch.get_rng_state()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        states = [torch.empty_like(state) for _ in range(dist.get_world_size())]
+        dist.all_gather(states, state)
+        state = torch.cat(states)
+    return state.numpy().tobytes()
+
+
+def _restore_rng_state(saved: bytes, url: str, iteration: int) -> None:
+    """Set this rank's torch RNG state from :func:`_every_ranks_rng_state`'s ``saved`` bytes.
+
+    Saved by another number of ranks, the states match none of these ranks: each keeps its own
+    (as the Trainer does when its per-rank RNG file is missing), and the run goes on, not
+    bit-identical to the one that saved.
+    """
+    if not isinstance(saved, bytes):  # read from storage: whatever a writer put there
+        raise CorruptCheckpointError(
+            f"iteration {iteration} at {url} holds a {type(saved).__name__} as the ranks' RNG states, not "
+            "the bytes FsspecTrainer writes; resume from another iteration, or without resume_from_checkpoint"
+        )
+    size = torch.get_rng_state().numel()
+    ranks, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    if len(saved) != ranks * size:
+        logger.warning(
+            "iteration %d at %s holds RNG states for %d ranks, not %d: each rank keeps its own RNG state",
+            iteration, url, len(saved) // size, ranks,
+        )  # fmt: skip
+        return
+    torch.set_rng_state(torch.frombuffer(bytearray(saved[rank * size : (rank + 1) * size]), dtype=torch.uint8))
