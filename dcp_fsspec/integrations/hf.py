@@ -136,10 +136,14 @@ class FsspecTrainer(Trainer):
                 raise CheckpointNotFoundError(
                     f"nothing to resume from: no committed iteration at {url}; train without resume_from_checkpoint first"
                 )
+            inside = True
         else:
             named = redact_url(given)
+            # An iteration folder of another URL would load the same-numbered iteration from
+            # ours: only a folder name, or a folder of checkpoint_url itself, is accepted.
+            inside = "/" not in given or normalize_url(given).rstrip("/").rpartition("/")[0] == url
         iteration = parse_iteration(named.rstrip("/").rpartition("/")[2])
-        if iteration is None:
+        if iteration is None or not inside:
             raise InvalidURLError(
                 f"resume_from_checkpoint={named!r} is not an iteration of {url}: pass True, {url!r} "
                 "or one of its iter_XXXXXXXXX folders"

@@ -120,6 +120,10 @@ def test_resume_true_takes_the_newest_and_errors_name_the_url(local_backend: Bac
     with pytest.raises(InvalidURLError, match="not an iteration of"):
         empty.train(resume_from_checkpoint=local_backend.sub("elsewhere"))
     _trainer(tmp_path / "first", local_backend, _StopAt()).train()
+    # The same iteration's folder under another URL is not ours to load (it would have loaded
+    # ours, silently).
+    with pytest.raises(InvalidURLError, match="not an iteration of"):
+        empty.train(resume_from_checkpoint=str(tmp_path / "other" / f"iter_{STOP:09d}"))
     resumed = _trainer(tmp_path / "resumed", local_backend)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == STEPS
