@@ -280,3 +280,31 @@ def test_retention_spares_an_older_iteration_being_rewritten(root: Location) -> 
     _save(root, 1, 2, 3, 4)
     assert retention.apply_retention(root, 1, protected=(1,)) == [2, 3]
     assert layout.list_iterations(root) == [1, 4]
+
+
+def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missing_file(root: Location) -> None:
+    """inspect_iteration and listed_inspection give ls, cp and load's errors their reason: a folder
+    without a record below the pointer may be retention's interrupted deletion; at or above it,
+    only an unfinished save; a record whose key lacks .metadata names that file."""
+    _save(root, 3, 5, 6)
+    _put(root, "iter_000000004", "model", "debris")
+    root.fs.rm(root.join("iter_000000005", commit.COMMIT_RECORD_NAME))
+    metadata_of_6 = root.join("iter_000000006", "model", ".metadata")
+    root.fs.rm(metadata_of_6)
+    never_finished = "has no .commit.json (its save never finished)"
+    interrupted = (
+        "has no .commit.json: a save that failed, or a deletion by retention that was interrupted, "
+        "left it; retention deletes it at the next save"
+    )
+    listing = commit.list_save_dirname(root)
+    for inspect in (
+        lambda i, latest: commit.inspect_iteration(root, i, latest=latest),
+        lambda i, latest: commit.listed_inspection(root, listing, i, latest=latest),
+    ):
+        assert inspect(4, None) == (None, never_finished)
+        assert inspect(4, 5) == (None, interrupted)
+        assert inspect(5, 5) == (None, never_finished)  # the pointer's own iteration was never committed
+        assert inspect(6, 5) == (None, f"lacks {root.url_of(metadata_of_6)}")
+        record, why = inspect(3, 5)
+        assert why is None and record is not None and (record.iteration, record.keys) == (3, ("model",))
+    assert commit.inspect_iteration(root, 9) == (None, "does not exist")
