@@ -308,3 +308,58 @@ def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missi
         record, why = inspect(3, 5)
         assert why is None and record is not None and (record.iteration, record.keys) == (3, ("model",))
     assert commit.inspect_iteration(root, 9) == (None, "does not exist")
+
+
+def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the_stray_key(root: Location) -> None:
+    """require_saved_together, load's token check: a key whose .metadata another save wrote after
+    the commit is never loaded as part of it; a record from before tokens (no save_id) is not checked."""
+    _written_key(root, 5, save_id="a" * 32)
+    record = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    commit.require_saved_together(root, record)  # whole: nothing to say
+    _written_key(root, 5, save_id="b" * 32)  # a zombie of the same run rewrote the key
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.require_saved_together(root, record)
+    metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
+    assert str(raised.value) == (
+        f"{root.url_of(root.join('iter_000000005'))} is not the checkpoint its .commit.json committed: "
+        f"{metadata} was written by another save (save_id {'b' * 32!r}, not {'a' * 32!r}) (another process "
+        "saved the same iteration into it); it is not loaded. Load another iteration, or delete this folder"
+    )
+    commit.require_saved_together(root, commit.CommitRecord(5, ("model",), 1, 0.0, save_id=None))
+
+
+def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_file(
+    root: Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load's token check costs one listing and one read per key, not one request per data file."""
+    _written_key(root, 5, save_id="a" * 32)
+    record = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    backend_type = type(root.backend)
+    real_call = backend_type.call
+    calls: list[str] = []
+
+    def counted(self: Any, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(method)
+        return real_call(self, method, path, *args, **kwargs)
+
+    monkeypatch.setattr(backend_type, "call", counted)
+    commit.require_saved_together(root, record)
+    assert sorted(calls) == ["cat_file", "find"]
+
+
+def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_naming_it(
+    root: Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The narrowest race: the compare-and-swap lost, and the pointer is gone when publish re-reads it."""
+    _written_key(root, 5, save_id="a" * 32)
+
+    def a_third_writer_deleted_it(where: Location, iteration: int) -> bool:
+        root.fs.rm(root.join(POINTER_NAME))
+        return False
+
+    commit.write_pointer(root, 2)
+    monkeypatch.setattr(commit, "_replace_pointer", lambda *args: False)
+    monkeypatch.setattr(commit, "write_pointer", a_third_writer_deleted_it)
+    with pytest.raises(StorageError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    assert str(raised.value) == f"{commit.pointer_url(root)} disappeared while this save moved it; save again"
