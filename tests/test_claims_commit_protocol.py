@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, CorruptCheckpointError, FsspecStorageWriter, StorageError
+from dcp_fsspec import (
+    CheckpointExistsError,
+    Checkpointer,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FsspecStorageWriter,
+    StorageError,
+)
 from dcp_fsspec.checkpoint import commit, layout, retention
 from dcp_fsspec.storage.names import POINTER_NAME
 from dcp_fsspec.storage.urls import Location, resolve
@@ -363,3 +370,19 @@ def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_nami
     with pytest.raises(StorageError) as raised:
         commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert str(raised.value) == f"{commit.pointer_url(root)} disappeared while this save moved it; save again"
+
+
+def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committed_ones(root: Location) -> None:
+    """require_committed, what load says when the pointer names a folder that is not committed:
+    why, which iterations are (or that none is), and what to do."""
+    _save(root, 3, 5)
+    for iteration in (5, 3):
+        root.fs.rm(root.join(layout.format_iteration(iteration), commit.COMMIT_RECORD_NAME))
+        with pytest.raises(CheckpointNotFoundError) as raised:
+            commit.require_committed(root, 5, named_by="the pointer")
+        committed = "['iter_000000003']" if iteration == 5 else "none"
+        assert str(raised.value) == (
+            f"the pointer names {root.url_of(root.join('iter_000000005'))}, which has no .commit.json (its save "
+            f"never finished); committed iterations there: {committed}. Restore that folder, or rewrite "
+            "latest_checkpoint.txt to name a committed iteration (or delete it to start over)"
+        )
