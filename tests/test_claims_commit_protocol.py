@@ -386,3 +386,15 @@ def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committe
             f"never finished); committed iterations there: {committed}. Restore that folder, or rewrite "
             "latest_checkpoint.txt to name a committed iteration (or delete it to start over)"
         )
+
+
+def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name(root: Location) -> None:
+    """list_save_dirname: a name with nothing listed under it is a folder only if it is one (the
+    request that tells them apart is made only for such names)."""
+    _save(root, 3)
+    root.fs.makedirs(root.join("iter_000000004"), exist_ok=True)
+    _put(root, "iter_000000007", data=b"a file, not a folder")
+    listing = commit.list_save_dirname(root)
+    assert listing.folders == (3, 4)
+    assert (listing.read, listing.records, listing.finished) == ({3}, {3}, {(3, "model")})
+    assert commit.committed_iterations(root) == [3]
