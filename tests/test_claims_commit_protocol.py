@@ -390,7 +390,9 @@ def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committe
 
 def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name(root: Location) -> None:
     """list_save_dirname: a name with nothing listed under it is a folder only if it is one (the
-    request that tells them apart is made only for such names)."""
+    request that tells them apart is made only for such names). listed_inspection trusts an
+    absence only inside a folder the listing read: elsewhere it reads the record."""
+    before = commit.list_save_dirname(root)
     _save(root, 3)
     root.fs.makedirs(root.join("iter_000000004"), exist_ok=True)
     _put(root, "iter_000000007", data=b"a file, not a folder")
@@ -398,3 +400,7 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     assert listing.folders == (3, 4)
     assert (listing.read, listing.records, listing.finished) == ({3}, {3}, {(3, "model")})
     assert commit.committed_iterations(root) == [3]
+    assert commit.listed_inspection(root, listing, 4) == (None, "has no .commit.json (its save never finished)")
+    assert commit.listed_inspection(root, listing, 4, latest=5)[1] == commit.inspect_iteration(root, 4, latest=5)[1]
+    record, _ = commit.listed_inspection(root, before, 3)  # a listing older than the save
+    assert record is not None and record.iteration == 3
