@@ -396,9 +396,13 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     _save(root, 3)
     root.fs.makedirs(root.join("iter_000000004"), exist_ok=True)
     _put(root, "iter_000000007", data=b"a file, not a folder")
+    _put(root, "iter_000000005X", "model", "debris")  # not an iteration's name
+    _put(root, "iter_000000008", ".commit.jsonX")  # nor is this a commit record
     listing = commit.list_save_dirname(root)
-    assert listing.folders == (3, 4)
-    assert (listing.read, listing.records, listing.finished) == ({3}, {3}, {(3, "model")})
+    assert listing.folders == (3, 4, 8)
+    assert (listing.read, listing.records, listing.finished) == ({3, 8}, {3}, {(3, "model")})
+    # What ls shows as an iteration's size: its files' bytes, not its folders' nor a bare file's.
+    assert listing.sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1}
     assert commit.committed_iterations(root) == [3]
     assert commit.listed_inspection(root, listing, 4) == (None, "has no .commit.json (its save never finished)")
     assert commit.listed_inspection(root, listing, 4, latest=5)[1] == commit.inspect_iteration(root, 4, latest=5)[1]
