@@ -8,7 +8,9 @@ of one process (local disk, memory://). They also run under ``make mutation``.
 
 from __future__ import annotations
 
+import fractions
 import logging
+import pickle
 from typing import Any
 
 import pytest
@@ -352,6 +354,26 @@ def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_
     monkeypatch.setattr(backend_type, "call", counted)
     commit.require_saved_together(root, record)
     assert sorted(calls) == ["cat_file", "find"]
+    calls.clear()
+    commit.commit_record(root, 6, (), 1, save_id="a" * 32)  # nothing to check: no key
+    _written_key(root, 7, save_id="a" * 32)
+    calls.clear()
+    commit.commit_record(root, 7, ("model",), 1, save_id="a" * 32)  # the same at commit time
+    assert "info" not in calls and calls.count("find") == 1
+
+
+def test_a_commit_unpickles_nothing_outside_the_allow_list_from_a_keys_metadata(root: Location) -> None:
+    """The commit reads each key's .metadata for its token; a .metadata holding any other object
+    (here a Fraction, harmless but not DCP's) is refused, never unpickled in full."""
+    _written_key(root, 5, save_id="a" * 32)
+    path = root.join("iter_000000005", "model", ".metadata")
+    metadata = pickle.loads(root.fs.cat_file(path))  # our own file: trusted here
+    metadata.planner_data = {"x": fractions.Fraction(1, 3)}
+    root.fs.pipe_file(path, pickle.dumps(metadata))
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    assert root.url_of(path) in str(raised.value)
+    assert not _committed(root, 5) and commit.read_pointer(root) is None
 
 
 def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_naming_it(
