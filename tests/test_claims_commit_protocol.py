@@ -374,6 +374,11 @@ def test_a_commit_unpickles_nothing_outside_the_allow_list_from_a_keys_metadata(
         commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert root.url_of(path) in str(raised.value)
     assert not _committed(root, 5) and commit.read_pointer(root) is None
+    # A load the user told to trust the checkpoint (trust_checkpoint=True) checks it in full.
+    record = commit.CommitRecord(5, ("model",), 1, 0.0, save_id="a" * 32)
+    with pytest.raises(CorruptCheckpointError):
+        commit.require_saved_together(root, record)
+    commit.require_saved_together(root, record, trust_checkpoint=True)
 
 
 def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_naming_it(
@@ -430,3 +435,9 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     assert commit.listed_inspection(root, listing, 4, latest=5)[1] == commit.inspect_iteration(root, 4, latest=5)[1]
     record, _ = commit.listed_inspection(root, before, 3)  # a listing older than the save
     assert record is not None and record.iteration == 3
+
+
+def test_a_save_dirname_whose_name_ends_in_a_space_still_lists_its_iterations(tmp_path: Any) -> None:
+    root = resolve(str(tmp_path / "run 1 "))
+    _save(root, 1, 2)
+    assert commit.committed_iterations(root) == [1, 2] and commit.list_save_dirname(root).folders == (1, 2)
