@@ -441,3 +441,15 @@ def test_a_save_dirname_whose_name_ends_in_a_space_still_lists_its_iterations(tm
     root = resolve(str(tmp_path / "run 1 "))
     _save(root, 1, 2)
     assert commit.committed_iterations(root) == [1, 2] and commit.list_save_dirname(root).folders == (1, 2)
+
+
+def test_a_key_whose_data_file_is_missing_is_not_committed_naming_the_file(root: Location) -> None:
+    """The commit checks that every data file a key's .metadata names is there, and names the one that is not."""
+    _written_key(root, 5, save_id="a" * 32)
+    (data, *_) = [f for f in root.fs.find(root.join("iter_000000005", "model")) if not f.endswith(".metadata")]
+    root.fs.rm(data)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
+    assert f"{root.url_of(data)}, which {metadata} names, is missing" in str(raised.value)
+    assert not _committed(root, 5)
