@@ -23,12 +23,23 @@ def main() -> int:
     ).stdout
     status = dict(line.strip().rsplit(": ", 1) for line in listing.splitlines() if ": " in line)
     equivalent = set(re.findall(r"`(dcp_fsspec\.[^`]+__mutmut_\d+)`", EQUIVALENT.read_text()))
-    counts = Counter(v for name, v in status.items() if name not in equivalent and v != "not checked")
-    total = sum(counts.values())
-    killed = counts["killed"]
-    print(f"mutants checked: {total} (+{len(equivalent & set(status))} equivalent), " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
-    print(f"mutation score: {killed}/{total} = {100 * killed / max(total, 1):.1f}% killed")
+    for module in sorted({_module(name) for name in status}):
+        _report(module, {n: v for n, v in status.items() if _module(n) == module}, equivalent)
+    _report("mutation score", status, equivalent)
     return 0
+
+
+def _module(mutant: str) -> str:
+    """``dcp_fsspec.checkpoint.commit`` of ``dcp_fsspec.checkpoint.commit.x_publish__mutmut_3``."""
+    return mutant.split(".x")[0]
+
+
+def _report(title: str, status: dict[str, str], equivalent: set[str]) -> None:
+    counts = Counter(v for name, v in status.items() if name not in equivalent and v != "not checked")
+    total, killed = sum(counts.values()), counts["killed"]
+    parts = [f"{k}: {v}" for k, v in sorted(counts.items())]
+    parts += [f"equivalent: {len(equivalent & set(status))}", f"not run: {sum(v == 'not checked' for v in status.values())}"]
+    print(f"{title}: {killed}/{total} = {100 * killed / max(total, 1):.1f}% killed ({', '.join(parts)})")
 
 
 if __name__ == "__main__":

@@ -8,14 +8,23 @@ of one process (local disk, memory://). They also run under ``make mutation``.
 
 from __future__ import annotations
 
+import fractions
 import logging
+import pickle
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, CorruptCheckpointError, FsspecStorageWriter, StorageError
+from dcp_fsspec import (
+    CheckpointExistsError,
+    Checkpointer,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FsspecStorageWriter,
+    StorageError,
+)
 from dcp_fsspec.checkpoint import commit, layout, retention
 from dcp_fsspec.storage.names import POINTER_NAME
 from dcp_fsspec.storage.urls import Location, resolve
@@ -280,3 +289,167 @@ def test_retention_spares_an_older_iteration_being_rewritten(root: Location) -> 
     _save(root, 1, 2, 3, 4)
     assert retention.apply_retention(root, 1, protected=(1,)) == [2, 3]
     assert layout.list_iterations(root) == [1, 4]
+
+
+def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missing_file(root: Location) -> None:
+    """inspect_iteration and listed_inspection give ls, cp and load's errors their reason: a folder
+    without a record below the pointer may be retention's interrupted deletion; at or above it,
+    only an unfinished save; a record whose key lacks .metadata names that file."""
+    _save(root, 3, 5, 6)
+    _put(root, "iter_000000004", "model", "debris")
+    root.fs.rm(root.join("iter_000000005", commit.COMMIT_RECORD_NAME))
+    metadata_of_6 = root.join("iter_000000006", "model", ".metadata")
+    root.fs.rm(metadata_of_6)
+    never_finished = "has no .commit.json (its save never finished)"
+    interrupted = (
+        "has no .commit.json: a save that failed, or a deletion by retention that was interrupted, "
+        "left it; retention deletes it at the next save"
+    )
+    listing = commit.list_save_dirname(root)
+    for inspect in (
+        lambda i, latest: commit.inspect_iteration(root, i, latest=latest),
+        lambda i, latest: commit.listed_inspection(root, listing, i, latest=latest),
+    ):
+        assert inspect(4, None) == (None, never_finished)
+        assert inspect(4, 5) == (None, interrupted)
+        assert inspect(5, 5) == (None, never_finished)  # the pointer's own iteration was never committed
+        assert inspect(6, 5) == (None, f"lacks {root.url_of(metadata_of_6)}")
+        record, why = inspect(3, 5)
+        assert why is None and record is not None and (record.iteration, record.keys) == (3, ("model",))
+    assert commit.inspect_iteration(root, 9) == (None, "does not exist")
+
+
+def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the_stray_key(root: Location) -> None:
+    """require_saved_together, load's token check: a key whose .metadata another save wrote after
+    the commit is never loaded as part of it; a record from before tokens (no save_id) is not checked."""
+    _written_key(root, 5, save_id="a" * 32)
+    record = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    commit.require_saved_together(root, record)  # whole: nothing to say
+    _written_key(root, 5, save_id="b" * 32)  # a zombie of the same run rewrote the key
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.require_saved_together(root, record)
+    metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
+    assert str(raised.value) == (
+        f"{root.url_of(root.join('iter_000000005'))} is not the checkpoint its .commit.json committed: "
+        f"{metadata} was written by another save (save_id {'b' * 32!r}, not {'a' * 32!r}) (another process "
+        "saved the same iteration into it); it is not loaded. Load another iteration, or delete this folder"
+    )
+    commit.require_saved_together(root, commit.CommitRecord(5, ("model",), 1, 0.0, save_id=None))
+
+
+def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_file(
+    root: Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load's token check costs one listing and one read per key, not one request per data file."""
+    _written_key(root, 5, save_id="a" * 32)
+    record = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    backend_type = type(root.backend)
+    real_call = backend_type.call
+    calls: list[str] = []
+
+    def counted(self: Any, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(method)
+        return real_call(self, method, path, *args, **kwargs)
+
+    monkeypatch.setattr(backend_type, "call", counted)
+    commit.require_saved_together(root, record)
+    assert sorted(calls) == ["cat_file", "find"]
+    calls.clear()
+    commit.commit_record(root, 6, (), 1, save_id="a" * 32)  # nothing to check: no key
+    _written_key(root, 7, save_id="a" * 32)
+    calls.clear()
+    commit.commit_record(root, 7, ("model",), 1, save_id="a" * 32)  # the same at commit time
+    assert "info" not in calls and calls.count("find") == 1
+
+
+def test_a_commit_unpickles_nothing_outside_the_allow_list_from_a_keys_metadata(root: Location) -> None:
+    """The commit reads each key's .metadata for its token; a .metadata holding any other object
+    (here a Fraction, harmless but not DCP's) is refused, never unpickled in full."""
+    _written_key(root, 5, save_id="a" * 32)
+    path = root.join("iter_000000005", "model", ".metadata")
+    metadata = pickle.loads(root.fs.cat_file(path))  # our own file: trusted here
+    metadata.planner_data = {"x": fractions.Fraction(1, 3)}
+    root.fs.pipe_file(path, pickle.dumps(metadata))
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    assert root.url_of(path) in str(raised.value)
+    assert not _committed(root, 5) and commit.read_pointer(root) is None
+    # A load the user told to trust the checkpoint (trust_checkpoint=True) checks it in full.
+    record = commit.CommitRecord(5, ("model",), 1, 0.0, save_id="a" * 32)
+    with pytest.raises(CorruptCheckpointError):
+        commit.require_saved_together(root, record)
+    commit.require_saved_together(root, record, trust_checkpoint=True)
+
+
+def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_naming_it(
+    root: Location, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The narrowest race: the compare-and-swap lost, and the pointer is gone when publish re-reads it."""
+    _written_key(root, 5, save_id="a" * 32)
+
+    def a_third_writer_deleted_it(where: Location, iteration: int) -> bool:
+        root.fs.rm(root.join(POINTER_NAME))
+        return False
+
+    commit.write_pointer(root, 2)
+    monkeypatch.setattr(commit, "_replace_pointer", lambda *args: False)
+    monkeypatch.setattr(commit, "write_pointer", a_third_writer_deleted_it)
+    with pytest.raises(StorageError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    assert str(raised.value) == f"{commit.pointer_url(root)} disappeared while this save moved it; save again"
+
+
+def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committed_ones(root: Location) -> None:
+    """require_committed, what load says when the pointer names a folder that is not committed:
+    why, which iterations are (or that none is), and what to do."""
+    _save(root, 3, 5)
+    for iteration in (5, 3):
+        root.fs.rm(root.join(layout.format_iteration(iteration), commit.COMMIT_RECORD_NAME))
+        with pytest.raises(CheckpointNotFoundError) as raised:
+            commit.require_committed(root, 5, named_by="the pointer")
+        committed = "['iter_000000003']" if iteration == 5 else "none"
+        assert str(raised.value) == (
+            f"the pointer names {root.url_of(root.join('iter_000000005'))}, which has no .commit.json (its save "
+            f"never finished); committed iterations there: {committed}. Restore that folder, or rewrite "
+            "latest_checkpoint.txt to name a committed iteration (or delete it to start over)"
+        )
+
+
+def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name(root: Location) -> None:
+    """list_save_dirname: a name with nothing listed under it is a folder only if it is one (the
+    request that tells them apart is made only for such names). listed_inspection trusts an
+    absence only inside a folder the listing read: elsewhere it reads the record."""
+    before = commit.list_save_dirname(root)
+    _save(root, 3)
+    root.fs.makedirs(root.join("iter_000000004"), exist_ok=True)
+    _put(root, "iter_000000007", data=b"a file, not a folder")
+    _put(root, "iter_000000005X", "model", "debris")  # not an iteration's name
+    _put(root, "iter_000000008", ".commit.jsonX")  # nor is this a commit record
+    listing = commit.list_save_dirname(root)
+    assert listing.folders == (3, 4, 8)
+    assert (listing.read, listing.records, listing.finished) == ({3, 8}, {3}, {(3, "model")})
+    # What ls shows as an iteration's size: its files' bytes, not its folders' nor a bare file's.
+    assert listing.sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1}
+    assert commit.committed_iterations(root) == [3]
+    assert commit.listed_inspection(root, listing, 4) == (None, "has no .commit.json (its save never finished)")
+    assert commit.listed_inspection(root, listing, 4, latest=5)[1] == commit.inspect_iteration(root, 4, latest=5)[1]
+    record, _ = commit.listed_inspection(root, before, 3)  # a listing older than the save
+    assert record is not None and record.iteration == 3
+
+
+def test_a_save_dirname_whose_name_ends_in_a_space_still_lists_its_iterations(tmp_path: Any) -> None:
+    root = resolve(str(tmp_path / "run 1 "))
+    _save(root, 1, 2)
+    assert commit.committed_iterations(root) == [1, 2] and commit.list_save_dirname(root).folders == (1, 2)
+
+
+def test_a_key_whose_data_file_is_missing_is_not_committed_naming_the_file(root: Location) -> None:
+    """The commit checks that every data file a key's .metadata names is there, and names the one that is not."""
+    _written_key(root, 5, save_id="a" * 32)
+    (data, *_) = [f for f in root.fs.find(root.join("iter_000000005", "model")) if not f.endswith(".metadata")]
+    root.fs.rm(data)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
+    assert f"{root.url_of(data)}, which {metadata} names, is missing" in str(raised.value)
+    assert not _committed(root, 5)

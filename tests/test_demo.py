@@ -39,6 +39,9 @@ def test_demo_on_embedded_s3_resumes_in_a_fresh_process_bit_identically() -> Non
         assert who in row and row.endswith(kept)
 
 
+# A second whole demo (~8 s): CI only. The demo on embedded S3 above keeps the run, the resume and
+# the retention in `make test`; only `--url` is left to `make test SLOW=1`.
+@pytest.mark.slow
 def test_demo_checkpoints_to_any_url_given(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     done = _demo("--url", url, *SHORT)
