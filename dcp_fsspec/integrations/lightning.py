@@ -1,6 +1,6 @@
-"""Lightning (Trainer) checkpoints on any fsspec URL, written and read by dcp_fsspec.
+"""Lightning (Trainer and Fabric) checkpoints on any fsspec URL, written and read by dcp_fsspec.
 
-Two pieces, used together or apart:
+Three pieces, used together or apart:
 
 - :class:`FsspecCheckpointIO`, a ``CheckpointIO`` for Lightning's single-file ``.ckpt`` (single
   device, DDP): the file is uploaded complete-or-absent with your ``storage_options`` and read
@@ -9,6 +9,8 @@ Two pieces, used together or apart:
   sharded checkpoints go through :class:`~dcp_fsspec.FsspecStorageWriter` and
   :class:`~dcp_fsspec.FsspecStorageReader`, synchronously or with ``dcp.async_save``. The folder
   keeps Lightning's layout (DCP files plus ``meta.pt``), so Lightning's own strategy reads it too.
+- :class:`FsspecFabricModelParallelStrategy`, the same for Fabric's ``fabric.save``/``fabric.load``.
+  Fabric's single-device and DDP strategies take :class:`FsspecCheckpointIO` as a plugin as is.
 
 ``ModelCheckpoint(dirpath="s3://…", save_top_k=k)`` keeps its meaning: Lightning decides what to
 keep and calls ``remove_checkpoint``, which deletes through the same storage options.

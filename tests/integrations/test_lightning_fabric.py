@@ -44,10 +44,11 @@ def _net(seed: int) -> torch.nn.Module:
 def _shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model:
+    for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh["data_parallel"])
-    return fully_shard(model, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    return model
 
 
 def _setup(fabric: Fabric, seed: int) -> tuple[Any, Any]:
