@@ -153,7 +153,32 @@ class FsspecCheckpointIO(CheckpointIO):
             upload.result()
 
 
-class FsspecModelParallelStrategy(ModelParallelStrategy):
+class _ShardedStrategy:
+    """The options both strategies (Trainer's and Fabric's) add to Lightning's own, and waiting for
+    their asynchronous save; put it before the Lightning strategy in the bases."""
+
+    def __init__(
+        self,
+        *args: Any,
+        storage_options: dict[str, Any] | None = None,
+        async_mode: str = ASYNC_DISABLED,
+        writer_settings: WriterSettings | None = None,
+        reader_settings: ReaderSettings | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        trust_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._shards = _ShardedStorage(
+            type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry, trust_checkpoint
+        )
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is written; raise its error."""
+        self._shards.wait()
+
+
+class FsspecModelParallelStrategy(_ShardedStrategy, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with sharded checkpoints on any fsspec URL.
 
     Every rank writes its shards with :class:`~dcp_fsspec.FsspecStorageWriter` and reads them with
@@ -176,24 +201,13 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
             hold): only for checkpoints you wrote. Default: ``weights_only`` loading.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        storage_options: dict[str, Any] | None = None,
-        async_mode: str = ASYNC_DISABLED,
-        writer_settings: WriterSettings | None = None,
-        reader_settings: ReaderSettings | None = None,
-        retry: RetryPolicy | None = DEFAULT_RETRY,
-        trust_checkpoint: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._shards = _ShardedStorage(
-            type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry, trust_checkpoint
-        )
+        shards = self._shards
         self.checkpoint_io = FsspecCheckpointIO(
-            storage_options, async_mode=async_mode, retry=retry, trust_checkpoint=trust_checkpoint
-        )
+            shards.storage_options, async_mode=shards.async_mode, retry=shards.retry,
+            trust_checkpoint=shards.trust_checkpoint,
+        )  # fmt: skip
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
@@ -213,10 +227,6 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
         shards = {"state_dict": checkpoint.pop("state_dict")}
         shards.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self._shards.save(url, shards, checkpoint, self.is_global_zero)
-
-    def wait(self) -> None:
-        """Block until the asynchronous save in flight (if any) is written; raise its error."""
-        self._shards.wait()
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Load the sharded checkpoint at ``checkpoint_path`` into the model and optimizers.
@@ -239,7 +249,7 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
         super().teardown()
 
 
-class FsspecFabricModelParallelStrategy(FabricModelParallelStrategy):
+class FsspecFabricModelParallelStrategy(_ShardedStrategy, FabricModelParallelStrategy):
     """Lightning Fabric's ``ModelParallelStrategy`` (FSDP2/TP) with ``fabric.save``/``fabric.load``
     on any fsspec URL.
 
@@ -262,25 +272,12 @@ class FsspecFabricModelParallelStrategy(FabricModelParallelStrategy):
         UsageError: ``save_distributed_checkpoint=False``.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        storage_options: dict[str, Any] | None = None,
-        async_mode: str = ASYNC_DISABLED,
-        writer_settings: WriterSettings | None = None,
-        reader_settings: ReaderSettings | None = None,
-        retry: RetryPolicy | None = DEFAULT_RETRY,
-        trust_checkpoint: bool = False,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not self._save_distributed_checkpoint:
             raise UsageError(
                 f"{type(self).__name__} saves sharded checkpoints only: drop save_distributed_checkpoint=False"
             )
-        self._shards = _ShardedStorage(
-            type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry, trust_checkpoint
-        )
 
     def save_checkpoint(
         self,
@@ -342,10 +339,6 @@ class FsspecFabricModelParallelStrategy(FabricModelParallelStrategy):
             else:
                 state[key] = meta.pop(key)
         return meta
-
-    def wait(self) -> None:
-        """Block until the asynchronous save in flight (if any) is written; raise its error."""
-        self._shards.wait()
 
     def teardown(self) -> None:
         """Wait for a save in flight, then tear down as Fabric's strategy does."""
