@@ -241,7 +241,8 @@ class FsspecModelParallelStrategy(_ShardedStrategy, ModelParallelStrategy):
         url = self.broadcast(os.fspath(checkpoint_path))
         assert self.model is not None and self.lightning_module is not None
         optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
-        return self._shards.load(url, "state_dict", self.model, optimizers, self.lightning_module.strict_loading, weights_only)
+        strict = self.lightning_module.strict_loading
+        return self._shards.load(url, "state_dict", self.model, optimizers, strict, weights_only)
 
     def teardown(self) -> None:
         """Wait for a save in flight, then tear down as Lightning does."""
