@@ -1,6 +1,6 @@
-"""Lightning (Trainer) checkpoints on any fsspec URL, written and read by dcp_fsspec.
+"""Lightning (Trainer and Fabric) checkpoints on any fsspec URL, written and read by dcp_fsspec.
 
-Two pieces, used together or apart:
+Three pieces, used together or apart:
 
 - :class:`FsspecCheckpointIO`, a ``CheckpointIO`` for Lightning's single-file ``.ckpt`` (single
   device, DDP): the file is uploaded complete-or-absent with your ``storage_options`` and read
@@ -9,6 +9,8 @@ Two pieces, used together or apart:
   sharded checkpoints go through :class:`~dcp_fsspec.FsspecStorageWriter` and
   :class:`~dcp_fsspec.FsspecStorageReader`, synchronously or with ``dcp.async_save``. The folder
   keeps Lightning's layout (DCP files plus ``meta.pt``), so Lightning's own strategy reads it too.
+- :class:`FsspecFabricModelParallelStrategy`, the same for Fabric's ``fabric.save``/``fabric.load``.
+  Fabric's single-device and DDP strategies take :class:`FsspecCheckpointIO` as a plugin as is.
 
 ``ModelCheckpoint(dirpath="s3://…", save_top_k=k)`` keeps its meaning: Lightning decides what to
 keep and calls ``remove_checkpoint``, which deletes through the same storage options.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import io
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from ._files import child, is_dcp_checkpoint, locate, read_file, remove, require, unwrapped, write_file
 
@@ -30,6 +32,7 @@ require("lightning.pytorch", "lightning", "dcp_fsspec.integrations.lightning")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy  # noqa: E402
 from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
@@ -40,14 +43,14 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 from ..checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
-from ..errors import CheckpointNotFoundError  # noqa: E402
+from ..errors import CheckpointMismatchError, CheckpointNotFoundError, UsageError  # noqa: E402
 from ..storage.reader import FsspecStorageReader  # noqa: E402
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
 from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
 from ..storage.trust import SafeLoadPlanner  # noqa: E402
 from ..storage.writer import FsspecStorageWriter  # noqa: E402
 
-__all__ = ["FsspecCheckpointIO", "FsspecModelParallelStrategy"]
+__all__ = ["FsspecCheckpointIO", "FsspecFabricModelParallelStrategy", "FsspecModelParallelStrategy"]
 
 # Lightning's name for the non-tensor part of a sharded checkpoint (loops, callbacks, hparams):
 # the same name keeps our folders and Lightning's interchangeable.
@@ -150,7 +153,32 @@ class FsspecCheckpointIO(CheckpointIO):
             upload.result()
 
 
-class FsspecModelParallelStrategy(ModelParallelStrategy):
+class _ShardedStrategy:
+    """The options both strategies (Trainer's and Fabric's) add to Lightning's own, and waiting for
+    their asynchronous save; put it before the Lightning strategy in the bases."""
+
+    def __init__(
+        self,
+        *args: Any,
+        storage_options: dict[str, Any] | None = None,
+        async_mode: str = ASYNC_DISABLED,
+        writer_settings: WriterSettings | None = None,
+        reader_settings: ReaderSettings | None = None,
+        retry: RetryPolicy | None = DEFAULT_RETRY,
+        trust_checkpoint: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._shards = _ShardedStorage(
+            type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry, trust_checkpoint
+        )
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is written; raise its error."""
+        self._shards.wait()
+
+
+class FsspecModelParallelStrategy(_ShardedStrategy, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with sharded checkpoints on any fsspec URL.
 
     Every rank writes its shards with :class:`~dcp_fsspec.FsspecStorageWriter` and reads them with
@@ -173,31 +201,13 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
             hold): only for checkpoints you wrote. Default: ``weights_only`` loading.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        storage_options: dict[str, Any] | None = None,
-        async_mode: str = ASYNC_DISABLED,
-        writer_settings: WriterSettings | None = None,
-        reader_settings: ReaderSettings | None = None,
-        retry: RetryPolicy | None = DEFAULT_RETRY,
-        trust_checkpoint: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        _check_async_mode(async_mode)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.storage_options = dict(storage_options or {})
-        self.async_mode = async_mode
-        self.writer_settings = writer_settings or WriterSettings()
-        self.reader_settings = reader_settings or ReaderSettings()
-        self.retry = retry
-        self.trust_checkpoint = trust_checkpoint
+        shards = self._shards
         self.checkpoint_io = FsspecCheckpointIO(
-            self.storage_options, async_mode=async_mode, retry=retry, trust_checkpoint=trust_checkpoint
-        )
-        self._save_in_flight: Future[Any] | None = None
-        self._url_in_flight = ""
-        self._save_group: dist.ProcessGroup | None = None
+            shards.storage_options, async_mode=shards.async_mode, retry=shards.retry,
+            trust_checkpoint=shards.trust_checkpoint,
+        )  # fmt: skip
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
@@ -214,30 +224,9 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, url)
             return
-        where = locate(url, self.storage_options, self.retry)
         shards = {"state_dict": checkpoint.pop("state_dict")}
         shards.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        if self.is_global_zero:
-            write_file(child(where, META_FILE), _torch_bytes(checkpoint))
-        writer = FsspecStorageWriter(
-            url, self.storage_options, overwrite=True, retry=self.retry, **self.writer_settings.as_kwargs()
-        )
-        if self.async_mode == ASYNC_DISABLED:
-            unwrapped(lambda: dcp.save(shards, storage_writer=writer), f"saving {where.url}")
-        else:
-            if self._save_group is None:
-                # The background thread's collectives need a group of their own: on the default
-                # one they would interleave with training's (FSDP's all-gathers) and hang.
-                self._save_group = dist.new_group(backend="gloo")
-            response = dcp.async_save(shards, storage_writer=writer, process_group=self._save_group)
-            self._save_in_flight = response if isinstance(response, Future) else response.upload_completion
-            self._url_in_flight = where.url
-
-    def wait(self) -> None:
-        """Block until the asynchronous save in flight (if any) is written; raise its error."""
-        future, self._save_in_flight = self._save_in_flight, None
-        if future is not None:
-            unwrapped(future.result, f"saving {self._url_in_flight}")
+        self._shards.save(url, shards, checkpoint, self.is_global_zero)
 
     def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
         """Load the sharded checkpoint at ``checkpoint_path`` into the model and optimizers.
@@ -250,17 +239,211 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
         """
         self.wait()
         url = self.broadcast(os.fspath(checkpoint_path))
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+        strict = self.lightning_module.strict_loading
+        return self._shards.load(url, "state_dict", self.model, optimizers, strict, weights_only)
+
+    def teardown(self) -> None:
+        """Wait for a save in flight, then tear down as Lightning does."""
+        self.wait()
+        super().teardown()
+
+
+class FsspecFabricModelParallelStrategy(_ShardedStrategy, FabricModelParallelStrategy):
+    """Lightning Fabric's ``ModelParallelStrategy`` (FSDP2/TP) with ``fabric.save``/``fabric.load``
+    on any fsspec URL.
+
+    ``Fabric(strategy=FsspecFabricModelParallelStrategy(parallelize_fn, storage_options=opts))``.
+    A save writes every rank's shards of the one model and its optimizers with
+    :class:`~dcp_fsspec.FsspecStorageWriter`, and the rest of ``state`` (rank 0) as ``meta.pt``,
+    in the layout of Fabric's own strategy; a load reads them back into the objects in ``state``
+    (entries that have ``load_state_dict`` are restored through it) and returns what ``state``
+    did not ask for. Only sharded checkpoints: for single-file ones on one device or DDP, give
+    Fabric a :class:`FsspecCheckpointIO` instead. Fabric never tears its strategy down, so with
+    ``async_mode="async"`` call :meth:`wait` (or ``teardown``) before the process ends.
+
+    Args:
+        *args, **kwargs: Fabric's ``ModelParallelStrategy``'s own (``parallelize_fn``,
+            ``data_parallel_size``, …); ``save_distributed_checkpoint`` must stay ``True``.
+        storage_options, async_mode, writer_settings, reader_settings, retry, trust_checkpoint:
+            as for :class:`FsspecModelParallelStrategy`.
+
+    Raises:
+        UsageError: ``save_distributed_checkpoint=False``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self._save_distributed_checkpoint:
+            raise UsageError(
+                f"{type(self).__name__} saves sharded checkpoints only: drop save_distributed_checkpoint=False"
+            )
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save ``state`` (one model, its optimizers, anything else) as a sharded checkpoint at the
+        URL ``path`` (``fabric.save`` calls this on every rank)."""
+        if storage_options is not None or filter is not None:
+            raise UsageError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=..., filter=...) is not supported: "
+                "give storage_options to the strategy itself, and save the whole state"
+            )
+        url = self.broadcast(os.fspath(path))
+        model_key, model, optimizers = _split_state(state, url)
+        options = StateDictOptions(cpu_offload=True)
+        shards: dict[str, Any] = {model_key: get_model_state_dict(model, options=options)}
+        shards.update({key: get_optimizer_state_dict(model, opt, options=options) for key, opt in optimizers.items()})
+        meta = {
+            key: obj.state_dict() if _is_stateful(obj) else obj
+            for key, obj in state.items()
+            if key != model_key and key not in optimizers
+        }
+        self._shards.save(url, shards, meta, self.is_global_zero)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        state: Any | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore the objects in ``state`` from the sharded checkpoint at the URL ``path``;
+        return the saved entries ``state`` did not name.
+
+        Raises:
+            UsageError: ``state`` is not a dict holding the model.
+            CheckpointMismatchError: ``strict`` and an entry of ``state`` is not in the checkpoint.
+            CheckpointNotFoundError, CorruptCheckpointError, StorageError: see the reader.
+        """
+        url = self.broadcast(os.fspath(path))
+        if not isinstance(state, dict):
+            raise UsageError(
+                f"{type(self).__name__} loads {url} into a dict of objects: pass state={{'model': model, ...}}"
+            )
+        model_key, model, optimizers = _split_state(state, url)
+        meta = self._shards.load(url, model_key, model, optimizers, strict, weights_only)
+        wanted = [key for key in state if key != model_key and key not in optimizers]
+        missing = [key for key in wanted if key not in meta]
+        if strict and missing:
+            raise CheckpointMismatchError(
+                f"{url} has no entries {missing}: load with strict=False to leave them as they are"
+            )
+        for key in (key for key in wanted if key in meta):
+            if _is_stateful(state[key]):
+                state[key].load_state_dict(meta.pop(key))
+            else:
+                state[key] = meta.pop(key)
+        return meta
+
+    def teardown(self) -> None:
+        """Wait for a save in flight, then tear down as Fabric's strategy does."""
+        self.wait()
+        super().teardown()
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _split_state(
+    state: dict[str, Any], url: str
+) -> tuple[str, torch.nn.Module, dict[str, torch.optim.Optimizer]]:
+    """The model's key, the model, and the optimizers by key, in a Fabric ``state`` dict."""
+    models = [key for key, obj in state.items() if isinstance(obj, torch.nn.Module)]
+    if len(models) != 1:
+        raise UsageError(
+            f"a sharded checkpoint at {url} holds exactly one model, found {len(models)} ({models}): "
+            "save each model to its own URL"
+        )
+    optimizers = {key: obj for key, obj in state.items() if isinstance(obj, torch.optim.Optimizer)}
+    return models[0], state[models[0]], optimizers
+
+
+class _ShardedStorage:
+    """The sharded checkpoints of both Lightning strategies (Trainer's and Fabric's): DCP shards
+    through our writer and reader, a ``meta.pt`` beside them, and the one asynchronous save in
+    flight. The strategies only turn their own state into ``shards`` and ``meta``."""
+
+    def __init__(
+        self,
+        owner: str,
+        storage_options: dict[str, Any] | None,
+        async_mode: str,
+        writer_settings: WriterSettings | None,
+        reader_settings: ReaderSettings | None,
+        retry: RetryPolicy | None,
+        trust_checkpoint: bool,
+    ) -> None:
+        _check_async_mode(async_mode)
+        self.owner = owner  # the strategy's class name, for errors
+        self.storage_options = dict(storage_options or {})
+        self.async_mode = async_mode
+        self.writer_settings = writer_settings or WriterSettings()
+        self.reader_settings = reader_settings or ReaderSettings()
+        self.retry = retry
+        self.trust_checkpoint = trust_checkpoint
+        self._save_in_flight: Future[Any] | None = None
+        self._url_in_flight = ""
+        self._save_group: dist.ProcessGroup | None = None
+
+    def save(self, url: str, shards: dict[str, Any], meta: dict[str, Any], is_global_zero: bool) -> None:
+        """Write ``shards`` (every rank) and ``meta`` (rank 0, first: ``.metadata``, written last
+        by DCP, marks the folder complete) to the folder ``url``; wait for the previous save first."""
+        self.wait()
+        where = locate(url, self.storage_options, self.retry)
+        if is_global_zero:
+            write_file(child(where, META_FILE), _torch_bytes(meta))
+        writer = FsspecStorageWriter(
+            url, self.storage_options, overwrite=True, retry=self.retry, **self.writer_settings.as_kwargs()
+        )
+        if self.async_mode == ASYNC_DISABLED:
+            unwrapped(lambda: dcp.save(shards, storage_writer=writer), f"saving {where.url}")
+            return
+        if self._save_group is None:
+            # The background thread's collectives need a group of their own: on the default
+            # one they would interleave with training's (FSDP's all-gathers) and hang.
+            self._save_group = dist.new_group(backend="gloo")
+        response = dcp.async_save(shards, storage_writer=writer, process_group=self._save_group)
+        self._save_in_flight = response if isinstance(response, Future) else response.upload_completion
+        self._url_in_flight = where.url
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is written; raise its error."""
+        future, self._save_in_flight = self._save_in_flight, None
+        if future is not None:
+            unwrapped(future.result, f"saving {self._url_in_flight}")
+
+    def load(
+        self,
+        url: str,
+        model_key: str,
+        model: torch.nn.Module,
+        optimizers: dict[str, torch.optim.Optimizer],
+        strict: bool,
+        weights_only: bool | None,
+    ) -> dict[str, Any]:
+        """Load the folder ``url`` into ``model`` (saved under ``model_key``) and ``optimizers``
+        (under their keys); return its ``meta.pt``, loaded safely unless it is trusted.
+
+        Raises:
+            CheckpointNotFoundError: there is no sharded checkpoint (no ``.metadata``) there.
+            CheckpointMismatchError, CorruptCheckpointError, StorageError: see the reader.
+        """
+        self.wait()
         where = locate(url, self.storage_options, self.retry)
         if not is_dcp_checkpoint(where):
             raise CheckpointNotFoundError(
                 f"no sharded checkpoint at {where.url} (no .metadata): "
-                f"{type(self).__name__} resumes from a folder it saved with save_distributed_checkpoint=True"
+                f"{self.owner} resumes from a folder it saved with save_distributed_checkpoint=True"
             )
-        assert self.model is not None and self.lightning_module is not None
-        strict = self.lightning_module.strict_loading
-        optimizers = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
-        shards: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        shards.update({key: get_optimizer_state_dict(self.model, opt) for key, opt in optimizers.items()})
+        shards: dict[str, Any] = {model_key: get_model_state_dict(model)}
+        shards.update({key: get_optimizer_state_dict(model, opt) for key, opt in optimizers.items()})
         reader = FsspecStorageReader(
             url, self.storage_options, retry=self.retry, trust_checkpoint=self.trust_checkpoint,
             **self.reader_settings.as_kwargs(),
@@ -269,18 +452,13 @@ class FsspecModelParallelStrategy(ModelParallelStrategy):
         unwrapped(
             lambda: dcp.load(shards, storage_reader=reader, planner=planner), f"loading {where.url}", reader=reader
         )
-        self.model.load_state_dict(shards["state_dict"], strict=strict)
+        model.load_state_dict(shards[model_key], strict=strict)
         for key, optimizer in optimizers.items():
             options = StateDictOptions(cpu_offload=True)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=shards[key], options=options)
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=shards[key], options=options)
         safe = not self.trust_checkpoint if weights_only is None else weights_only
-        metadata: dict[str, Any] = _torch_load(read_file(child(where, META_FILE)), safe)
-        return metadata
-
-    def teardown(self) -> None:
-        """Wait for a save in flight, then tear down as Lightning does."""
-        self.wait()
-        super().teardown()
+        meta: dict[str, Any] = _torch_load(read_file(child(where, META_FILE)), safe)
+        return meta
 
 
 def _check_async_mode(async_mode: str) -> None:
