@@ -73,16 +73,15 @@ def _storage_fails(on_this_rank: bool) -> Iterator[None]:
 
 @contextmanager
 def _commit_record_fails(on_this_rank: bool) -> Iterator[None]:
-    real = commit.write_atomically
-
-    def failing(root: Any, path: str, data: bytes) -> None:
-        if path.endswith(commit.COMMIT_RECORD_NAME):
-            raise StorageError(f"cannot write {root.url_of(path)}: [Errno 5] Input/output error")
-        real(root, path, data)
+    # The commit record is written by a create-if-absent or, after a take-over, by replacing
+    # the save's own mark: fail it where both go through, at the record's write.
+    def failing(root: Any, iteration: int, *args: Any, **kwargs: Any) -> None:
+        path = root.join(f"iter_{iteration:09d}", commit.COMMIT_RECORD_NAME)
+        raise StorageError(f"cannot write {root.url_of(path)}: [Errno 5] Input/output error")
 
     with pytest.MonkeyPatch.context() as patch:
         if on_this_rank:
-            patch.setattr(commit, "write_atomically", failing)
+            patch.setattr(commit, "commit_record", failing)
         yield
 
 
