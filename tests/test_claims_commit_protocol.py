@@ -9,8 +9,10 @@ of one process (local disk, memory://). They also run under ``make mutation``.
 from __future__ import annotations
 
 import fractions
+import json
 import logging
 import pickle
+import time
 from typing import Any
 
 import pytest
@@ -425,11 +427,14 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     _put(root, "iter_000000007", data=b"a file, not a folder")
     _put(root, "iter_000000005X", "model", "debris")  # not an iteration's name
     _put(root, "iter_000000008", ".commit.jsonX")  # nor is this a commit record
+    _put(root, "iter_000000008", "empty", data=b"")
+    _put(root, "iter_000000009", ".commit.json ")  # nor this
+    _put(root, "iter_000000009", "model", ".metadata\t")  # nor this a finished key
     listing = commit.list_save_dirname(root)
-    assert listing.folders == (3, 4, 8)
-    assert (listing.read, listing.records, listing.finished) == ({3, 8}, {3}, {(3, "model")})
+    assert listing.folders == (3, 4, 8, 9)
+    assert (listing.read, listing.records, listing.finished) == ({3, 8, 9}, {3}, {(3, "model")})
     # What ls shows as an iteration's size: its files' bytes, not its folders' nor a bare file's.
-    assert listing.sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1}
+    assert listing.sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1, 9: 2}
     assert commit.committed_iterations(root) == [3]
     assert commit.listed_inspection(root, listing, 4) == (None, "has no .commit.json (its save never finished)")
     assert commit.listed_inspection(root, listing, 4, latest=5)[1] == commit.inspect_iteration(root, 4, latest=5)[1]
@@ -437,8 +442,9 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     assert record is not None and record.iteration == 3
 
 
-def test_a_save_dirname_whose_name_ends_in_a_space_still_lists_its_iterations(tmp_path: Any) -> None:
-    root = resolve(str(tmp_path / "run 1 "))
+@pytest.mark.parametrize("name", ["run 1 ", "runX"])
+def test_a_save_dirname_whose_name_ends_in_a_space_or_any_letter_still_lists_its_iterations(tmp_path: Any, name: str) -> None:
+    root = resolve(str(tmp_path / name))
     _save(root, 1, 2)
     assert commit.committed_iterations(root) == [1, 2] and commit.list_save_dirname(root).folders == (1, 2)
 
@@ -453,3 +459,127 @@ def test_a_key_whose_data_file_is_missing_is_not_committed_naming_the_file(root:
     metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
     assert f"{root.url_of(data)}, which {metadata} names, is missing" in str(raised.value)
     assert not _committed(root, 5)
+
+
+def _record_path(root: Location, iteration: int) -> str:
+    return root.join(layout.format_iteration(iteration), ".commit.json")
+
+
+def test_the_commit_record_is_indented_json_with_its_format_and_the_saves_token(root: Location) -> None:
+    """The record is a small file other tools and later versions read: its fields are fixed."""
+    _written_key(root, 5, save_id="a" * 32)
+    commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    raw = root.fs.cat_file(_record_path(root, 5))
+    doc = json.loads(raw)
+    expected = {"format": 1, "iteration": 5, "keys": ["model"], "world_size": 1, "saved_at": doc["saved_at"], "save_id": "a" * 32}
+    assert raw == json.dumps(expected, indent=1).encode()
+    assert abs(doc["saved_at"] - time.time()) < 3600
+    # A record of a save without a token (written before tokens existed) has no save_id field.
+    legacy = commit.CommitRecord(5, ("model",), 1, 1.5)
+    assert json.loads(legacy.to_json()) == {"format": 1, "iteration": 5, "keys": ["model"], "world_size": 1, "saved_at": 1.5}
+
+
+@pytest.mark.parametrize("fmt", [2, None, "1"])
+def test_a_commit_record_of_another_format_is_refused_naming_it_and_what_to_do(root: Location, fmt: object) -> None:
+    """A record a newer version (or another program) wrote is not guessed at."""
+    _save(root, 5)
+    path = _record_path(root, 5)
+    doc = json.loads(root.fs.cat_file(path))
+    if fmt is None:
+        del doc["format"]
+    else:
+        doc["format"] = fmt
+    root.fs.pipe_file(path, json.dumps(doc).encode())
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.read_commit_record(root, 5)
+    message = str(raised.value)
+    assert root.url_of(path) in message and f"its format is {fmt!r}" in message and "upgrade dcp_fsspec" in message
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"[1]", "(not an object)"),
+        (b'{"format": 1, "keys": 5}', "(not an object with a list of keys)"),
+        (b'{"format": 1, "iteration": 5, "keys": [], "world_size": 1, "saved_at": 1, "save_id": 7}', "(its save_id is not a string)"),
+        (b" " * (1024 * 1024 + 1), f"({1024 * 1024 + 1} bytes, more than a commit record's {1024 * 1024})"),
+    ],
+)
+def test_a_malformed_commit_record_is_refused_saying_what_is_wrong_and_what_to_do(root: Location, raw: bytes, says: str) -> None:
+    _put(root, "iter_000000005", ".commit.json", data=raw)
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.read_commit_record(root, 5)
+    folder = root.url_of(layout.iteration_path(root, 5))
+    assert str(raised.value) == (
+        f"commit record {root.url_of(_record_path(root, 5))} is unreadable {says}; delete the folder "
+        f"{folder} if that iteration is not needed"
+    )
+
+
+def test_a_commit_record_of_exactly_the_size_limit_is_read(root: Location) -> None:
+    record = commit.CommitRecord(5, ("model",), 1, 1.5, "a" * 32)
+    raw = record.to_json()
+    _put(root, "iter_000000005", ".commit.json", data=raw + b" " * (1024 * 1024 - len(raw)))
+    assert commit.read_commit_record(root, 5) == record
+
+
+def test_a_record_naming_another_token_than_its_keys_carry_is_not_loaded(root: Location) -> None:
+    """The record's save_id is read and compared: a record whose keys another save wrote is refused."""
+    _save(root, 5)
+    path = _record_path(root, 5)
+    doc = json.loads(root.fs.cat_file(path))
+    theirs = doc["save_id"]
+    doc["save_id"] = "f" * 32
+    root.fs.pipe_file(path, json.dumps(doc).encode())
+    record = commit.read_commit_record(root, 5)
+    assert record is not None and record.save_id == "f" * 32
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.require_saved_together(root, record)
+    metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
+    assert f"{metadata} was written by another save (save_id {theirs!r}, not {'f' * 32!r})" in str(raised.value)
+
+
+def test_a_key_whose_metadata_carries_no_token_is_not_committed_by_a_save_with_one(root: Location) -> None:
+    """A key DCP wrote without our storage metadata (another writer) is no save's of ours."""
+    _written_key(root, 5, save_id="a" * 32)
+    path = root.join("iter_000000005", "model", ".metadata")
+    metadata = pickle.loads(root.fs.cat_file(path))
+    metadata.storage_meta = None
+    root.fs.pipe_file(path, pickle.dumps(metadata))
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    assert f"{root.url_of(path)} was written by another save (save_id None, not {'a' * 32!r})" in str(raised.value)
+    assert not _committed(root, 5)
+
+
+def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everything_but_the_mark(root: Location) -> None:
+    """A record whose keys are not all finished commits nothing: it is a leftover like any other
+    file, taken over and deleted, whatever the names (even ones that extend the record's)."""
+    _save(root, 5)
+    root.fs.rm(root.join("iter_000000005", "model", ".metadata"))
+    for name in (".commit.json ", ".commit.jsonX", ".saving"):
+        _put(root, "iter_000000005", name)
+    commit.take_over_iteration(root, 5, "b" * 32, replacing=None)
+    left = [f for f in root.fs.find(layout.iteration_path(root, 5))]
+    assert [f.rsplit("/", 1)[-1] for f in left] == [".commit.json"]
+    assert json.loads(root.fs.cat_file(left[0])) == {"format": 1, "taken_over_by": "b" * 32}
+    assert commit.read_commit_record(root, 5) is None
+
+
+def test_create_atomically_writes_once_and_says_whether_the_name_holds_this_callers_data(root: Location) -> None:
+    """The claim's primitive: the first write wins; a repeat of the same bytes (a retry whose
+    first answer was lost) counts as this caller's; other bytes lose and change nothing."""
+    path = root.join("iter_000000005", ".saving")
+    root.fs.makedirs(layout.iteration_path(root, 5), exist_ok=True)
+    assert commit.create_atomically(root, path, b"first")
+    assert not commit.create_atomically(root, path, b"second")
+    assert commit.create_atomically(root, path, b"first")
+    assert root.fs.cat_file(path) == b"first"
+
+
+def test_where_no_lock_spans_processes_no_save_takes_the_claim_and_nothing_is_requested() -> None:
+    """GCS (like Azure and SFTP) has no way to make one writer of several processes the creator:
+    every save names its data files by its token instead, so the claim is never taken."""
+    root = resolve("gs://bucket/run", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"})
+    assert not root.backend.exclusive_across_processes
+    assert commit.claim_iteration(root, 5, "a" * 32) is False

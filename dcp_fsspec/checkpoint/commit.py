@@ -120,6 +120,11 @@ def _parse_record(root: Location, path: str, raw: bytes | None) -> CommitRecord 
         doc = json.loads(raw)
         if not isinstance(doc, dict):
             raise TypeError("not an object")
+        if doc.get("format") != _RECORD_FORMAT:
+            raise ValueError(
+                f"its format is {doc.get('format')!r}, this dcp_fsspec reads format {_RECORD_FORMAT}: "
+                "written by another version or another program; upgrade dcp_fsspec to read it"
+            )
         if isinstance(doc.get(_TAKEN_OVER_BY), str):
             return None
         if not isinstance(doc["keys"], list):
@@ -489,7 +494,7 @@ def _first_key_problem(
     *,
     trust_checkpoint: bool = False,
 ) -> str | None:
-    """:func:`key_problem` of the first of ``keys`` (in order) that has one; ``None`` if none has.
+    """:func:`_key_problem` of the first of ``keys`` (in order) that has one; ``None`` if none has.
 
     Every key's ``.metadata`` is read at once: the keys' reads are one round trip, not one each.
 
@@ -498,21 +503,15 @@ def _first_key_problem(
         StorageError: the backend failed.
     """
     def problem_of(key: str) -> str | None:
-        return key_problem(root, iteration, key, save_id, listed, trust_checkpoint=trust_checkpoint)
+        return _key_problem(root, iteration, key, save_id, listed, trust_checkpoint=trust_checkpoint)
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(keys), _READS_AT_ONCE)), thread_name_prefix="dcp-fsspec-commit") as pool:
         problems = list(pool.map(problem_of, keys))
     return next((p for p in problems if p is not None), None)
 
 
-def key_problem(
-    root: Location,
-    iteration: int,
-    key: str,
-    save_id: str,
-    listed: set[str] | None = None,
-    *,
-    trust_checkpoint: bool = False,
+def _key_problem(
+    root: Location, iteration: int, key: str, save_id: str, listed: set[str] | None, *, trust_checkpoint: bool
 ) -> str | None:
     """Why ``key`` of ``iteration`` is not the save ``save_id`` wrote, in words; ``None`` if it is.
 

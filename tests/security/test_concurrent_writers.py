@@ -152,7 +152,11 @@ def test_a_save_that_looked_before_the_other_committed_never_clears_that_commit(
     before = _folder_files(backend)
     with pytest.raises(CheckpointExistsError) as raised:
         commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=None)
-    assert backend.url in str(raised.value) and "another process committed it" in str(raised.value)
+    folder = root.url_of(root.join(f"iter_{ITERATION:09d}"))
+    assert str(raised.value) == (
+        f"cannot save {folder}: another process committed it while this save started (two processes "
+        f"saving the same iteration into {root.url}); it is left as committed. Give each run its own save_dirname"
+    )
     assert _folder_files(backend) == before
     target = _empty_like(_state(0, 0))
     with Checkpointer(backend.url, backend.storage_options) as ckpt:
