@@ -583,3 +583,42 @@ def test_where_no_lock_spans_processes_no_save_takes_the_claim_and_nothing_is_re
     root = resolve("gs://bucket/run", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"})
     assert not root.backend.exclusive_across_processes
     assert commit.claim_iteration(root, 5, "a" * 32) is False
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        (b"../iter_000000005\n", "../iter_000000005"),  # a path, even one ending in a name
+        (b"iter_" + b"7" * 100, "iter_" + "7" * 55),  # shown up to 60 characters
+        (b"\xff" + b"a" * 49, repr(b"\xff" + b"a" * 39)),  # not text: its first 40 bytes
+    ],
+)
+def test_a_pointer_that_is_not_an_iteration_name_is_refused_showing_what_it_holds(
+    root: Location, raw: bytes, shown: str
+) -> None:
+    _put(root, POINTER_NAME, data=raw)
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.read_pointer(root)
+    assert str(raised.value) == (
+        f"{commit.pointer_url(root)} holds {shown!r}, not an iteration folder name like 'iter_000000005'; "
+        "write the name of a committed iteration into it, or delete it to start over"
+    )
+
+
+def test_iteration_names_hold_up_to_18_digits_and_no_more() -> None:
+    assert layout.format_iteration(10**18 - 1) == "iter_" + "9" * 18
+    assert layout.parse_iteration("iter_" + "9" * 18) == 10**18 - 1
+    for bad in (10**18, -1, True, 1.0):
+        with pytest.raises(ValueError) as raised:
+            layout.format_iteration(bad)  # type: ignore[arg-type]
+        assert str(raised.value) == f"iteration must be an int >= 0 of at most 18 digits, got {bad!r}"
+
+
+@pytest.mark.parametrize("key", [".metadata", "-x", "a/b", "", "model "])
+def test_a_key_that_cannot_be_a_folder_name_is_refused_saying_which_names_can(key: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        layout.check_key(key)
+    assert str(raised.value) == (
+        f"checkpoint key {key!r} cannot be a folder name; use letters, digits, '_', '-', '.' "
+        "and do not start with '.' or '-'"
+    )
