@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import zlib
 from collections.abc import Iterable
 
 import fsspec
@@ -54,6 +55,15 @@ class FileUpload(abc.ABC):
     @abc.abstractmethod
     def write(self, buffers: Iterable[bytes | memoryview]) -> None:
         """Append ``buffers`` to the file (may block while earlier parts upload)."""
+
+    def write_checksummed(self, data: memoryview) -> int:
+        """Append ``data`` like :meth:`write` and return its CRC-32 (a tensor record's checksum).
+
+        Uploads that checksum their request bodies anyway (S3) compute it in that same pass.
+        """
+        crc = zlib.crc32(data)
+        self.write([data])
+        return crc
 
     @abc.abstractmethod
     def commit(self) -> None:
