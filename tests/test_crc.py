@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from dcp_fsspec.storage.crc import crc32_combine
+from dcp_fsspec.storage.crc import crc32, crc32_combine
 
 
 @pytest.mark.parametrize(
@@ -26,3 +26,18 @@ def test_a_prefix_whose_crc_is_zero_still_counts_as_bytes_before() -> None:
     assert zlib.crc32(a) == 0
     b = os.urandom(100)
     assert crc32_combine(0, zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+@pytest.mark.parametrize("implementation", ["in use", "isal"])
+def test_the_crc_pass_in_use_gives_zlibs_values(implementation: str) -> None:
+    """ISA-L's CRC-32, where installed, must give zlib's values: it writes the stored CRCs."""
+    if implementation == "isal":
+        isal_zlib = pytest.importorskip("isal.isal_zlib", reason="isal is optional: pip install 'dcp-fsspec[fast-crc]'")
+        function = isal_zlib.crc32
+    else:
+        function = crc32
+    data = bytearray(os.urandom(1 << 20))
+    view = memoryview(data)[3:]  # a writable view at an odd address, as tensor memory is read
+    assert function(view, 0) == zlib.crc32(view)
+    assert function(view[1000:], function(view[:1000], 0)) == zlib.crc32(view)  # continued
+    assert function(b"", 0) == 0 and function(b"", 12345) == 12345

@@ -6,9 +6,18 @@ so one pass can serve both: the CRC of each piece of a tensor that lands in one 
 computed once and combined, without reading the bytes again, into the record's CRC and into the
 body's (:func:`crc32_combine`: the GF(2) polynomial arithmetic of zlib's ``crc32_combine``,
 which Python's ``zlib`` does not expose).
+
+The pass itself is :data:`crc32`: ISA-L's where the optional ``isal`` package is installed
+(``pip install 'dcp-fsspec[fast-crc]'``; ~4× zlib's speed here), else zlib's, the same values.
 """
 
 from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Union
+
+Buffer = Union[bytes, bytearray, memoryview]
 
 # zlib's CRC-32 polynomial, bit-reversed; polynomials below are bit-reversed too (x^0 is the top bit).
 _POLY = 0xEDB88320
@@ -65,3 +74,15 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 # Pieces shorter than this are cheaper to checksum twice than to combine.
 COMBINE_ABOVE = 16 * 1024
 
+
+
+def _fastest_crc32() -> Callable[[Buffer, int], int]:
+    try:
+        from isal.isal_zlib import crc32 as isal_crc32
+    except ImportError:  # optional: zlib computes the same CRC, slower
+        return zlib.crc32
+    return isal_crc32  # type: ignore[no-any-return]
+
+
+crc32: Callable[[Buffer, int], int] = _fastest_crc32()
+"""``crc32(data, start)``: zlib's CRC-32 of ``data`` continuing from ``start`` (0: from scratch)."""

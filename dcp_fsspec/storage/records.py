@@ -35,6 +35,7 @@ from torch.serialization import skip_data
 
 from ..errors import RecordFormatError
 from .archive import ArchiveFormat, can_write, pickle_tensor
+from .crc import crc32
 
 _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
@@ -203,7 +204,7 @@ def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedReco
     torch's readers do not check and ours skip).
     """
     framed = frame_tensor(tensor)
-    crc = zlib.crc32(framed.data) if checksum and len(framed.data) else 0
+    crc = crc32(framed.data, 0) if checksum and len(framed.data) else 0
     return EncodedRecord(framed.header, framed.data, framed.trailer(crc), crc, framed.tensor)
 
 

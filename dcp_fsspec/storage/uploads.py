@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import abc
 import threading
-import zlib
 from collections.abc import Iterable
 
 import fsspec
+
+from .crc import crc32
 
 # S3 rejects multipart parts under 5 MiB (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -61,7 +62,7 @@ class FileUpload(abc.ABC):
 
         Uploads that checksum their request bodies anyway (S3) compute it in that same pass.
         """
-        crc = zlib.crc32(data)
+        crc = crc32(data, 0)
         self.write([data])
         return crc
 

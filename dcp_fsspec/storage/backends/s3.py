@@ -22,7 +22,6 @@ import io
 import itertools
 import logging
 import weakref
-import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -33,7 +32,7 @@ import fsspec.asyn
 
 from ...errors import DcpFsspecError, StorageError
 from ..retry import NO_RETRY, RetryPolicy, causes, http_status
-from ..crc import COMBINE_ABOVE, crc32_combine
+from ..crc import COMBINE_ABOVE, crc32, crc32_combine
 from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from .base import Backend, Versioned
 
@@ -429,10 +428,10 @@ class S3MultipartUpload(FileUpload):
             room = self._part_size - part.size
             piece, view = view[:room], view[room:]
             if piece.nbytes < COMBINE_ABOVE:
-                crc = zlib.crc32(piece, crc) if crc_wanted else 0
-                part.crc = zlib.crc32(piece, part.crc) if checksummed else 0
+                crc = crc32(piece, crc) if crc_wanted else 0
+                part.crc = crc32(piece, part.crc) if checksummed else 0
             elif crc_wanted or checksummed:
-                piece_crc = zlib.crc32(piece)
+                piece_crc = crc32(piece, 0)
                 crc = crc32_combine(crc, piece_crc, piece.nbytes) if crc_wanted else 0
                 part.crc = crc32_combine(part.crc, piece_crc, piece.nbytes) if checksummed else 0
             part.views.append(piece)
