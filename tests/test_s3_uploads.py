@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import os
 import uuid
 import zlib
@@ -216,6 +217,35 @@ def test_a_tensor_saved_to_s3_in_parts_stores_the_crc_of_its_bytes(s3_backend: B
     assert descriptor_crc(blob[layout.data_end :]) == zlib.crc32(tensor_bytes(tensor))
     loaded = load({"t": torch.zeros_like(tensor)}, s3_backend, url)
     assert torch.equal(loaded["t"], tensor)
+
+
+def test_request_bytes_in_flight_stay_within_max_inflight_bytes(s3_backend: Backend) -> None:
+    """Bodies copy nothing, but their bytes in flight (socket buffers, the server's) are what
+    ``max_inflight_bytes`` bounds; counted from the client's own events, request by request."""
+    fs = s3_backend.fs  # the writer below gets this cached filesystem
+    client = fsspec.asyn.sync(fs.loop, fs.set_session)
+    in_flight: dict[int, int] = {}
+    most = 0
+
+    def sent(request: Any, **_: Any) -> None:
+        nonlocal most
+        if isinstance(request.body, io.IOBase):
+            in_flight[id(request.body)] = int(request.headers["Content-Length"])
+            most = max(most, sum(in_flight.values()))
+
+    def answered(request_dict: dict[str, Any], **_: Any) -> None:
+        in_flight.pop(id(request_dict["body"]), None)
+
+    client.meta.events.register("before-send.s3", sent, unique_id="test-in-flight-sent")
+    client.meta.events.register("needs-retry.s3", answered, unique_id="test-in-flight-answered")
+    try:
+        state = {"w": torch.randn(10 * MiB)}  # 40 MiB: eight 5 MiB parts, two allowed at once
+        save(state, s3_backend, s3_backend.sub("ckpt"), part_size=5 * MiB, multipart_threshold=0, max_inflight_bytes=10 * MiB)
+    finally:
+        client.meta.events.unregister("before-send.s3", unique_id="test-in-flight-sent")
+        client.meta.events.unregister("needs-retry.s3", unique_id="test-in-flight-answered")
+    assert not in_flight  # every request sent was answered
+    assert 5 * MiB <= most <= 10 * MiB
 
 
 def test_the_bucket_is_checked_once_per_filesystem_not_at_every_save(s3_backend: Backend) -> None:
