@@ -88,7 +88,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             as a multipart upload (a single PUT is fewer requests and less server work). Up to
             this much of each file waits, uncopied, for its request; tensors that had to be moved
             to CPU or made contiguous first wait as those copies.
-        max_inflight_bytes: upload data held in memory at once across all files (S3).
+        max_inflight_bytes: request bytes in flight at once across all files (S3; bodies are
+            views of the tensors' memory, not copies).
         sync_files: fsync local files and folders (durability across power loss); object
             stores publish a file whole on completion and need no sync.
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
