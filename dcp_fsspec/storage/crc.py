@@ -81,7 +81,7 @@ def _fastest_crc32() -> Callable[[Buffer, int], int]:
         from isal.isal_zlib import crc32 as isal_crc32
     except ImportError:  # optional: zlib computes the same CRC, slower
         return zlib.crc32
-    return isal_crc32  # type: ignore[no-any-return]
+    return isal_crc32
 
 
 crc32: Callable[[Buffer, int], int] = _fastest_crc32()
