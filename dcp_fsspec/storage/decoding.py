@@ -16,7 +16,6 @@ walks fetched spans onto the records they hold.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard, TypeVar
@@ -40,6 +39,7 @@ from ..errors import (
     CorruptCheckpointError,
     RecordFormatError,
 )
+from .crc import crc32
 from .failures import storage_errors
 from .fetch import Span
 from .names import metadata_name, relative_path_problem
@@ -360,7 +360,7 @@ class RecordDecoder:
             if self._dest is not None:
                 self._dest[lo - layout.data_start : hi - layout.data_start] = piece
             if self.checksum:
-                self.crc = zlib.crc32(piece, self.crc)
+                self.crc = crc32(piece, self.crc)
         if end > layout.data_end and len(self._tail) < CRC_TAIL:
             at = max(start, layout.data_end)
             self._tail += view[at - start : at - start + CRC_TAIL - len(self._tail)]
@@ -384,7 +384,7 @@ class RecordDecoder:
         except RecordFormatError:
             layout = None
         if layout is not None and len(data) >= layout.data_end + CRC_TAIL and self.checksum and layout.spec.nbytes:
-            fault = self._compare(layout, data[layout.data_end :], zlib.crc32(data[layout.data_start : layout.data_end]))
+            fault = self._compare(layout, data[layout.data_end :], crc32(data[layout.data_start : layout.data_end], 0))
             if fault is not None:
                 return fault
         try:

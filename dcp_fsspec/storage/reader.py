@@ -16,7 +16,6 @@ import io
 import os
 import posixpath
 import uuid
-import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +42,7 @@ from ..errors import (
     StorageError,
 )
 from .collector import collector_paused
+from .crc import crc32
 from .decoding import CRC_TAIL, RecordDecoder, RecordFault, RecordPlace, feed_records, read_metadata
 from .backends.local import LocalFiles
 from .fetch import Span, fetch_in_order, plan_spans
@@ -58,7 +58,7 @@ MiB = 1024 * 1024
 # extra read of the header costs more than the copy it saves); the header is in the first bytes.
 _IN_PLACE_MIN = 1 * MiB
 _HEAD_BYTES = 64 * 1024
-_CHECKSUM_THREADS = 4  # zlib.crc32 runs without the GIL
+_CHECKSUM_THREADS = 4  # the CRC-32 (zlib's or ISA-L's) runs without the GIL
 _UNDO_THREADS = 4  # zstd decompresses without the GIL
 
 
@@ -464,7 +464,7 @@ class _LoadDecoder(RecordDecoder):
         if self.whole is None:
             assert self.layout is not None
             if self.checksum and len(rest):
-                self.crc = zlib.crc32(rest, self.crc)
+                self.crc = crc32(rest, self.crc)
             tail_from = max(start + len(rest), self.layout.data_end)
             want = min(CRC_TAIL - len(self._tail), self.record.length - tail_from)
             if want > 0:

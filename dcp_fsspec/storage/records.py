@@ -35,6 +35,7 @@ from torch.serialization import skip_data
 
 from ..errors import RecordFormatError
 from .archive import ArchiveFormat, can_write, pickle_tensor
+from .crc import crc32
 
 _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
@@ -129,6 +130,31 @@ class EncodedRecord:
         return [self.header, self.data, self.trailer] if len(self.data) else [self.header, self.trailer]
 
 
+@dataclass
+class FramedTensor:
+    """A tensor record before its CRC is known: the header, the tensor's bytes, and the trailer
+    as a function of their CRC-32 (the CRC sits after the data, in the zip's data descriptor).
+
+    A writer that checksums the data on its way out anyway (S3's request checksum) writes the
+    header, then the data, and builds the trailer from the CRC that pass gave: one pass.
+    """
+
+    header: bytes
+    data: memoryview
+    tensor: torch.Tensor  # keeps ``data``'s memory alive
+    _trailer: bytes
+    _crc_offsets: tuple[int, ...]  # where in the trailer the CRC goes; () for no data
+
+    def trailer(self, crc: int) -> bytes:
+        """The bytes after the data, holding ``crc`` (ignored for a record without data)."""
+        if not self._crc_offsets:
+            return self._trailer
+        trailer = bytearray(self._trailer)
+        for offset in self._crc_offsets:
+            struct.pack_into("<I", trailer, offset, crc)
+        return bytes(trailer)
+
+
 @dataclass(frozen=True)
 class _Template:
     """The archive around a tensor's bytes, for one dtype and shape: all but two CRC fields."""
@@ -148,8 +174,8 @@ _MAX_TEMPLATES = 4096
 _FORMATS: dict[torch.dtype, ArchiveFormat | None] = {}
 
 
-def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedRecord:
-    """Encode ``tensor`` as torch's per-tensor record without copying its data."""
+def frame_tensor(tensor: torch.Tensor) -> FramedTensor:
+    """Frame ``tensor`` as torch's per-tensor record without copying or reading its data."""
     t = storage_ready(tensor)
     data = tensor_bytes(t)
     if len(data) and can_write(t):
@@ -157,9 +183,10 @@ def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedReco
             _FORMATS[t.dtype] = ArchiveFormat.learn(t.dtype)
         fmt = _FORMATS[t.dtype]
         if fmt is not None:
-            crc = zlib.crc32(data) if checksum else 0
-            head, tail = fmt.frame(pickle_tensor(t), len(data), crc)
-            return EncodedRecord(head, data, tail, crc, t)
+            # The archive's local headers carry no CRC (it is in the data descriptor), so the
+            # header is the same whatever the CRC: frame once with 0, then find where it goes.
+            head, tail = fmt.frame(pickle_tensor(t), len(data), 0)
+            return FramedTensor(head, data, t, tail, _data_crc_offsets(bytearray(tail), data_end=len(head) + len(data)))
     key = (t.dtype, tuple(t.shape))
     template = _TEMPLATES.get(key)
     if template is None:
@@ -167,13 +194,18 @@ def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedReco
         if len(_TEMPLATES) >= _MAX_TEMPLATES:
             _TEMPLATES.clear()
         _TEMPLATES[key] = template
-    if not template.crc_offsets:
-        return EncodedRecord(template.header, data, template.trailer, 0, t)
-    crc = zlib.crc32(data) if checksum else 0
-    trailer = bytearray(template.trailer)
-    for offset in template.crc_offsets:
-        struct.pack_into("<I", trailer, offset, crc)
-    return EncodedRecord(template.header, data, bytes(trailer), crc, t)
+    return FramedTensor(template.header, data, t, template.trailer, template.crc_offsets)
+
+
+def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedRecord:
+    """Encode ``tensor`` as torch's per-tensor record without copying its data.
+
+    ``checksum``: compute the data's CRC-32 for the record (else the record stores 0, which
+    torch's readers do not check and ours skip).
+    """
+    framed = frame_tensor(tensor)
+    crc = crc32(framed.data, 0) if checksum and len(framed.data) else 0
+    return EncodedRecord(framed.header, framed.data, framed.trailer(crc), crc, framed.tensor)
 
 
 def _build_template(t: torch.Tensor, nbytes: int) -> _Template:

@@ -35,7 +35,8 @@ class WriterSettings(_Keywords):
         files_per_rank: at most this many data files per rank, written concurrently.
         part_size: multipart upload part size on object stores, in bytes.
         multipart_threshold: on S3, a data file up to this many bytes goes up in one PUT.
-        max_inflight_bytes: upload data held in memory at once across all files (S3).
+        max_inflight_bytes: request bytes in flight at once across all files (S3; bodies are
+            views of the tensors' memory, not copies).
         sync_files: fsync local files and folders (durability across power loss).
         checksums: store the CRC-32 of every tensor in its record, which the reader verifies.
         compression: ``"zstd"`` compresses every record with torch's ``ZStandard`` format

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import fsspec
 
+from .crc import crc32
+
 # S3 rejects multipart parts under 5 MiB (except the last).
 MIN_PART_SIZE = 5 * 1024 * 1024
 
@@ -54,6 +56,15 @@ class FileUpload(abc.ABC):
     @abc.abstractmethod
     def write(self, buffers: Iterable[bytes | memoryview]) -> None:
         """Append ``buffers`` to the file (may block while earlier parts upload)."""
+
+    def write_checksummed(self, data: memoryview) -> int:
+        """Append ``data`` like :meth:`write` and return its CRC-32 (a tensor record's checksum).
+
+        Uploads that checksum their request bodies anyway (S3) compute it in that same pass.
+        """
+        crc = crc32(data, 0)
+        self.write([data])
+        return crc
 
     @abc.abstractmethod
     def commit(self) -> None:

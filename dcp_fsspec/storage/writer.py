@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from . import names
 from .collector import collector_paused
-from .records import encode_tensor
+from .records import encode_tensor, frame_tensor
 from .failures import storage_errors
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .backends import Versioned
@@ -88,7 +88,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             as a multipart upload (a single PUT is fewer requests and less server work). Up to
             this much of each file waits, uncopied, for its request; tensors that had to be moved
             to CPU or made contiguous first wait as those copies.
-        max_inflight_bytes: upload data held in memory at once across all files (S3).
+        max_inflight_bytes: request bytes in flight at once across all files (S3; bodies are
+            views of the tensors' memory, not copies).
         sync_files: fsync local files and folders (durability across power loss); object
             stores publish a file whole on completion and need no sync.
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
@@ -372,19 +373,34 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         Returns the record's transform descriptors, ``None`` without transforms (as torch stores
         them: older readers never see the field).
         """
-        buffers: list[bytes | memoryview]
         if item.type == WriteItemType.BYTE_IO:
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"DCP resolved BYTE_IO item {item.index.fqn!r} to {type(data).__name__}")
-            buffers = [data.getbuffer()]
+            buffers: list[bytes | memoryview] = [data.getbuffer()]
         else:
             if not isinstance(data, torch.Tensor):
                 raise TypeError(f"DCP resolved tensor item {item.index.fqn!r} to {type(data).__name__}")
+            if not self.transforms.extensions:
+                _write_tensor(upload, data, checksum=self.checksums)
+                return None
             buffers = encode_tensor(data, checksum=self.checksums).buffers()
         if not self.transforms.extensions:
             upload.write(buffers)
             return None
         return write_transformed(self.transforms, item, buffers, upload.write)
+
+
+def _write_tensor(upload: FileUpload, tensor: torch.Tensor, *, checksum: bool) -> None:
+    """Append ``tensor``'s record to ``upload``. Its CRC-32 comes from the upload, which computes
+    it in the pass it makes over the bytes anyway (S3 checksums every request body)."""
+    record = frame_tensor(tensor)
+    upload.write([record.header])
+    crc = 0
+    if checksum and len(record.data):
+        crc = upload.write_checksummed(record.data)
+    elif len(record.data):
+        upload.write([record.data])
+    upload.write([record.trailer(crc)])
 
 
 def _item_nbytes(item: WriteItem) -> int:

@@ -3,8 +3,10 @@ ranged GETs read into one buffer, and cleanup of abandoned uploads.
 
 This is the one module that calls s3fs's S3 API directly (``_call_s3``): a file goes up as one
 PUT up to a size threshold, else as a multipart upload whose parts are sent concurrently within
-a byte budget shared by the whole save; over ``http://`` bodies carry an S3 checksum of ours
-instead of botocore's SHA-256 signature (one fast pass, still checked by the server); the pointer is replaced with ``If-Match`` on the ETag read
+a byte budget shared by the whole save; a request body is views of the tensors' own memory,
+never a joined copy; over ``http://`` bodies carry an S3 CRC-32 of ours instead of botocore's
+SHA-256 signature (still checked by the server), from the same pass that gives each tensor
+record its CRC-32; the pointer is replaced with ``If-Match`` on the ETag read
 (``If-None-Match: *`` when there was none), so the server settles races between writers (in
 the bare form where the server compares bare ETags); a
 ranged GET's body is read into one buffer as it arrives (s3fs's ``_cat_file`` keeps the chunks
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import io
+import itertools
 import logging
 import weakref
-import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
@@ -29,6 +32,7 @@ import fsspec.asyn
 
 from ...errors import DcpFsspecError, StorageError
 from ..retry import NO_RETRY, RetryPolicy, causes, http_status
+from ..crc import COMBINE_ABOVE, crc32, crc32_combine
 from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from .base import Backend, Versioned
 
@@ -208,23 +212,13 @@ def _conditions_unsupported(error: BaseException) -> bool:
     return any(http_status(e)[0] == 501 or http_status(e)[1] == "NotImplemented" for e in causes(error))
 
 
-def _hardware_crc32c() -> Callable[[bytes], int] | None:
-    try:
-        from google_crc32c import value
-    except ImportError:  # optional: zlib's CRC-32 does the same job, about three times slower
-        return None
-    return value
+# S3's checksum of a body: CRC-32, the checksum tensor records store too, so the pass that
+# computes one gives the other (:mod:`..crc`).
+CHECKSUM_ALGORITHM = "CRC32"
 
 
-# S3's checksum of a body, computed once by us where the client's own would be a slower pass:
-# CRC32C where google-crc32c (hardware CRC) is installed, else zlib's CRC-32.
-_CRC32C = _hardware_crc32c()
-CHECKSUM_ALGORITHM = "CRC32C" if _CRC32C is not None else "CRC32"
-
-
-def checksum_of(data: bytes) -> dict[str, str]:
-    """The request parameter that carries ``data``'s checksum (``ChecksumCRC32C=…``)."""
-    crc = _CRC32C(data) if _CRC32C is not None else zlib.crc32(data)
+def checksum_header(crc: int) -> dict[str, str]:
+    """The request parameter that carries a body's CRC-32 ``crc`` (``ChecksumCRC32=…``)."""
     return {f"Checksum{CHECKSUM_ALGORITHM}": base64.b64encode(crc.to_bytes(4, "big")).decode()}
 
 
@@ -256,36 +250,88 @@ def _unsigned_if_checksummed(request: Any, **_: Any) -> None:
         from botocore.config import Config  # s3fs brings botocore; not every install has s3fs
 
         config = request.context["client_config"]
-        s3 = {**(config.s3 or {}), "payload_signing_enabled": False}
-        request.context["client_config"] = config.merge(Config(s3=s3))
+        unsigned = _UNSIGNED_CONFIGS.get(config)
+        if unsigned is None:  # once per client: building a Config costs ~2 % of a save's CPU
+            unsigned = config.merge(Config(s3={**(config.s3 or {}), "payload_signing_enabled": False}))
+            _UNSIGNED_CONFIGS[config] = unsigned
+        request.context["client_config"] = unsigned
+
+
+# A client's config → the same with payload signing off (see _unsigned_if_checksummed).
+_UNSIGNED_CONFIGS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+class _Length:
+    """What :meth:`_Body.getbuffer` gives aiohttp, which only asks it for the body's length."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __enter__(self) -> _Length:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
 
 
 class _Body(io.BytesIO):
-    """The stream one attempt of a request reads its body from: immutable bytes, not copied.
+    """The stream one attempt of a request reads its body from: views of the file's buffers
+    (tensor memory, record headers), read in place, never joined into one copy.
 
-    ``BytesIO(bytes)`` shares the bytes until its buffer is exported, and aiohttp exports it
-    (``getbuffer()``) only to learn its size, which copies the whole body once more; a read-only
-    view answers that. aiohttp then sends the body in 256 KiB reads, and ``BytesIO.read`` would
-    copy each into new bytes (a second copy of every byte, ~5 % of a save's client CPU): a read
-    here is a view of the bytes, which aiohttp and the socket take as they take bytes.
+    aiohttp takes a ``BytesIO`` as a stream of known length: it asks ``getbuffer()`` for the
+    length, then sends the body in 256 KiB ``read``s. Each read here is a view of one of the
+    buffers, never crossing into the next (a shorter read is still a chunk to aiohttp and to
+    botocore), which aiohttp and the socket take as they take bytes; botocore seeks back to the
+    start for a retried attempt.
     """
 
-    def __init__(self, data: bytes) -> None:
-        super().__init__(data)
-        self._data = data
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        super().__init__()
+        self._views = list(views)
+        self._starts = list(itertools.accumulate((v.nbytes for v in self._views), initial=0))
+        self._pos = 0
 
-    def getbuffer(self) -> memoryview:
-        return memoryview(self._data)
+    def getbuffer(self) -> Any:  # only its length is asked for (see the class docstring)
+        return _Length(self._starts[-1])
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._starts[-1]}[whence]
+        self._pos = min(max(base + offset, 0), self._starts[-1])
+        return self._pos
 
     def read(self, size: int | None = -1) -> Any:  # a memoryview: bytes' interface, no copy
-        start = self.tell()
-        end = len(self._data) if size is None or size < 0 else min(start + size, len(self._data))
-        self.seek(max(start, end))
-        return memoryview(self._data)[start:end]
+        if self._pos >= self._starts[-1]:
+            return b""
+        if size is None or size < 0:  # not on the upload path: botocore and aiohttp read in chunks
+            rest = [bytes(self.read(self._starts[-1]))]
+            while chunk := self.read(self._starts[-1]):
+                rest.append(bytes(chunk))
+            return b"".join(rest)
+        k = bisect.bisect_right(self._starts, self._pos) - 1
+        offset = self._pos - self._starts[k]
+        chunk = self._views[k][offset : offset + size]
+        self._pos += chunk.nbytes
+        return chunk
 
     def close(self) -> None:
-        self._data = b""
+        self._views = []
+        self._starts = [0]
         super().close()
+
+
+class _Part:
+    """The buffers of one request body (a part, or the whole object) and their CRC-32."""
+
+    def __init__(self) -> None:
+        self.views: list[memoryview] = []
+        self.size = 0
+        self.crc = 0
 
 
 class S3MultipartUpload(FileUpload):
@@ -293,8 +339,11 @@ class S3MultipartUpload(FileUpload):
     whose parts are sent concurrently.
 
     ``write`` keeps views of the caller's buffers (tensor memory stays alive for the whole save)
-    until they make a request body: each byte is copied once, into that body, and only once the
-    shared :class:`ByteBudget` allows it; the body is released as soon as its request ends.
+    and cuts them into parts as they come; a request body is those views, sent as they are, so
+    the upload copies nothing. A part is sent only once the shared :class:`ByteBudget` allows
+    its bytes in flight. Where the body needs a checksum of ours (:func:`_checksummed_bodies`),
+    each piece's CRC-32 is computed as it is cut, and the same pass gives
+    :meth:`write_checksummed` the CRC of a tensor's bytes.
     """
 
     def __init__(
@@ -314,14 +363,17 @@ class S3MultipartUpload(FileUpload):
         self._budget = budget
         self._retry = retry
         self._url = fs.unstrip_protocol(path)
-        self._pending: deque[memoryview] = deque()
+        # Parts are cut at multiples of the part size as the bytes arrive: complete ones wait in
+        # _ready until the upload is known to be multipart, the last one fills in _open.
+        self._ready: deque[_Part] = deque()
+        self._open = _Part()
         self._pending_size = 0
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
         # The first part that failed: later parts are not sent, so the error surfaces in the
         # time of one part's retries rather than after every remaining part failed too.
         self._failed: BaseException | None = None
-        self._checksummed: bool | None = None  # known at the first request
+        self._checksummed: bool | None = None  # known at the first write
 
     def _run(self, coro: Any) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
@@ -331,19 +383,19 @@ class S3MultipartUpload(FileUpload):
             lambda: self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs), url=self._url
         )
 
-    async def _send(self, method: str, data: bytes, checksum: dict[str, str], **kwargs: Any) -> Any:
-        """``method`` with ``data`` as its body; every attempt reads its own stream of it."""
+    async def _send(self, method: str, views: Sequence[memoryview], checksum: dict[str, str], **kwargs: Any) -> Any:
+        """``method`` with ``views`` as its body; every attempt reads its own stream of them."""
         bodies: list[_Body] = []
 
         def attempt() -> Any:
-            bodies.append(_Body(data))
+            bodies.append(_Body(views))
             return self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, Body=bodies[-1], **checksum, **kwargs)
 
         try:
             return await self._retry.call_async(attempt, url=self._url)
         finally:
             # Requests and responses can sit in reference cycles, and the collector is paused
-            # during a save: closing the streams lets go of the bytes now, not at the next pass.
+            # during a save: closing the streams lets go of the views now, not at the next pass.
             for body in bodies:
                 body.close()
 
@@ -353,86 +405,107 @@ class S3MultipartUpload(FileUpload):
             self._checksummed = self._run(_checksummed_bodies(self.fs)).result()
         return self._checksummed
 
-    def _checksum(self, data: bytes) -> dict[str, str]:
-        """The checksum parameter of a request with body ``data`` (none where botocore adds its own)."""
-        return checksum_of(data) if self._checksummed_here() else {}
+    def _checksum(self, part: _Part) -> dict[str, str]:
+        """The checksum parameter of a request with body ``part`` (none where botocore adds its own)."""
+        return checksum_header(part.crc) if self._checksummed_here() else {}
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         return self._run(self._request(method, **kwargs)).result()
 
     def write(self, buffers: Iterable[bytes | memoryview]) -> None:
         for buf in buffers:
-            view = memoryview(buf).cast("B")
-            if view.nbytes:
-                self._pending.append(view)
-                self._pending_size += view.nbytes
-                self.size += view.nbytes
+            self._append(memoryview(buf).cast("B"), crc_wanted=False)
+        self._send_ready()
+
+    def write_checksummed(self, data: memoryview) -> int:
+        crc = self._append(memoryview(data).cast("B"), crc_wanted=True)
+        self._send_ready()
+        return crc
+
+    def _append(self, view: memoryview, *, crc_wanted: bool) -> int:
+        """Add ``view`` to the parts, cut where parts end; its CRC-32 if ``crc_wanted``, else 0.
+
+        One CRC pass per piece serves both the part's checksum and ``view``'s: a large piece's
+        CRC is combined into each (:func:`crc32_combine`); a small one is cheaper to pass twice.
+        """
+        checksummed = self._checksummed_here()
+        crc = 0
+        while view.nbytes:
+            part = self._open
+            room = self._part_size - part.size
+            piece, view = view[:room], view[room:]
+            if piece.nbytes < COMBINE_ABOVE:
+                crc = crc32(piece, crc) if crc_wanted else 0
+                part.crc = crc32(piece, part.crc) if checksummed else 0
+            elif crc_wanted or checksummed:
+                piece_crc = crc32(piece, 0)
+                crc = crc32_combine(crc, piece_crc, piece.nbytes) if crc_wanted else 0
+                part.crc = crc32_combine(part.crc, piece_crc, piece.nbytes) if checksummed else 0
+            part.views.append(piece)
+            part.size += piece.nbytes
+            self._pending_size += piece.nbytes
+            self.size += piece.nbytes
+            if part.size == self._part_size:
+                self._ready.append(part)
+                self._open = _Part()
+        return crc
+
+    def _send_ready(self) -> None:
+        """Send the complete parts once the file is known to be larger than one PUT takes."""
         if self._upload_id is not None or self._pending_size > self._threshold:
-            while self._pending_size >= self._part_size:
-                self._send_part(self._part_size)
+            while self._ready:
+                self._send_part(self._ready.popleft())
 
-    def _join(self, size: int) -> bytes:
-        """The first ``size`` pending bytes as one body: the upload's only copy of them."""
-        views = []
-        while size:
-            view = self._pending[0]
-            if view.nbytes <= size:
-                views.append(self._pending.popleft())
-            else:
-                views.append(view[:size])
-                self._pending[0] = view[size:]
-            size -= views[-1].nbytes
-            self._pending_size -= views[-1].nbytes
-        return b"".join(views)
-
-    def _send_part(self, size: int) -> None:
-        """Start uploading the next ``size`` pending bytes as the next part."""
+    def _send_part(self, part: _Part) -> None:
+        """Start uploading ``part`` as the next part."""
         if self._failed is not None:
             raise self._failed
         if self._upload_id is None:
             algorithm = {"ChecksumAlgorithm": CHECKSUM_ALGORITHM} if self._checksummed_here() else {}
             self._upload_id = self._call("create_multipart_upload", **algorithm)["UploadId"]
         number = len(self._parts) + 1
-        # The budget is taken before the bytes are joined: the body must not exist before the
-        # budget allows it.
-        self._budget.acquire(size)
-        try:
-            body = self._join(size)
-            checksum = self._checksum(body)
-        except BaseException:
-            self._budget.release(size)
-            raise
+        # The body copies nothing, but its bytes in flight are what the socket buffers and the
+        # server hold on to: the budget bounds them, and holds back the writer thread meanwhile.
+        self._budget.acquire(part.size)
+        self._pending_size -= part.size
+        checksum = self._checksum(part)
 
         async def upload() -> dict[str, Any]:
             try:
-                out = await self._send("upload_part", body, checksum, UploadId=self._upload_id, PartNumber=number)
+                out = await self._send("upload_part", part.views, checksum, UploadId=self._upload_id, PartNumber=number)
                 return {"PartNumber": number, "ETag": out["ETag"], **checksum}
             except BaseException as e:
                 self._failed = self._failed or e
                 raise
             finally:
-                self._budget.release(size)
+                part.views.clear()  # the tensors' memory is the caller's again
+                self._budget.release(part.size)
 
         self._parts.append(self._run(upload()))
 
     def commit(self) -> None:
         if self._upload_id is None:
-            size = self._pending_size
-            self._budget.acquire(size)
+            whole = _Part()
+            for part in (*self._ready, self._open):
+                whole.views += part.views
+                whole.crc = crc32_combine(whole.crc, part.crc, part.size)
+                whole.size += part.size
+            self._budget.acquire(whole.size)
             try:
-                body = self._join(size)
-                self._run(self._send("put_object", body, self._checksum(body))).result()
+                self._run(self._send("put_object", whole.views, self._checksum(whole))).result()
             finally:
-                self._budget.release(size)
+                self._budget.release(whole.size)
         else:
-            if self._pending_size:
-                self._send_part(self._pending_size)
+            if self._open.size:
+                self._send_part(self._open)
             parts = [f.result() for f in self._parts]
             self._call(
                 "complete_multipart_upload",
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": parts},
             )
+        self._ready.clear()
+        self._open = _Part()
         self.fs.invalidate_cache(self.path)
 
     def abort(self) -> None:
