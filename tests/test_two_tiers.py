@@ -386,15 +386,16 @@ def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
 
 
 def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:
-    """Each rank its own local_dirname (a node's own disk): save 1 with a sharded and a
-    replicated tensor; rank 0 keeps its log."""
+    """Each rank its own local_dirname (a node's own disk): save 1 to 3 (keeping one locally)
+    with a sharded and a replicated tensor; rank 0 keeps its log."""
     log = logging.FileHandler(f"{out}.log")
     logging.getLogger("dcp_fsspec").addHandler(log)
     logging.getLogger("dcp_fsspec").setLevel(logging.INFO)
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])
-    with Checkpointer(url, local_dirname=f"{base}/node-{rank}") as ckpt:
-        ckpt.save(1, trainer={"w": sharded, "r": torch.full((3,), 5.0), "step": 1})
+    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", keep_last_n_local=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
 
 
 def _load_whole(rank: int, world_size: int, url: str, base: str, out: str) -> None:
@@ -413,11 +414,13 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
     url, out = str(tmp_path / "durable"), str(tmp_path / "out")
     run_ranks(_own_folders_save, 2, tmp_path, url, str(tmp_path), out)
     assert "per-node mode: rank(s) [1] cannot see" in Path(f"{out}.log").read_text()
-    for rank in (0, 1):  # each node's folder: that rank's own committed checkpoint, its own pointer
-        assert _pointer(str(tmp_path / f"node-{rank}" / f"rank{rank}"), {}) == 1
+    for rank in (0, 1):  # each node's folder: that rank's own checkpoint, its own pointer and retention
+        tier = tmp_path / f"node-{rank}" / f"rank{rank}"
+        assert _pointer(str(tier), {}) == 3 and commit.committed_iterations(resolve(str(tier))) == [3]
         assert not (tmp_path / f"node-{rank}" / f"rank{1 - rank}").exists()
+    assert commit.committed_iterations(resolve(url)) == [1, 2, 3]
     # The durable copy: one plain checkpoint, each rank's shard in its own file, no drain leftovers.
-    assert sorted(p.name for p in (tmp_path / "durable" / "iter_000000001" / "trainer").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "durable" / "iter_000000003" / "trainer").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"
     ]
     # Every rank now holds w whole; its local copy has only its half: both read the durable tier.
@@ -425,9 +428,9 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
     run_ranks(_load_whole, 2, tmp_path, url, str(tmp_path), loaded)
     for rank in (0, 1):
         result = torch.load(f"{loaded}.{rank}")
-        assert result["iteration"] == 1 and result["tiers"] == [DURABLE], result
-        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8)) and torch.equal(result["r"], torch.full((3,), 5.0))
-        assert result["step"] == 1
+        assert result["iteration"] == 3 and result["tiers"] == [DURABLE], result
+        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and torch.equal(result["r"], torch.full((3,), 5.0))
+        assert result["step"] == 3
 
 
 def _fsdp_training(seed: int) -> FsdpTraining:

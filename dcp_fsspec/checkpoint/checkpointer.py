@@ -533,7 +533,7 @@ class Checkpointer:
         except CheckpointException as e:
             action = f"loading key {key!r} from {where.url}"
             error = unwrap_dcp(e, action, mismatch=True, metadata_failure=checked.reader.metadata_failure)
-            error.__cause__ = e
+            error.__cause__ = e  # as `raise … from e` would
         if alone:
             # Without DCP's collectives one rank's damaged copy fails that rank alone: agree
             # before restoring, whose collectives (FSDP) every rank must enter or none.

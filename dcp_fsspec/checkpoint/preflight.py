@@ -112,13 +112,13 @@ def _uncovered(planner: LoadPlanner, plan: LoadPlan, metadata: Metadata) -> str 
     read: dict[str, int] = defaultdict(int)
     for item in plan.items:
         read[item.dest_index.fqn] += 1 if item.type == LoadItemType.BYTE_IO else math.prod(item.lengths)
-    state_dict = getattr(planner, "state_dict", {})
-    for fqn in metadata.state_dict_metadata:
-        value = state_dict.get(fqn)
+    state_dict = getattr(planner, "state_dict", {})  # DefaultLoadPlanner's, flattened as DCP loads it
+    for fqn in metadata.state_dict_metadata.keys() & state_dict.keys():
+        value = state_dict[fqn]
         if isinstance(value, DTensor):
-            value = value.to_local()
+            value = value.to_local()  # what DCP reads into: this rank's shard
         needed = value.numel() if isinstance(value, torch.Tensor) else 1
-        if fqn in state_dict and read[fqn] != needed:
+        if read[fqn] != needed:
             return f"entry {fqn!r}: {read[fqn]} of its {needed} elements on this rank"
     return None
 
