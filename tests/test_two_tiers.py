@@ -433,6 +433,39 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
         assert result["step"] == 3
 
 
+def _load_sharded(rank: int, world_size: int, url: str, base: str, out: str) -> None:
+    """Load ``w`` sharded as saved; rank 0 keeps its log."""
+    if rank == 0:
+        logging.getLogger("dcp_fsspec").addHandler(logging.FileHandler(f"{out}.log"))
+    mesh = init_device_mesh("cpu", (world_size,))
+    target = {"w": distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0)]), "r": torch.zeros(3), "step": 0}
+    tiers: list[str | None] = []
+    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+        iteration = ckpt.load(trainer=target)
+    whole = target["w"].full_tensor()  # a collective
+    torch.save({"iteration": iteration, "tiers": tiers, "w": whole, "r": target["r"], "step": target["step"]}, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_a_damaged_local_copy_on_one_node_sends_every_rank_to_the_durable_tier_with_a_warning(tmp_path: Path) -> None:
+    url, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    run_ranks(_own_folders_save, 2, tmp_path, url, str(tmp_path), out)
+    shard = next((tmp_path / "node-1" / "rank1" / "iter_000000003" / "trainer").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    at = data.find((torch.arange(32.0, 64.0) * 3).numpy().tobytes())  # rank 1's half of w
+    assert at > 0
+    data[at + 8] ^= 0x01
+    shard.write_bytes(bytes(data))
+    loaded = str(tmp_path / "loaded")
+    run_ranks(_load_sharded, 2, tmp_path, url, str(tmp_path), loaded)
+    for rank in (0, 1):
+        result = torch.load(f"{loaded}.{rank}")
+        assert result["iteration"] == 3 and result["tiers"] == [DURABLE], result
+        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and result["step"] == 3
+    warning = next(line for line in Path(f"{loaded}.log").read_text().splitlines() if "damaged" in line)
+    assert str(shard.parent) in warning and url in warning, warning
+
+
 def _fsdp_training(seed: int) -> FsdpTraining:
     torch.set_num_threads(1)
     return FsdpTraining(init_device_mesh("cpu", (dist.get_world_size(),)), seed)
