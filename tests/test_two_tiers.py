@@ -25,11 +25,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_fsspec import Checkpointer, DrainError, FsspecStorageReader, RetryPolicy
 from dcp_fsspec.checkpoint import commit, drain
+from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
 from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.urls import resolve
@@ -383,6 +393,40 @@ def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
              "optim/__2_0.distcp", "extra.txt"]  # fmt: skip
     assert [drain.owner_of(n, world_size=2) for n in names] == [0, 1, 1, 0, 0, 0]  # rank 2 is no rank here
     assert [drain.owner_of(n, world_size=3) for n in names] == [0, 1, 1, 0, 2, 0]
+
+
+def _own_metadata(first_row: int) -> Metadata:
+    """A rank's own ``.metadata`` (saved without collectives): its two rows of ``w``, ``r`` and
+    ``s`` whole (replicated), all in its ``__0_0.distcp``."""
+    props = TensorProperties(dtype=torch.float32)
+    return Metadata(
+        {
+            "w": TensorStorageMetadata(props, torch.Size([4, 2]), [ChunkStorageMetadata(torch.Size([first_row, 0]), torch.Size([2, 2]))]),
+            "r": TensorStorageMetadata(props, torch.Size([3]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([3]))]),
+            "s": BytesStorageMetadata(),
+        },
+        storage_data={
+            MetadataIndex("w", [first_row, 0]): _StorageInfo("__0_0.distcp", 0, 16),
+            MetadataIndex("r", [0]): _StorageInfo("__0_0.distcp", 16, 12),
+            MetadataIndex("s"): _StorageInfo("__0_0.distcp", 28, 4),
+        },
+    )
+
+
+def test_the_ranks_own_metadata_merge_into_one_with_each_chunk_once_in_its_ranks_file() -> None:
+    merged = merge_metadata([(1, _own_metadata(2)), (0, _own_metadata(0))], rename=rank_file_name, save_id="t", checkpoint_id="x")
+    w, r = merged.state_dict_metadata["w"], merged.state_dict_metadata["r"]
+    assert isinstance(w, TensorStorageMetadata) and isinstance(r, TensorStorageMetadata)
+    assert [list(c.offsets) for c in w.chunks] == [[0, 0], [2, 0]] and len(r.chunks) == 1
+    files = {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in merged.storage_data.items()}
+    assert files == {("w", (0, 0)): "__0_0.distcp", ("w", (2, 0)): "__1_0.distcp", ("r", (0,)): "__0_0.distcp",
+                     ("s", ()): "__0_0.distcp"}  # fmt: skip
+    assert merged.storage_meta is not None and merged.storage_meta.save_id == "t"
+    clash = _own_metadata(0)
+    clash.state_dict_metadata["r"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3]),
+                                                          [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])  # fmt: skip
+    with pytest.raises(ValueError, match="'r': rank 1"):
+        merge_metadata([(0, _own_metadata(0)), (1, clash)], rename=rank_file_name, save_id="t", checkpoint_id="x")
 
 
 def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:
