@@ -40,7 +40,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dcp_fsspec import Checkpointer, DrainError, FsspecStorageReader, RetryPolicy
 from dcp_fsspec.checkpoint import commit, drain
 from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
-from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier
+from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.urls import resolve
 
@@ -251,6 +251,14 @@ def test_the_tier_decision_takes_the_newest_iteration_every_rank_can_read() -> N
     assert choose_tier(None, [set()]) is None
     assert choose_tier(6, [{4}, {4, 6}], iteration=4) == (4, LOCAL)
     assert choose_tier(6, [{6}, {4}], iteration=6) == (6, DURABLE)
+
+
+def test_a_local_iteration_counts_only_where_every_rank_holds_the_same_save_of_it() -> None:
+    # Node 1 kept an iteration 6 of another run (another token): 6 is nobody's to resume locally.
+    assert one_save_everywhere([{4: "a", 6: "b"}, {4: "a", 6: "c"}]) == [{4}, {4}]
+    assert one_save_everywhere([{4: "a", 6: "b"}, {4: "a"}]) == [{4}, {4}]
+    assert one_save_everywhere([{4: None}, {4: None}]) == [{4}, {4}]  # records from before tokens
+    assert choose_tier(None, one_save_everywhere([{4: "a", 6: "b"}, {4: "a", 6: "c"}])) == (4, LOCAL)
 
 
 def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any], local: str, out: str) -> None:

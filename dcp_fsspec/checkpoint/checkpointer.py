@@ -14,6 +14,7 @@ import atexit
 import logging
 import os
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable
@@ -270,7 +271,7 @@ class Checkpointer:
             state_dicts = self._stage(state)
             nbytes = tensor_nbytes(state_dicts)
             self._report("save_start", iteration, tuple(state_dicts), nbytes)
-            self._pipeline.run(iteration, state_dicts)
+            self._pipeline.run(iteration, state_dicts, self._save_token())
             self._report("save_end", iteration, tuple(state_dicts), nbytes, time.perf_counter() - start)
             if self._tiers is not None:
                 self._tiers.committed_locally(iteration)
@@ -284,7 +285,8 @@ class Checkpointer:
         if self._stager is None:
             self._stager = Stager()
         staged = {k: self._stager.stage(v) for k, v in state_dicts.items()}
-        self._surviving(lambda: background.submit(iteration, staged))
+        token = self._save_token()
+        self._surviving(lambda: background.submit(iteration, staged, token))
         self._pending_end = (iteration, tuple(staged), nbytes, start)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -311,6 +313,14 @@ class Checkpointer:
             self._report("save_end", iteration, keys, nbytes, time.perf_counter() - start)
             if self._tiers is not None:
                 self._tiers.committed_locally(iteration)
+
+    def _save_token(self) -> str | None:
+        """The token of the next save when this rank saves alone (per node): one for every rank,
+        from rank 0 (a collective), so a load tells the ranks' copies of one save from copies
+        of the same iteration another run left on some node. ``None``: the pipeline draws it."""
+        if self._tiers is None or not self._tiers.per_node:
+            return None
+        return self._collectives.run_on_rank0(lambda: uuid.uuid4().hex)
 
     def _report(self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0) -> None:
         url = self._save_root.url_of(layout.iteration_path(self._save_root, iteration))

@@ -142,7 +142,7 @@ def drain_iteration(
             return (), 0
         if rank != 0:
             if per_node:
-                keys = _require_committed_locally(local, durable, iteration).keys
+                keys = _require_committed_locally(local, durable, iteration, job.token).keys
                 nbytes = _copy_rank_data(local, durable, iteration, rank, workers)
                 _upload_metadata_parts(local, durable, iteration, rank, keys)
             else:
@@ -161,13 +161,18 @@ def drain_iteration(
         ) from e
 
 
-def _require_committed_locally(local: Location, durable: Location, iteration: int) -> commit.CommitRecord:
-    """The local commit record of ``iteration``.
+def _require_committed_locally(
+    local: Location, durable: Location, iteration: int, token: str | None = None
+) -> commit.CommitRecord:
+    """The local commit record of ``iteration`` (per node, of the save ``token``: every rank's
+    copy is one save).
 
     Raises:
-        DrainError: the local copy is not committed; naming both folders.
+        DrainError: the local copy is not committed (or is another save's); naming both folders.
     """
     record, why = commit.inspect_iteration(local, iteration)
+    if record is not None and token is not None and record.save_id != token:
+        record, why = None, f"is another save's (save_id {record.save_id!r}, not rank 0's {token!r})"
     if record is None:
         raise DrainError(
             f"not copying {local.url_of(layout.iteration_path(local, iteration))} to "

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import posixpath
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, StorageError
 from ..storage.names import POINTER_NAME
@@ -68,13 +68,26 @@ def choose_tier(
     return None if durable_latest is None else (durable_latest, DURABLE)
 
 
-def readable_locally(local: Location, *, trust_checkpoint: bool) -> list[int]:
+def one_save_everywhere(per_rank: Sequence[Mapping[int, str | None]]) -> list[set[int]]:
+    """For each rank, its local iterations that every rank holds as the same save (same token).
+
+    Per node, a node may keep a copy of an iteration that another run saved (a node out of the
+    job while the others resumed an older iteration and saved it again): it counts for no rank.
+
+    Args:
+        per_rank: for each rank, its committed local iterations and their saves' tokens.
+    """
+    return [{i for i, token in mine.items() if all(i in other and other[i] == token for other in per_rank)}
+            for mine in per_rank]  # fmt: skip
+
+
+def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, str | None]:
     """This rank's committed local iterations whose keys are all there (their ``.metadata``
-    carries the save's token and names files present), ascending. A local tier that cannot be
-    read counts as empty (logged): the durable one is there for that."""
+    carries the save's token and names files present), with that token. A local tier that
+    cannot be read counts as empty (logged): the durable one is there for that."""
     try:
         listing = commit.list_save_dirname(local)
-        readable = []
+        readable: dict[int, str | None] = {}
         for iteration in listing.folders:
             record = commit.listed_record(local, listing, iteration)
             if record is None:
@@ -84,11 +97,11 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> list[int]:
             except CorruptCheckpointError as e:
                 logger.warning("not resuming from the local copy %s: %s", layout.format_iteration(iteration), e)
                 continue
-            readable.append(iteration)
+            readable[iteration] = record.save_id
         return readable
     except (OSError, DcpFsspecError) as e:
         logger.warning("cannot read the local tier %s (%s); resuming from the durable tier", local.url, e)
-        return []
+        return {}
 
 
 def rank_tier(local: Location, rank: int) -> Location:
@@ -284,7 +297,7 @@ class TwoTiers:
         unreadable one counts as none, logged, so the local tier still serves).
         """
         mine = readable_locally(self.local, trust_checkpoint=trust_checkpoint)
-        per_rank = self._collectives.all_gather(mine)
+        per_rank = one_save_everywhere(self._collectives.all_gather(mine))
 
         def durable_pointer() -> int | None:
             try:
