@@ -25,7 +25,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import BackgroundSaveError, CheckpointMismatchError, CorruptCheckpointError, InvalidURLError
+from ..errors import (
+    BackgroundSaveError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    InvalidURLError,
+)
 from ..storage.collector import collector_paused
 from ..storage.failures import unwrap_dcp
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy

@@ -47,8 +47,8 @@ from ..storage.decoding import parse_metadata
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
 from ..storage.urls import Location
 from . import commit, layout, retention
-from .merge import merge_metadata, rank_file_name
 from .events import CheckpointEvent
+from .merge import merge_metadata, rank_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ def _require_committed_locally(
     """
     record, why = commit.inspect_iteration(local, iteration)
     if record is not None and token is not None and record.save_id != token:
-        record, why = None, f"is another save's (save_id {record.save_id!r}, not rank 0's {token!r})"
+        why = f"is another save's (save_id {record.save_id!r}, not rank 0's {token!r})"
+        record = None
     if record is None:
         raise DrainError(
             f"not copying {local.url_of(layout.iteration_path(local, iteration))} to "

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 def merge_metadata(
     parts: Sequence[tuple[int, Metadata]], *, rename: Callable[[str, int], str], save_id: str, checkpoint_id: str
 ) -> Metadata:
-    """The global metadata of the ranks' own ``parts`` (``(rank, metadata)``, lowest rank first).
+    """The global metadata of the ranks' own ``parts`` (``(rank, metadata)``, in any order).
 
     Args:
         parts: each rank's ``.metadata`` of one key.
