@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,11 +24,23 @@ import fsspec
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_fsspec import Checkpointer, DrainError, InvalidURLError, RetryPolicy
+from dcp_fsspec import Checkpointer, DrainError, FsspecStorageReader, RetryPolicy
 from dcp_fsspec.checkpoint import commit, drain
-from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier
+from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
+from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.urls import resolve
 
@@ -240,11 +253,20 @@ def test_the_tier_decision_takes_the_newest_iteration_every_rank_can_read() -> N
     assert choose_tier(6, [{6}, {4}], iteration=6) == (6, DURABLE)
 
 
+def test_a_local_iteration_counts_only_where_every_rank_holds_the_same_save_of_it() -> None:
+    # Node 1 kept an iteration 6 of another run (another token): 6 is nobody's to resume locally.
+    assert one_save_everywhere([{4: "a", 6: "b"}, {4: "a", 6: "c"}]) == [{4}, {4}]
+    assert one_save_everywhere([{4: "a", 6: "b"}, {4: "a"}]) == [{4}, {4}]
+    assert one_save_everywhere([{4: None}, {4: None}]) == [{4}, {4}]  # records from before tokens
+    assert choose_tier(None, one_save_everywhere([{4: "a", 6: "b"}, {4: "a", 6: "c"}])) == (4, LOCAL)
+
+
 def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any], local: str, out: str) -> None:
-    """Save iterations 1 (drained) and 2 (local only: its drain is undone, as if killed)."""
+    """Save iterations 1 (drained) and 2 (local only: its drain is undone, as if killed), each
+    rank into its own ``local`` folder (``{rank}`` filled in)."""
     torch.manual_seed(0)
     state = {"w": torch.randn(64)}
-    with Checkpointer(url, options, local_dirname=local, keep_last_n_local=2) as ckpt:
+    with Checkpointer(url, options, local_dirname=local.format(rank=rank), keep_last_n_local=2) as ckpt:
         ckpt.save(1, trainer={"w": state["w"]})
         ckpt.wait()
         ckpt.save(2, trainer={"w": state["w"] * 2})
@@ -257,13 +279,12 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
 
 
 def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str) -> None:
-    """Resume, each rank with its own ``local_dirname``; then, all with rank 0's (saving needs one
-    folder every rank sees), save the next iteration again (rank 0's local tier had an older copy)."""
+    """Resume, each rank with its own ``local_dirname``, and save the next iteration again (rank
+    0's local tier had an older copy of it)."""
     target = {"w": torch.zeros(64)}
     with Checkpointer(url, options, local_dirname=locals_[rank]) as ckpt:
         iteration = ckpt.load(trainer=target)
         torch.save({"iteration": iteration, "w": target["w"].clone()}, f"{out}.{rank}")
-    with Checkpointer(url, options, local_dirname=locals_[0]) as ckpt:
         ckpt.save(iteration + 1, trainer={"w": target["w"] * 3})
 
 
@@ -271,19 +292,20 @@ def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any
 def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_from_the_durable_tier(
     s3_backend: Backend, tmp_path: Path
 ) -> None:
-    local, wiped = str(tmp_path / "node-local"), str(tmp_path / "wiped")
+    node0, node1, rank0_tier = str(tmp_path / "node-0"), str(tmp_path / "node-1"), str(tmp_path / "node-0" / "rank0")
     saved = str(tmp_path / "saved")
-    run_ranks(_two_ranks_save, 2, tmp_path, s3_backend.url, s3_backend.storage_options, local, saved)
-    assert _pointer(s3_backend.url, s3_backend.storage_options) == 1 and _pointer(local, {}) == 2
+    run_ranks(_two_ranks_save, 2, tmp_path, s3_backend.url, s3_backend.storage_options, str(tmp_path / "node-{rank}"), saved)
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 1 and _pointer(rank0_tier, {}) == 2
+    shutil.rmtree(node1)
     loaded = str(tmp_path / "loaded")
     # Rank 0 still has iterations 1 and 2 locally; rank 1's local folder is empty.
-    run_ranks(_two_ranks_load, 2, tmp_path, s3_backend.url, s3_backend.storage_options, [local, wiped], loaded)
+    run_ranks(_two_ranks_load, 2, tmp_path, s3_backend.url, s3_backend.storage_options, [node0, node1], loaded)
     for rank in (0, 1):
         result = torch.load(f"{loaded}.{rank}")
         assert result["iteration"] == 1, f"rank {rank} resumed {result['iteration']}"
         assert torch.equal(result["w"], torch.load(f"{saved}.{rank}")["w"])  # iteration 1's, not 2's
     # Training went on from 1 and saved 2 again: the local tier dropped its stale 2 and took it.
-    assert _pointer(s3_backend.url, s3_backend.storage_options) == 2 and _pointer(local, {}) == 2
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 2 and _pointer(rank0_tier, {}) == 2
 
 
 def test_async_saves_drain_after_their_local_commit(s3_backend: Backend, tmp_path: Path) -> None:
@@ -381,23 +403,119 @@ def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
     assert [drain.owner_of(n, world_size=3) for n in names] == [0, 1, 1, 0, 2, 0]
 
 
-def _two_ranks_with_own_folders_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:
-    try:
-        with Checkpointer(url, local_dirname=f"{base}/node-{rank}") as ckpt:
-            ckpt.save(1, trainer={"w": torch.ones(4)})
-    except InvalidURLError as e:
-        Path(f"{out}.{rank}").write_text(str(e))
+def _own_metadata(first_row: int) -> Metadata:
+    """A rank's own ``.metadata`` (saved without collectives): its two rows of ``w``, ``r`` and
+    ``s`` whole (replicated), all in its ``__0_0.distcp``."""
+    props = TensorProperties(dtype=torch.float32)
+    return Metadata(
+        {
+            "w": TensorStorageMetadata(props, torch.Size([4, 2]), [ChunkStorageMetadata(torch.Size([first_row, 0]), torch.Size([2, 2]))]),
+            "r": TensorStorageMetadata(props, torch.Size([3]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([3]))]),
+            "s": BytesStorageMetadata(),
+        },
+        storage_data={
+            MetadataIndex("w", [first_row, 0]): _StorageInfo("__0_0.distcp", 0, 16),
+            MetadataIndex("r", [0]): _StorageInfo("__0_0.distcp", 16, 12),
+            MetadataIndex("s"): _StorageInfo("__0_0.distcp", 28, 4),
+        },
+    )
+
+
+def test_the_ranks_own_metadata_merge_into_one_with_each_chunk_once_in_its_ranks_file() -> None:
+    merged = merge_metadata([(1, _own_metadata(2)), (0, _own_metadata(0))], rename=rank_file_name, save_id="t", checkpoint_id="x")
+    w, r = merged.state_dict_metadata["w"], merged.state_dict_metadata["r"]
+    assert isinstance(w, TensorStorageMetadata) and isinstance(r, TensorStorageMetadata)
+    assert [list(c.offsets) for c in w.chunks] == [[0, 0], [2, 0]] and len(r.chunks) == 1
+    files = {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in merged.storage_data.items()}
+    assert files == {("w", (0, 0)): "__0_0.distcp", ("w", (2, 0)): "__1_0.distcp", ("r", (0,)): "__0_0.distcp",
+                     ("s", ()): "__0_0.distcp"}  # fmt: skip
+    assert merged.storage_meta is not None and merged.storage_meta.save_id == "t"
+    clash = _own_metadata(0)
+    clash.state_dict_metadata["r"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3]),
+                                                          [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])  # fmt: skip
+    with pytest.raises(ValueError, match="'r': rank 1"):
+        merge_metadata([(0, _own_metadata(0)), (1, clash)], rename=rank_file_name, save_id="t", checkpoint_id="x")
+
+
+def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:
+    """Each rank its own local_dirname (a node's own disk): save 1 to 3 (keeping one locally)
+    with a sharded and a replicated tensor; rank 0 keeps its log."""
+    log = logging.FileHandler(f"{out}.log")
+    logging.getLogger("dcp_fsspec").addHandler(log)
+    logging.getLogger("dcp_fsspec").setLevel(logging.INFO)
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])
+    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", keep_last_n_local=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
+
+
+def _load_whole(rank: int, world_size: int, url: str, base: str, out: str) -> None:
+    """Load ``w`` whole on every rank (no sharding now): more than a rank's own local copy holds."""
+    target = {"w": torch.zeros(8, 8), "r": torch.zeros(3), "step": 0}
+    tiers: list[str | None] = []
+    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+        iteration = ckpt.load(trainer=target)
+    torch.save({"iteration": iteration, "tiers": tiers, **target}, f"{out}.{rank}")
 
 
 @pytest.mark.slow
-def test_a_local_dirname_each_rank_has_to_itself_is_refused_at_the_first_save_naming_it(tmp_path: Path) -> None:
-    out = str(tmp_path / "error")
-    run_ranks(_two_ranks_with_own_folders_save, 2, tmp_path, str(tmp_path / "durable"), str(tmp_path), out)
+def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy_short_of_what_it_loads_reads_durable(
+    tmp_path: Path,
+) -> None:
+    url, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    run_ranks(_own_folders_save, 2, tmp_path, url, str(tmp_path), out)
+    assert "per-node mode: rank(s) [1] cannot see" in Path(f"{out}.log").read_text()
+    for rank in (0, 1):  # each node's folder: that rank's own checkpoint, its own pointer and retention
+        tier = tmp_path / f"node-{rank}" / f"rank{rank}"
+        assert _pointer(str(tier), {}) == 3 and commit.committed_iterations(resolve(str(tier))) == [3]
+        assert not (tmp_path / f"node-{rank}" / f"rank{1 - rank}").exists()
+    assert commit.committed_iterations(resolve(url)) == [1, 2, 3]
+    # The durable copy: one plain checkpoint, each rank's shard in its own file, no drain leftovers.
+    assert sorted(p.name for p in (tmp_path / "durable" / "iter_000000003" / "trainer").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"
+    ]
+    # Every rank now holds w whole; its local copy has only its half: both read the durable tier.
+    loaded = str(tmp_path / "loaded")
+    run_ranks(_load_whole, 2, tmp_path, url, str(tmp_path), loaded)
     for rank in (0, 1):
-        message = Path(f"{out}.{rank}").read_text()
-        assert str(tmp_path / "node-0") in message and str(tmp_path / f"node-{rank}") in message, message
-        assert "rank(s) [1]" in message
-    assert not (tmp_path / "durable" / "latest_checkpoint.txt").exists()
+        result = torch.load(f"{loaded}.{rank}")
+        assert result["iteration"] == 3 and result["tiers"] == [DURABLE], result
+        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and torch.equal(result["r"], torch.full((3,), 5.0))
+        assert result["step"] == 3
+
+
+def _load_sharded(rank: int, world_size: int, url: str, base: str, out: str) -> None:
+    """Load ``w`` sharded as saved; rank 0 keeps its log."""
+    if rank == 0:
+        logging.getLogger("dcp_fsspec").addHandler(logging.FileHandler(f"{out}.log"))
+    mesh = init_device_mesh("cpu", (world_size,))
+    target = {"w": distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0)]), "r": torch.zeros(3), "step": 0}
+    tiers: list[str | None] = []
+    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+        iteration = ckpt.load(trainer=target)
+    whole = target["w"].full_tensor()  # a collective
+    torch.save({"iteration": iteration, "tiers": tiers, "w": whole, "r": target["r"], "step": target["step"]}, f"{out}.{rank}")
+
+
+@pytest.mark.slow
+def test_a_damaged_local_copy_on_one_node_sends_every_rank_to_the_durable_tier_with_a_warning(tmp_path: Path) -> None:
+    url, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    run_ranks(_own_folders_save, 2, tmp_path, url, str(tmp_path), out)
+    shard = next((tmp_path / "node-1" / "rank1" / "iter_000000003" / "trainer").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    at = data.find((torch.arange(32.0, 64.0) * 3).numpy().tobytes())  # rank 1's half of w
+    assert at > 0
+    data[at + 8] ^= 0x01
+    shard.write_bytes(bytes(data))
+    loaded = str(tmp_path / "loaded")
+    run_ranks(_load_sharded, 2, tmp_path, url, str(tmp_path), loaded)
+    for rank in (0, 1):
+        result = torch.load(f"{loaded}.{rank}")
+        assert result["iteration"] == 3 and result["tiers"] == [DURABLE], result
+        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and result["step"] == 3
+    warning = next(line for line in Path(f"{loaded}.log").read_text().splitlines() if "damaged" in line)
+    assert str(shard.parent) in warning and url in warning, warning
 
 
 def _fsdp_training(seed: int) -> FsdpTraining:
@@ -407,9 +525,10 @@ def _fsdp_training(seed: int) -> FsdpTraining:
 
 def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any], local: str, out: str) -> None:
     """FSDP2 training saves 2 and 4 (drained) and 6, whose durable copy is then undone (as a
-    drain killed before its commit leaves it); rank 0 dumps the full state at each save."""
+    drain killed before its commit leaves it); rank 0 dumps the full state at each save.
+    ``local`` may hold ``{rank}``: each rank its own folder."""
     training = _fsdp_training(0)
-    with Checkpointer(url, options, local_dirname=local, keep_last_n_local=3) as ckpt:
+    with Checkpointer(url, options, local_dirname=local.format(rank=rank), keep_last_n_local=3) as ckpt:
         for iteration in (2, 4, 6):
             while training.trainer["step"] < iteration:
                 training.step()
@@ -424,12 +543,15 @@ def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any], lo
             commit.write_atomically(root, root.join(commit.POINTER_NAME), b"iter_000000004\n")
 
 
-def _fsdp_resume(rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str) -> None:
-    """Resume FSDP2 training (other initial weights); record the iteration and tier each rank
-    resumed, and (rank 0) the full state."""
+def _fsdp_resume(
+    rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str] | None, out: str
+) -> None:
+    """Resume FSDP2 training (other initial weights; ``locals_`` None: a single-tier
+    Checkpointer); record the iteration and tier each rank resumed, and (rank 0) the full state."""
     training = _fsdp_training(1)
     tiers: list[str | None] = []
-    with Checkpointer(url, options, local_dirname=locals_[rank], on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+    local = None if locals_ is None else locals_[rank]
+    with Checkpointer(url, options, local_dirname=local, on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
         iteration = ckpt.load(**training.keys())
     training.after_load()
     state = training.full_state()
@@ -438,7 +560,7 @@ def _fsdp_resume(rank: int, world_size: int, url: str, options: dict[str, Any], 
         torch.save(state, f"{out}.state")
 
 
-def _resumed(out: str, saved: str, iteration: int, tier: str) -> None:
+def _resumed(out: str, saved: str, iteration: int, tier: str | None) -> None:
     """Both ranks resumed ``iteration`` from ``tier``; model, optimizer, scheduler and data
     position are bitwise those saved."""
     for rank in (0, 1):
@@ -508,3 +630,38 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
         drain_log.removeHandler(first)
         drain_log.removeHandler(second)
     assert commit.committed_iterations(durable) == [1, 3] and not second.reached.is_set()
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_each_with_its_own_local_disk_resume_locally_or_durably_and_the_durable_copy_is_plain(
+    s3_backend: Backend, tmp_path: Path
+) -> None:
+    url, options = s3_backend.url, s3_backend.storage_options
+    nodes, saved = [str(tmp_path / "node-0"), str(tmp_path / "node-1")], str(tmp_path / "saved")
+    run_ranks(_fsdp_save, 2, tmp_path, url, options, str(tmp_path / "node-{rank}"), saved)
+    assert _pointer(url, options) == 4 and [_pointer(f"{node}/rank{r}", {}) for r, node in enumerate(nodes)] == [6, 6]
+
+    # 6 is only on the nodes' disks: both ranks read their own copy (model and optimizer shards,
+    # replicated entries included), and drain it again on the way.
+    from_local = str(tmp_path / "from-local")
+    run_ranks(_fsdp_resume, 2, tmp_path, url, options, nodes, from_local)
+    _resumed(from_local, saved, 6, LOCAL)
+    assert _pointer(url, options) == 6
+
+    # The drained copy is a plain checkpoint: a single-tier Checkpointer, and torch's dcp.load.
+    plain = str(tmp_path / "plain")
+    run_ranks(_fsdp_resume, 2, tmp_path, url, options, None, plain)
+    _resumed(plain, saved, 6, None)
+    fs = fsspec.filesystem("s3", **options)
+    model_files = {name.rsplit("/", 1)[1] for name in fs.find(f"{url}/iter_000000006/model")}
+    assert model_files == {".metadata", "__0_0.distcp", "__1_0.distcp"}, model_files  # no parts, no markers
+    reference = torch.load(f"{saved}.6", weights_only=False)["model"]
+    whole = {name: torch.zeros_like(t) for name, t in reference.items()}
+    dcp.load(whole, storage_reader=FsspecStorageReader(f"{url}/iter_000000006/model", storage_options=options))
+    assert all(torch.equal(whole[name], reference[name]) for name in reference)
+
+    # Node 1 lost its disk: both ranks resume 6 from the durable tier.
+    shutil.rmtree(nodes[1])
+    from_durable = str(tmp_path / "from-durable")
+    run_ranks(_fsdp_resume, 2, tmp_path, url, options, nodes, from_durable)
+    _resumed(from_durable, saved, 6, DURABLE)

@@ -27,10 +27,12 @@ class Collectives:
         process_group: the group the checkpoint spans. ``None`` uses the default group when
             ``torch.distributed`` is initialized (through a new gloo group if the default one
             is not gloo, e.g. NCCL), and a single process otherwise.
+        alone: this process by itself even inside a process group (a rank saving to, or
+            loading from, a local tier only it reads: see :mod:`.tiers`).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
+    def __init__(self, process_group: dist.ProcessGroup | None = None, *, alone: bool = False) -> None:
+        self.distributed = not alone and dist.is_available() and dist.is_initialized()
         self._owned_group: dist.ProcessGroup | None = None
         self.group: dist.ProcessGroup | None = process_group
         if self.distributed and process_group is None and dist.get_backend() != "gloo":

@@ -81,13 +81,15 @@ class BackgroundSaver:
         """The iteration being written, if any."""
         return self._inflight
 
-    def submit(self, iteration: int, staged: dict[str, dict[str, Any]]) -> None:
-        """Hand a staged save to the background process; the caller must :meth:`wait` first."""
+    def submit(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str | None = None) -> None:
+        """Hand a staged save to the background process; the caller must :meth:`wait` first.
+
+        ``save_id``: see :meth:`.SavePipeline.run`."""
         assert self._inflight is None, "one save at a time: wait() before submit()"
         self._inflight = iteration
         try:
             packed, used = self._handles.pack(staged)
-            self._conn.send(("save", iteration, packed, used))
+            self._conn.send(("save", iteration, packed, used, save_id))
         except OSError:  # the pipe broke: the process is gone
             self._process.join(timeout=5)
             self._died()
@@ -186,7 +188,7 @@ class ThreadSaver:
         save: runs one staged save to its commit (:meth:`SavePipeline.run`).
     """
 
-    def __init__(self, save: Callable[[int, dict[str, dict[str, Any]]], object]) -> None:
+    def __init__(self, save: Callable[[int, dict[str, dict[str, Any]], str | None], object]) -> None:
         self._save = save
         self._inflight: int | None = None
         self._thread: threading.Thread | None = None
@@ -196,12 +198,12 @@ class ThreadSaver:
     def in_flight(self) -> int | None:
         return self._inflight
 
-    def submit(self, iteration: int, staged: dict[str, dict[str, Any]]) -> None:
+    def submit(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str | None = None) -> None:
         assert self._inflight is None, "one save at a time: wait() before submit()"
 
         def run() -> None:
             try:
-                self._save(iteration, staged)
+                self._save(iteration, staged, save_id)
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self._error = e
 
@@ -300,9 +302,9 @@ def _serve(
                 return  # the training process closed its end
             if message[0] == "stop":
                 return
-            _, iteration, packed, used = message
+            _, iteration, packed, used, save_id = message
             try:
-                pipeline.run(iteration, handles.unpack(packed, used))
+                pipeline.run(iteration, handles.unpack(packed, used), save_id)
                 conn.send(("done", logs.take()))
             except Exception as e:  # noqa: BLE001 - reported, then the next request is served
                 conn.send(("error", _picklable(e, rank), traceback.format_exc(), logs.take()))

@@ -14,6 +14,7 @@ import atexit
 import logging
 import os
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable
@@ -24,7 +25,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import BackgroundSaveError, CorruptCheckpointError, InvalidURLError
+from ..errors import (
+    BackgroundSaveError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    InvalidURLError,
+)
 from ..storage.collector import collector_paused
 from ..storage.failures import unwrap_dcp
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
@@ -113,9 +119,11 @@ class Checkpointer:
             ``save_dirname`` in the background (the *drain*: every rank copies the files it
             wrote); the durable pointer moves once that copy is committed. :meth:`load` resumes
             the newest iteration every rank can read, from the local tier where it is committed
-            and complete there. Saving needs one folder every rank sees (one node, or a shared
-            file system): the first :meth:`save` checks, and raises ``InvalidURLError`` for a
-            folder each node has to itself. ``None``: save to ``save_dirname`` directly.
+            and complete there. One folder every rank sees (one node, or a shared file system)
+            holds one checkpoint for all ranks; a folder each node has to itself (per-node
+            NVMe at the same path; found by a probe at construction, logged) holds each rank's
+            own copy of its share under ``rank{r}/``, and the drain merges them into one plain
+            checkpoint. ``None``: save to ``save_dirname`` directly.
         local_storage_options: fsspec options for ``local_dirname``.
         keep_last_n_local: how many committed iterations the local tier keeps (>= 1); never one
             still to drain, nor the newest.
@@ -200,15 +208,17 @@ class Checkpointer:
             "save_start": on_save_start, "save_end": on_save_end, "load_end": on_load_end, "drain_end": on_drain_end,
         }  # fmt: skip
         self._tiers: TwoTiers | None = None
-        # Where save() commits: save_dirname, or the local tier (whose retention TwoTiers applies).
+        # Where save() commits: save_dirname, or this rank's local tier (whose retention TwoTiers
+        # applies), over the ranks that tier spans.
         self._save_root = self._root
+        save_collectives = self._collectives
         if local_dirname is not None:
-            self._save_root = resolve(local_dirname, local_storage_options, retry=retry)
             self._tiers = TwoTiers(
-                self._save_root, self._root, self._collectives,
+                resolve(local_dirname, local_storage_options, retry=retry), self._root, self._collectives,
                 keep_last_n_local=keep_last_n_local, keep_last_n=keep_last_n, drain=drain,
                 on_drain_end=lambda event: report(event, self._callbacks["drain_end"]),
             )  # fmt: skip
+            self._save_root, save_collectives = self._tiers.local, self._tiers.save_collectives
             _EXIT_HOOK.register(self)  # a drain in flight at exit is waited for
         self._save_settings = SaveSettings(
             self._save_root.secret_url,  # the background process connects by itself: keep the password
@@ -220,7 +230,8 @@ class Checkpointer:
             writer=(writer_settings or WriterSettings()).with_compression(compression, compression_level),
         )
         self._pending_end: tuple[int, tuple[str, ...], int, float] | None = None  # async save in flight
-        self._pipeline = SavePipeline(self._save_settings, self._collectives)
+        self._save_collectives = save_collectives
+        self._pipeline = SavePipeline(self._save_settings, save_collectives)
         self._closed = False
         self._stager: Stager | None = None
         self._background: BackgroundSaver | ThreadSaver | None = None
@@ -260,14 +271,12 @@ class Checkpointer:
             raise ValueError("save() needs at least one key, e.g. save(iteration, model=model)")
         for key in state:
             layout.check_key(key)
-        if self._tiers is not None:
-            self._tiers.check_shared()
         start = time.perf_counter()
         if self._async_mode == ASYNC_DISABLED:
             state_dicts = self._stage(state)
             nbytes = tensor_nbytes(state_dicts)
             self._report("save_start", iteration, tuple(state_dicts), nbytes)
-            self._pipeline.run(iteration, state_dicts)
+            self._pipeline.run(iteration, state_dicts, self._save_token())
             self._report("save_end", iteration, tuple(state_dicts), nbytes, time.perf_counter() - start)
             if self._tiers is not None:
                 self._tiers.committed_locally(iteration)
@@ -281,7 +290,8 @@ class Checkpointer:
         if self._stager is None:
             self._stager = Stager()
         staged = {k: self._stager.stage(v) for k, v in state_dicts.items()}
-        self._surviving(lambda: background.submit(iteration, staged))
+        token = self._save_token()
+        self._surviving(lambda: background.submit(iteration, staged, token))
         self._pending_end = (iteration, tuple(staged), nbytes, start)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -309,6 +319,14 @@ class Checkpointer:
             if self._tiers is not None:
                 self._tiers.committed_locally(iteration)
 
+    def _save_token(self) -> str | None:
+        """The token of the next save when this rank saves alone (per node): one for every rank,
+        from rank 0 (a collective), so a load tells the ranks' copies of one save from copies
+        of the same iteration another run left on some node. ``None``: the pipeline draws it."""
+        if self._tiers is None or not self._tiers.per_node:
+            return None
+        return self._collectives.run_on_rank0(lambda: uuid.uuid4().hex)
+
     def _report(self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0) -> None:
         url = self._save_root.url_of(layout.iteration_path(self._save_root, iteration))
         tier = None if self._tiers is None else LOCAL
@@ -335,7 +353,7 @@ class Checkpointer:
                     )
                 self._background = ThreadSaver(self._pipeline.run)
             else:
-                self._background = BackgroundSaver(self._save_settings, self._collectives)
+                self._background = BackgroundSaver(self._save_settings, self._save_collectives)
             _EXIT_HOOK.register(self)
         return self._background
 
@@ -429,9 +447,15 @@ class Checkpointer:
         return resumed
 
     def _load_plan(
-        self, plan: resume.ResumePlan, storage_options: dict[str, Any], state: dict[str, Any], *, tier: str | None
-    ) -> int:
-        """Restore ``plan``'s keys into ``state``; return its iteration."""
+        self, plan: resume.ResumePlan, storage_options: dict[str, Any], state: dict[str, Any], *, tier: str | None,
+        alone: bool = False,
+    ) -> int:  # fmt: skip
+        """Restore ``plan``'s keys into ``state``; return its iteration.
+
+        ``alone``: each rank reads a checkpoint of its own (a per-node local tier): DCP runs
+        without collectives, every rank checks that its copy covers what it loads, and the
+        ranks still agree on every failure before anything is restored.
+        """
         if self._collectives.rank == 0:
             for level, note in plan.notes:
                 logger.log(level, note)
@@ -447,11 +471,11 @@ class Checkpointer:
             # Every key is checked on every rank before the first is applied (preflight.py).
             checked = preflight.check_keys(
                 ordered, state, model=state.get(MODEL_KEY), reader_options=reader_options,
-                new_planner=self._new_planner, collectives=self._collectives,
+                new_planner=self._new_planner, collectives=self._collectives, alone=alone,
             )  # fmt: skip
             for key, where in ordered:
                 try:
-                    nbytes += self._load_key(key, where, checked[key], state[key], model=state.get(MODEL_KEY))
+                    nbytes += self._load_key(key, where, checked[key], state[key], model=state.get(MODEL_KEY), alone=alone)
                 except CorruptCheckpointError as e:
                     raise preflight.partly_loaded(e, key, applied) from e
                 applied.append(key)
@@ -487,30 +511,50 @@ class Checkpointer:
             error = e
         self._collectives.raise_if_any_failed(error)
         assert plan is not None
+        per_node = self._tiers.per_node
         try:
-            resumed = self._load_plan(plan, self._save_settings.storage_options, state, tier=LOCAL)
+            resumed = self._load_plan(plan, self._save_settings.storage_options, state, tier=LOCAL, alone=per_node)
         except CorruptCheckpointError as e:
             if self._collectives.rank == 0:
                 logger.warning("the local copy %s is damaged (%s); resuming from the durable tier %s instead",
                                plan.source, e, self.url)  # fmt: skip
             return None
+        except CheckpointMismatchError as e:
+            if not per_node:
+                raise  # one copy for all ranks, the same as the durable one: it would not fit either
+            # A rank's own copy holds its share as saved; another sharding (world size) needs others'.
+            if self._collectives.rank == 0:
+                logger.warning("the local copies under %s do not hold what every rank loads (%s); resuming from "
+                               "the durable tier %s instead", self._tiers.local.url, e, self.url)  # fmt: skip
+            return None
         self._tiers.forget_newer_than(resumed)
         self._tiers.resumed_locally(resumed, durable_latest)
         return resumed
 
-    def _load_key(self, key: str, where: KeyToLoad, checked: preflight.CheckedKey, value: Any, *, model: Any) -> int:
-        """Load one checked key in place; return the tensor bytes this rank read."""
+    def _load_key(
+        self, key: str, where: KeyToLoad, checked: preflight.CheckedKey, value: Any, *, model: Any, alone: bool
+    ) -> int:
+        """Load one checked key in place; return the tensor bytes this rank read (``alone``: see
+        :meth:`_load_plan`)."""
+        error: Exception | None = None
         try:
             dcp.load(
                 checked.target,
                 storage_reader=checked.reader,
                 planner=self._new_planner(),
-                process_group=self._collectives.group,
-                no_dist=not self._collectives.distributed,
+                process_group=None if alone else self._collectives.group,
+                no_dist=alone or not self._collectives.distributed,
             )
         except CheckpointException as e:
             action = f"loading key {key!r} from {where.url}"
-            raise unwrap_dcp(e, action, mismatch=True, metadata_failure=checked.reader.metadata_failure) from e
+            error = unwrap_dcp(e, action, mismatch=True, metadata_failure=checked.reader.metadata_failure)
+            error.__cause__ = e  # as `raise … from e` would
+        if alone:
+            # Without DCP's collectives one rank's damaged copy fails that rank alone: agree
+            # before restoring, whose collectives (FSDP) every rank must enter or none.
+            self._collectives.raise_if_any_failed(error)
+        elif error is not None:
+            raise error
         state_mod.restore(key, value, checked.state_dict, model=model, strict=self._resume_options.strict_resume)
         return tensor_nbytes(checked.state_dict)
 

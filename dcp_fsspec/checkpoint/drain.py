@@ -14,6 +14,13 @@ that are there, the commit record is created, the pointer moves by compare-and-s
 backwards), then removes the markers. Only a committed local iteration is copied: rank 0 reads
 its token from the local commit record and hands it to every rank.
 
+With per-node local disks (``per_node``: each rank's local tier is a checkpoint of its own
+share, saved without collectives, see :mod:`.tiers`) every rank checks that its own local copy is
+committed, uploads its data files renamed ``__{rank}_*`` (:func:`.merge.rank_file_name`) and, before its
+marker, each key's ``.metadata`` as ``{key}/.drained.{rank}.metadata``; rank 0 merges them with its
+own into the one global ``.metadata`` per key (:func:`.merge.merge_metadata`), commits, and removes
+those files with the markers. The durable copy is a plain checkpoint either way.
+
 One drain runs at a time on each rank. Saves faster than drains follow the policy: ``"every"``
 makes the next submit wait for the drain in flight (every iteration goes up), ``"latest"``
 drops waiting iterations (the caller decides which, the same on every rank: see
@@ -25,6 +32,7 @@ later drain succeeds.
 from __future__ import annotations
 
 import logging
+import pickle
 import posixpath
 import re
 import threading
@@ -35,10 +43,12 @@ from dataclasses import dataclass
 
 from ..errors import DcpFsspecError, DrainError
 from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_of
-from ..storage.names import COMMIT_RECORD_NAME
+from ..storage.decoding import parse_metadata
+from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
 from ..storage.urls import Location
 from . import commit, layout, retention
 from .events import CheckpointEvent
+from .merge import merge_metadata, rank_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +67,11 @@ _MARKER_WAIT_SECONDS = 600.0
 def marker_name(rank: int) -> str:
     """The file rank ``rank`` (> 0) writes into the durable iteration folder once its files are there."""
     return f"{MARKER_PREFIX}{rank}"
+
+
+def metadata_part_name(rank: int) -> str:
+    """What rank ``rank`` (> 0, per-node mode) uploads its ``.metadata`` of a key as, into the key's folder."""
+    return f"{MARKER_PREFIX}{rank}{METADATA_NAME}"
 
 
 def owner_of(name: str, world_size: int) -> int:
@@ -91,6 +106,7 @@ def drain_iteration(
     keep_last_n: int | None,
     marker_wait: float = _MARKER_WAIT_SECONDS,
     workers: int = 8,
+    per_node: bool = False,
 ) -> tuple[tuple[str, ...], int]:
     """Copy this rank's files of the committed local ``job.iteration`` to ``durable``; on rank 0,
     wait for the other ranks' markers, commit it there and apply retention.
@@ -103,6 +119,7 @@ def drain_iteration(
         keep_last_n: the durable tier's retention; ``None`` keeps everything.
         marker_wait: seconds rank 0 waits for the other ranks' markers once its own files are copied.
         workers: files copied at once.
+        per_node: ``local`` is this rank's own checkpoint of its share (see the module docstring).
 
     Returns:
         The keys of the iteration (rank 0; ``()`` on other ranks) and the file bytes this rank
@@ -124,12 +141,17 @@ def drain_iteration(
                             layout.format_iteration(latest))  # fmt: skip
             return (), 0
         if rank != 0:
-            nbytes = _copy_own(local, durable, iteration, rank, world_size, lambda name: True, workers)
+            if per_node:
+                keys = _require_committed_locally(local, durable, iteration, job.token).keys
+                nbytes = _copy_rank_data(local, durable, iteration, rank, workers)
+                _upload_metadata_parts(local, durable, iteration, rank, keys)
+            else:
+                nbytes = _copy_own(local, durable, iteration, rank, world_size, lambda name: True, workers)
             durable.backend.write_small_atomic(durable.join(layout.format_iteration(iteration), marker_name(rank)),
                                                job.token.encode())  # fmt: skip
             logger.debug("copied rank %d's files of %s to %s", rank, src, dst)
             return (), nbytes
-        return _drain_and_commit(local, durable, job, world_size, keep_last_n, marker_wait, workers)
+        return _drain_and_commit(local, durable, job, world_size, keep_last_n, marker_wait, workers, per_node)
     except DrainError:
         raise
     except (OSError, DcpFsspecError) as e:
@@ -139,26 +161,43 @@ def drain_iteration(
         ) from e
 
 
+def _require_committed_locally(
+    local: Location, durable: Location, iteration: int, token: str | None = None
+) -> commit.CommitRecord:
+    """The local commit record of ``iteration`` (per node, of the save ``token``: every rank's
+    copy is one save).
+
+    Raises:
+        DrainError: the local copy is not committed (or is another save's); naming both folders.
+    """
+    record, why = commit.inspect_iteration(local, iteration)
+    if record is not None and token is not None and record.save_id != token:
+        why = f"is another save's (save_id {record.save_id!r}, not rank 0's {token!r})"
+        record = None
+    if record is None:
+        raise DrainError(
+            f"not copying {local.url_of(layout.iteration_path(local, iteration))} to "
+            f"{durable.url_of(layout.iteration_path(durable, iteration))}: the local copy {why}, and a durable "
+            "copy is only made of a committed one; save the iteration again"
+        )
+    return record
+
+
 def _drain_and_commit(
     local: Location, durable: Location, job: DrainJob, world_size: int, keep_last_n: int | None,
-    marker_wait: float, workers: int,
+    marker_wait: float, workers: int, per_node: bool,
 ) -> tuple[tuple[str, ...], int]:  # fmt: skip
     """Rank 0's part of :func:`drain_iteration`, after the pointer check."""
     iteration = job.iteration
     src = local.url_of(layout.iteration_path(local, iteration))
     dst = durable.url_of(layout.iteration_path(durable, iteration))
-    record, why = commit.inspect_iteration(local, iteration)
-    if record is None:
-        raise DrainError(
-            f"not copying {src} to {dst}: the local copy {why}, and a durable copy is only made of a "
-            "committed one; save the iteration again"
-        )
+    record = _require_committed_locally(local, durable, iteration)
     durable_record, reason = commit.inspect_iteration(durable, iteration)
     if durable_record is not None and durable_record.save_id == record.save_id:
         # Committed by a drain that died before moving the pointer.
         latest = iteration if commit.write_pointer(durable, iteration) else commit.read_pointer(durable)
         logger.info("committed %s (the durable copy of %s)", dst, src)
-        _remove_markers(durable, iteration, world_size)
+        _remove_markers(durable, iteration, world_size, record.keys if per_node else ())
         _apply_retention(durable, keep_last_n, iteration, latest)
         return record.keys, 0
     if durable_record is not None or reason != "does not exist":
@@ -169,13 +208,20 @@ def _drain_and_commit(
         if durable_record is not None:
             durable.backend.call("rm", durable.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME))
     logger.info("draining %s to %s", src, dst)
-    nbytes = _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) == DATA, workers)
-    _wait_for_markers(durable, job, world_size, marker_wait)
-    nbytes += _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) != DATA, workers)
+    if per_node:
+        nbytes = _copy_rank_data(local, durable, iteration, 0, workers)
+        _wait_for_markers(durable, job, world_size, marker_wait)
+        nbytes += _write_merged_metadata(local, durable, job, record.keys, world_size)
+    else:
+        nbytes = _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) == DATA, workers)
+        _wait_for_markers(durable, job, world_size, marker_wait)
+        nbytes += _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) != DATA, workers)
     logger.debug("copied %s to %s; committing it there", src, dst)
-    latest = commit.publish(durable, iteration, record.keys, record.world_size, save_id=record.save_id)
+    # Per node, every rank saved alone: the durable copy is one save of world_size ranks, with rank 0's token.
+    writers = world_size if per_node else record.world_size
+    latest = commit.publish(durable, iteration, record.keys, writers, save_id=job.token if per_node else record.save_id)
     logger.info("committed %s (the durable copy of %s)", dst, src)
-    _remove_markers(durable, iteration, world_size)
+    _remove_markers(durable, iteration, world_size, record.keys if per_node else ())
     _apply_retention(durable, keep_last_n, iteration, latest)
     return record.keys, nbytes
 
@@ -195,6 +241,51 @@ def _copy_own(
                  layout.format_iteration(iteration))  # fmt: skip
     copy_files(local, durable, files, workers=workers)
     return sum(files.values())
+
+
+def _copy_rank_data(local: Location, durable: Location, iteration: int, rank: int, workers: int) -> int:
+    """Per node: copy this rank's data files of ``iteration``, renamed as ``rank``'s; return their bytes."""
+    files = {
+        name: size
+        for name, size in list_files(local, layout.iteration_path(local, iteration)).items()
+        if posixpath.basename(name) not in _NOT_COPIED and phase_of(name) == DATA
+    }
+    check_inside(local, files)
+    copy_files(local, durable, files, workers=workers, rename=lambda name: rank_file_name(name, rank))
+    return sum(files.values())
+
+
+def _upload_metadata_parts(local: Location, durable: Location, iteration: int, rank: int, keys: tuple[str, ...]) -> None:
+    """Per node, rank > 0: each key's local ``.metadata``, for rank 0 to merge (before the marker)."""
+    for key in keys:
+        data = local.backend.call("cat_file", posixpath.join(layout.key_path(local, iteration, key), METADATA_NAME))
+        durable.backend.write_small_atomic(
+            posixpath.join(layout.key_path(durable, iteration, key), metadata_part_name(rank)), data
+        )
+
+
+def _write_merged_metadata(
+    local: Location, durable: Location, job: DrainJob, keys: tuple[str, ...], world_size: int
+) -> int:
+    """Per node, rank 0: each key's global ``.metadata``, merged from every rank's; return its bytes."""
+    nbytes = 0
+    for key in keys:
+        own = posixpath.join(layout.key_path(local, job.iteration, key), METADATA_NAME)
+        folder = layout.key_path(durable, job.iteration, key)
+        parts = [(0, parse_metadata(local.backend.call("cat_file", own), local.url_of(own)))]
+        for rank in range(1, world_size):
+            path = posixpath.join(folder, metadata_part_name(rank))
+            parts.append((rank, parse_metadata(durable.backend.call("cat_file", path), durable.url_of(path))))
+        try:
+            merged = merge_metadata(
+                parts, rename=rank_file_name, save_id=job.token, checkpoint_id=durable.url_of(folder)
+            )
+        except ValueError as e:
+            raise DrainError(f"cannot merge the ranks' copies of key {key!r} into {durable.url_of(folder)}: {e}") from e
+        data = pickle.dumps(merged)
+        durable.backend.write_small_atomic(posixpath.join(folder, METADATA_NAME), data)
+        nbytes += len(data)
+    return nbytes
 
 
 def _wait_for_markers(durable: Location, job: DrainJob, world_size: int, seconds: float) -> None:
@@ -224,10 +315,16 @@ def _wait_for_markers(durable: Location, job: DrainJob, world_size: int, seconds
         pause = min(1.0, pause * 2)
 
 
-def _remove_markers(durable: Location, iteration: int, world_size: int) -> None:
-    """Delete the markers of a committed iteration; one left behind is harmless (logged)."""
-    for rank in range(1, world_size):
-        path = durable.join(layout.format_iteration(iteration), marker_name(rank))
+def _remove_markers(durable: Location, iteration: int, world_size: int, keys: tuple[str, ...]) -> None:
+    """Delete the markers of a committed iteration, and the ``.metadata`` parts of its ``keys``
+    (per node); one left behind is harmless (logged)."""
+    paths = [durable.join(layout.format_iteration(iteration), marker_name(rank)) for rank in range(1, world_size)]
+    paths += [
+        posixpath.join(layout.key_path(durable, iteration, key), metadata_part_name(rank))
+        for key in keys
+        for rank in range(1, world_size)
+    ]
+    for path in paths:
         try:
             durable.backend.call("rm", path)
         except FileNotFoundError:
@@ -254,7 +351,7 @@ class Drainer:
         keep_last_n: the durable tier's retention.
         on_end: called (in the drain thread, on rank 0) with a ``drain_end`` event after each drain.
         rank, world_size: this rank, and how many ranks drain each iteration.
-        marker_wait: see :func:`drain_iteration`.
+        marker_wait, per_node: see :func:`drain_iteration`.
     """
 
     def __init__(
@@ -268,6 +365,7 @@ class Drainer:
         rank: int = 0,
         world_size: int = 1,
         marker_wait: float = _MARKER_WAIT_SECONDS,
+        per_node: bool = False,
     ) -> None:
         if policy not in DRAIN_POLICIES:
             raise ValueError(f"drain={policy!r} is not supported; choose one of {list(DRAIN_POLICIES)}")
@@ -279,6 +377,7 @@ class Drainer:
         self._rank = rank
         self._world_size = world_size
         self._marker_wait = marker_wait
+        self._per_node = per_node
         self._cond = threading.Condition()
         self._running: int | None = None
         self._waiting: list[DrainJob] = []
@@ -378,7 +477,7 @@ class Drainer:
         try:
             keys, nbytes = drain_iteration(
                 self._local, self._durable, job, rank=self._rank, world_size=self._world_size,
-                keep_last_n=self._keep_last_n, marker_wait=self._marker_wait,
+                keep_last_n=self._keep_last_n, marker_wait=self._marker_wait, per_node=self._per_node,
             )  # fmt: skip
         except DrainError as e:
             error = e

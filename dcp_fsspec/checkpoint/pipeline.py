@@ -91,8 +91,11 @@ class SavePipeline:
         self._collectives = collectives
 
     @collector_paused()
-    def run(self, iteration: int, staged: dict[str, dict[str, Any]]) -> int:
+    def run(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str | None = None) -> int:
         """Save ``staged`` (key → state dict) as ``iteration`` and commit it.
+
+        ``save_id``: the save's token, when the caller chose it (ranks saving their per-node
+        local copies alone share one, see :mod:`.tiers`); else rank 0 draws one.
 
         Returns:
             The iteration the pointer names afterwards: ``iteration``, or a newer one when
@@ -108,7 +111,7 @@ class SavePipeline:
         keys = tuple(staged)
         # The save's token, from rank 0 to every rank: in every data file's name and every
         # key's .metadata, and checked at the commit, so a save commits only what it wrote.
-        prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration))
+        prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration, save_id or uuid.uuid4().hex))
         for key in keys:
             self._write_key(iteration, key, staged[key], prepared.save_id, unique_file_names=not prepared.claimed)
         latest = self._publish(iteration, keys, prepared)
@@ -116,7 +119,7 @@ class SavePipeline:
             retention.apply_retention(self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest)
         return latest
 
-    def _prepare(self, iteration: int) -> Prepared:
+    def _prepare(self, iteration: int, save_id: str) -> Prepared:
         """Rank 0: refuse to replace a committed iteration; take over and clear one that holds
         anything (its leftovers may be those of a save still running)."""
         root, overwrite = self._root, self.settings.overwrite
@@ -143,7 +146,6 @@ class SavePipeline:
             logger.warning("overwriting the committed checkpoint %s", folder)
         elif reason != "does not exist":
             logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
-        save_id = uuid.uuid4().hex
         if record is not None or reason != "does not exist":
             commit.take_over_iteration(root, iteration, save_id, replacing=record)
             return Prepared(save_id, claimed=False, taken_over=True)

@@ -20,12 +20,16 @@ else, over a load without it.
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError
 from ..storage.reader import FsspecStorageReader
@@ -70,8 +74,12 @@ class _CheckedReader(FsspecStorageReader):
             return plan
         return super().prepare_local_plan(plan)
 
-    def check(self, target: dict[str, Any], planner: LoadPlanner, is_coordinator: bool) -> None:
-        """Plan the load of ``target`` as ``dcp.load`` does, and check the files the plan reads."""
+    def check(self, target: dict[str, Any], planner: LoadPlanner, is_coordinator: bool, *, covered: bool = False) -> None:
+        """Plan the load of ``target`` as ``dcp.load`` does, and check the files the plan reads.
+
+        ``covered``: also check that the plan fills every element of every entry it loads (a
+        checkpoint of one rank's share may hold less of a tensor than this rank now holds).
+        """
         metadata = self.read_metadata()
         planner.set_up_planner(target, metadata, is_coordinator)
         self.set_up_storage_reader(metadata, is_coordinator)
@@ -85,8 +93,34 @@ class _CheckedReader(FsspecStorageReader):
                 f"{type(e).__name__}: {e}; nothing was loaded. Load it into the model it was saved from "
                 "(same parameter names and shapes), or pass strict_resume=False to skip missing entries"
             ) from e
+        problem = _uncovered(planner, plan, metadata) if covered else None
+        if problem is not None:
+            raise CheckpointMismatchError(
+                f"the checkpoint at {self.location.url} does not hold all this rank loads: {problem}; nothing was loaded"
+            )
         self.prepare_local_plan(plan)
         self._checked = (metadata, self._needed_ends(plan))
+
+
+def _uncovered(planner: LoadPlanner, plan: LoadPlan, metadata: Metadata) -> str | None:
+    """The first entry of the planner's state dict that ``plan`` reads only in part, in words.
+
+    A chunk a checkpoint holds is read only where it overlaps the tensor this rank holds (DCP's
+    planner), and one save's chunks do not overlap: the elements read add up to the tensor's
+    exactly when every element is read.
+    """
+    read: dict[str, int] = defaultdict(int)
+    for item in plan.items:
+        read[item.dest_index.fqn] += 1 if item.type == LoadItemType.BYTE_IO else math.prod(item.lengths)
+    state_dict = getattr(planner, "state_dict", {})  # DefaultLoadPlanner's, flattened as DCP loads it
+    for fqn in metadata.state_dict_metadata.keys() & state_dict.keys():
+        value = state_dict[fqn]
+        if isinstance(value, DTensor):
+            value = value.to_local()  # what DCP reads into: this rank's shard
+        needed = value.numel() if isinstance(value, torch.Tensor) else 1
+        if read[fqn] != needed:
+            return f"entry {fqn!r}: {read[fqn]} of its {needed} elements on this rank"
+    return None
 
 
 def check_keys(
@@ -97,6 +131,7 @@ def check_keys(
     reader_options: dict[str, Any],
     new_planner: Callable[[], LoadPlanner],
     collectives: Collectives,
+    alone: bool = False,
 ) -> dict[str, CheckedKey]:
     """Check every key of a load on every rank; raise on every rank if any rank failed.
 
@@ -107,6 +142,8 @@ def check_keys(
         reader_options: keywords for each key's :class:`~dcp_fsspec.storage.reader.FsspecStorageReader`.
         new_planner: makes a load planner like the one the load uses.
         collectives: the ranks that agree.
+        alone: each rank loads a checkpoint of its own (a per-node local tier): each plans as
+            the coordinator, and its copy must cover every entry it loads in full.
 
     Returns:
         Each key's :class:`CheckedKey`, to load with.
@@ -125,7 +162,7 @@ def check_keys(
             # DCP flattens nested dicts, so {"model": sd} receives the entries saved as "model.…".
             target = state_dict if where.nested_under is None else {where.nested_under: state_dict}
             reader = _CheckedReader(where.url, **reader_options)
-            reader.check(target, new_planner(), collectives.rank == 0)
+            reader.check(target, new_planner(), alone or collectives.rank == 0, covered=alone)
             checked[key] = CheckedKey(state_dict, target, reader)
     except Exception as e:  # re-raised below, on every rank
         error = e

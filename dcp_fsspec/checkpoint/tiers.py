@@ -10,17 +10,30 @@ run in the caller's thread, so their collectives never overlap training's. For `
 decides which tier to read, as a pure function of a few facts (:func:`choose_tier`): the newest
 iteration committed in at least one tier that every rank can read, read from the local tier
 where every rank has it committed and complete there.
+
+Two layouts of the local tier, chosen at construction by a probe (a file rank 0 writes, every
+rank looks for): *shared*, when every rank sees one ``local_dirname`` (one node, or a shared file
+system): one checkpoint for all ranks, committed by rank 0, as a direct save; *per node*, when
+some rank cannot see it (each node its own NVMe at the same path, as Orbax's emergency
+checkpointing and NVIDIA's local checkpointing have it): each rank keeps its own checkpoint of
+its own share under ``{local_dirname}/rank{r}/``, saved and loaded without collectives
+(``dcp.save`` then writes every entry the rank holds, replicated ones included, so each copy is
+self-sufficient for its rank's load), with its own commit record, pointer and retention. Ranks
+of one node then share the disk, not files. The drain merges the ranks' copies into one plain
+durable checkpoint (:mod:`.drain`, :mod:`.merge`). A local copy is loaded only if every rank's
+covers everything that rank loads; else every rank reads the durable tier.
 """
 
 from __future__ import annotations
 
 import logging
+import posixpath
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
-from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, InvalidURLError, StorageError
+from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, StorageError
 from ..storage.names import POINTER_NAME
-from ..storage.urls import Location
+from ..storage.urls import Location, resolve
 from . import commit, layout, retention
 from ._collectives import Collectives
 from .drain import DRAIN_LATEST, Drainer, DrainJob
@@ -55,13 +68,26 @@ def choose_tier(
     return None if durable_latest is None else (durable_latest, DURABLE)
 
 
-def readable_locally(local: Location, *, trust_checkpoint: bool) -> list[int]:
+def one_save_everywhere(per_rank: Sequence[Mapping[int, str | None]]) -> list[set[int]]:
+    """For each rank, its local iterations that every rank holds as the same save (same token).
+
+    Per node, a node may keep a copy of an iteration that another run saved (a node out of the
+    job while the others resumed an older iteration and saved it again): it counts for no rank.
+
+    Args:
+        per_rank: for each rank, its committed local iterations and their saves' tokens.
+    """
+    return [{i for i, token in mine.items() if all(i in other and other[i] == token for other in per_rank)}
+            for mine in per_rank]  # fmt: skip
+
+
+def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, str | None]:
     """This rank's committed local iterations whose keys are all there (their ``.metadata``
-    carries the save's token and names files present), ascending. A local tier that cannot be
-    read counts as empty (logged): the durable one is there for that."""
+    carries the save's token and names files present), with that token. A local tier that
+    cannot be read counts as empty (logged): the durable one is there for that."""
     try:
         listing = commit.list_save_dirname(local)
-        readable = []
+        readable: dict[int, str | None] = {}
         for iteration in listing.folders:
             record = commit.listed_record(local, listing, iteration)
             if record is None:
@@ -71,18 +97,31 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> list[int]:
             except CorruptCheckpointError as e:
                 logger.warning("not resuming from the local copy %s: %s", layout.format_iteration(iteration), e)
                 continue
-            readable.append(iteration)
+            readable[iteration] = record.save_id
         return readable
     except (OSError, DcpFsspecError) as e:
         logger.warning("cannot read the local tier %s (%s); resuming from the durable tier", local.url, e)
-        return []
+        return {}
+
+
+def rank_tier(local: Location, rank: int) -> Location:
+    """Rank ``rank``'s own local tier in per-node mode: ``{local_dirname}/rank{rank}``."""
+    return resolve(posixpath.join(local.secret_url, f"rank{rank}"), fs=local.fs, retry=local.retry)
 
 
 class TwoTiers:
     """The local tier, the drain to the durable one, and the load decision between them.
 
-    Every rank calls every method; every rank drains its own files; rank 0 alone commits the
-    durable copy, prunes and reads the durable pointer.
+    Constructing it is a collective (the probe that picks the layout, see the module
+    docstring). Every rank calls every method; every rank drains its own files; rank 0 alone
+    commits the durable copy and reads the durable pointer; the local tier is pruned by rank 0
+    (shared) or by each rank (per node).
+
+    Attributes:
+        local: this rank's local tier: ``local_dirname``, or (per node) its ``rank{r}`` folder.
+        per_node: whether each rank keeps its own local copy.
+        save_collectives: the ranks a local save or load spans: all of them, or (per node) this
+            rank alone.
 
     Args:
         local: the ``local_dirname`` location.
@@ -105,62 +144,60 @@ class TwoTiers:
         drain: str,
         on_drain_end: Callable[[CheckpointEvent], None],
     ) -> None:
-        self.local = local
         self.durable = durable
         self._collectives = collectives
         self._keep_last_n_local = keep_last_n_local
-        self._shared_checked = False
+        self.per_node = not self._shared(local)
+        self.local = rank_tier(local, collectives.rank) if self.per_node else local
+        self.save_collectives = Collectives(alone=True) if self.per_node else collectives
+        # Rank 0 alone prunes and rewinds a shared local tier; per node, each rank its own.
+        self._owns_local = self.per_node or collectives.rank == 0
         # Rank 0 waits this long for the other ranks' copies once its own is done: their shares are
         # about the size of its own, so the retry deadline (a bound on one stuck call) is ample.
         marker_wait = durable.retry.deadline if durable.retry is not None and durable.retry.deadline else 600.0
         self._drainer = Drainer(
-            local, durable, policy=drain, keep_last_n=keep_last_n, on_end=on_drain_end,
+            self.local, durable, policy=drain, keep_last_n=keep_last_n, on_end=on_drain_end,
             rank=collectives.rank, world_size=collectives.world_size, marker_wait=marker_wait,
+            per_node=self.per_node,
         )  # fmt: skip
 
-    def check_shared(self) -> None:
-        """Before the first save: refuse a ``local_dirname`` that is not one folder for every rank.
+    def _shared(self, local: Location) -> bool:
+        """Whether every rank sees ``local`` as one folder (a collective; logged once, on rank 0).
 
-        A collective, once per Checkpointer: rank 0 writes a probe file into the local tier and
-        every rank looks for it. The local save commits like a direct one (rank 0 checks that
-        every file each key's ``.metadata`` names is there), so a folder each node has to
-        itself (per-node NVMe) would fail that check on the first save with a misleading error.
-
-        Raises:
-            InvalidURLError: on every rank, naming the folder and the ranks that cannot see it.
+        Rank 0 writes a probe file into it and every rank looks for it in its own
+        ``local_dirname`` (ranks may be given different paths). A single process shares trivially.
         """
-        if self._shared_checked or not self._collectives.distributed:
-            return
+        if not self._collectives.distributed:
+            return True
 
-        def write_probe() -> tuple[str, str]:
+        def write_probe() -> str:
             name = f".dcp-fsspec-probe-{uuid.uuid4().hex[:12]}"
-            self.local.backend.make_folder(self.local.path)
-            self.local.backend.write_small_atomic(self.local.join(name), b"")
-            return name, self.local.url
+            local.backend.make_folder(local.path)
+            local.backend.write_small_atomic(local.join(name), b"")
+            return name
 
-        # Each rank looks in its own local_dirname (ranks may be given different paths).
-        name, rank0_url = self._collectives.run_on_rank0(write_probe)
-        path = self.local.join(name)
-        self.local.backend.invalidate(self.local.path)
+        path = local.join(self._collectives.run_on_rank0(write_probe))
+        local.backend.invalidate(local.path)
         try:
-            mine = commit.exists(self.local, path)
+            mine = commit.exists(local, path)
         except (OSError, DcpFsspecError):
-            mine = False  # a folder this rank cannot read is no folder it shares; the error says so
+            mine = False  # a folder this rank cannot read is no folder it shares
         seen = self._collectives.all_gather(mine)  # every rank gets here: no rank raises alone
+        blind = [rank for rank, saw in enumerate(seen) if not saw]
         if self._collectives.rank == 0:
             try:
-                self.local.backend.call("rm", path)
+                local.backend.call("rm", path)
             except (OSError, DcpFsspecError) as e:
-                logger.info("could not remove the probe %s (harmless): %s", self.local.url_of(path), e)
-        blind = [rank for rank, saw in enumerate(seen) if not saw]
-        if blind:
-            raise InvalidURLError(
-                f"local_dirname: rank(s) {blind} cannot see the file rank 0 wrote into {rank0_url} in theirs (a "
-                f"disk of their own; this rank's: {self.local.url}); the local tier must be one folder every rank "
-                "sees (one node's disk, or a shared file system), as rank 0 commits each local save. Per-node "
-                "local disks are not supported yet: give every rank the same shared folder, or drop local_dirname"
-            )
-        self._shared_checked = True
+                logger.info("could not remove the probe %s (harmless): %s", local.url_of(path), e)
+            if blind:
+                logger.info(
+                    "local tier %s: per-node mode: rank(s) %s cannot see the file rank 0 wrote there (a disk "
+                    "of their own), so each rank keeps its own local copy under rank<N>/ of its local_dirname",
+                    local.url, blind,
+                )  # fmt: skip
+            else:
+                logger.info("local tier %s: shared by every rank: rank 0 commits each local save", local.url)
+        return not blind
 
     def committed_locally(self, iteration: int) -> None:
         """``iteration`` is committed in the local tier: drain it, then prune the local tier.
@@ -174,7 +211,7 @@ class TwoTiers:
                 "locally and is being drained", self.durable.url, self.local.url, failure,
                 layout.format_iteration(iteration),
             )  # fmt: skip
-        if self._collectives.rank == 0:
+        if self._owns_local:
             retention.apply_retention(
                 self.local, self._keep_last_n_local, protected=self._drainer.undrained() | {iteration}
             )
@@ -215,13 +252,13 @@ class TwoTiers:
             self._submit(iteration)
 
     def forget_newer_than(self, iteration: int) -> None:
-        """``load`` resumed ``iteration``: drop the local iterations newer than it (rank 0).
+        """``load`` resumed ``iteration``: drop the local iterations newer than it (see :class:`TwoTiers`).
 
         Training goes on from ``iteration`` and saves those iterations again; the local pointer,
         which never moves backwards, would refuse them. The pointer goes first, so a crash half
         way leaves committed local iterations without a pointer, never a pointer to a missing one.
         """
-        if self._collectives.rank != 0:
+        if not self._owns_local:
             return
         try:
             latest = commit.read_pointer(self.local)
@@ -260,7 +297,7 @@ class TwoTiers:
         unreadable one counts as none, logged, so the local tier still serves).
         """
         mine = readable_locally(self.local, trust_checkpoint=trust_checkpoint)
-        per_rank = self._collectives.all_gather(mine)
+        per_rank = one_save_everywhere(self._collectives.all_gather(mine))
 
         def durable_pointer() -> int | None:
             try:

@@ -97,22 +97,25 @@ def copy_files(
     workers: int = 8,
     chunk_bytes: int = 8 * MiB,
     on_bytes: Callable[[int], None] | None = None,
+    rename: Callable[[str], str] | None = None,
 ) -> None:
     """Copy ``files`` (relative name → size, as :func:`list_files` gives) from ``source`` to ``dest``.
 
     Args:
         source: where the names are read (relative to its root).
-        dest: where they are written, under the same relative names.
+        dest: where they are written, under the same relative names (or ``rename``'s).
         files: the files to copy.
         workers: files copied at once.
         chunk_bytes: the size of each ranged read (each worker holds at most two).
         on_bytes: called with each number of bytes copied (progress).
+        rename: the relative name in ``dest`` of each name in ``source`` (the caller keeps it
+            inside ``dest``).
 
     Raises:
         StorageError: reading or writing failed; the first error of the phase that failed. What
             was written stays (each file complete or absent), and later phases did not run.
     """
-    copier = _Copier(source, dest, chunk_bytes, on_bytes)
+    copier = _Copier(source, dest, chunk_bytes, on_bytes, rename)
     phases: list[list[str]] = [[], [], [], []]
     for name in sorted(files):
         phases[phase_of(name)].append(name)
@@ -128,23 +131,28 @@ def copy_files(
 
 class _Copier:
     def __init__(
-        self, source: Location, dest: Location, chunk_bytes: int, on_bytes: Callable[[int], None] | None
+        self, source: Location, dest: Location, chunk_bytes: int, on_bytes: Callable[[int], None] | None,
+        rename: Callable[[str], str] | None = None,
     ) -> None:
         self.source = source
+        self.rename = rename
         self.dest = dest
         self.chunk_bytes = max(1, chunk_bytes)
         self.on_bytes = on_bytes
         self.budget = ByteBudget(256 * MiB)
 
+    def _dest_name(self, name: str) -> str:
+        return name if self.rename is None else self.rename(name)
+
     def _paths(self, name: str) -> tuple[str, str]:
-        dst_path = self.dest.join(name)
+        dst_path = self.dest.join(self._dest_name(name))
         self.dest.backend.make_folder(posixpath.dirname(dst_path))
         return self.source.join(name), dst_path
 
     def _failed(self, name: str, error: BaseException) -> DcpFsspecError:
         return StorageError(
             f"cannot copy {self.source.url_of(self.source.join(name))} to "
-            f"{self.dest.url_of(self.dest.join(name))}: {error}"
+            f"{self.dest.url_of(self.dest.join(self._dest_name(name)))}: {error}"
         )
 
     def copy_large(self, name: str, size: int) -> None:
