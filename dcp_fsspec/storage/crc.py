@@ -7,8 +7,8 @@ computed once and combined, without reading the bytes again, into the record's C
 body's (:func:`crc32_combine`: the GF(2) polynomial arithmetic of zlib's ``crc32_combine``,
 which Python's ``zlib`` does not expose).
 
-The pass itself is :data:`crc32`: ISA-L's where the optional ``isal`` package is installed
-(``pip install 'dcp-fsspec[fast-crc]'``; ~4× zlib's speed here), else zlib's, the same values.
+The pass itself is :data:`crc32`: ISA-L's (the ``isal`` package, a dependency on the CPUs it
+has wheels for; ~4× zlib's speed here), else zlib's, the same values.
 """
 
 from __future__ import annotations
@@ -75,11 +75,10 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 COMBINE_ABOVE = 16 * 1024
 
 
-
 def _fastest_crc32() -> Callable[[Buffer, int], int]:
     try:
         from isal.isal_zlib import crc32 as isal_crc32
-    except ImportError:  # optional: zlib computes the same CRC, slower
+    except ImportError:  # not installed where isal has no wheel: zlib computes the same CRC, slower
         return zlib.crc32
     return isal_crc32
 
