@@ -435,6 +435,10 @@ def test_the_ranks_own_metadata_merge_into_one_with_each_chunk_once_in_its_ranks
                                                           [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])  # fmt: skip
     with pytest.raises(ValueError, match="'r': rank 1"):
         merge_metadata([(0, _own_metadata(0)), (1, clash)], rename=rank_file_name, save_id="t", checkpoint_id="x")
+    not_a_tensor = _own_metadata(2)
+    not_a_tensor.state_dict_metadata["s"] = not_a_tensor.state_dict_metadata["r"]  # a tensor where rank 0 has bytes
+    with pytest.raises(ValueError, match="'s': rank 1 wrote a tensor, a lower rank something else"):
+        merge_metadata([(0, _own_metadata(0)), (1, not_a_tensor)], rename=rank_file_name, save_id="t", checkpoint_id="x")
 
 
 def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:

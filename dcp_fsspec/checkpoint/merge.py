@@ -40,7 +40,8 @@ def merge_metadata(
 
     Raises:
         ValueError: two ranks wrote chunks of one entry at the same offsets but of other sizes:
-            not replicas of one shard, so no global checkpoint holds both.
+            not replicas of one shard, so no global checkpoint holds both; or an entry is a
+            tensor on one rank and not on another.
     """
     entries: dict[str, STORAGE_TYPES] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -51,7 +52,8 @@ def merge_metadata(
                 entries.setdefault(fqn, entry)
                 continue
             merged = entries.setdefault(fqn, TensorStorageMetadata(entry.properties, entry.size, []))
-            assert isinstance(merged, TensorStorageMetadata)  # an entry is a tensor on every rank or on none
+            if not isinstance(merged, TensorStorageMetadata):  # a tensor on one rank, not on another
+                raise ValueError(f"entry {fqn!r}: rank {rank} wrote a tensor, a lower rank something else")
             held = {tuple(chunk.offsets): chunk for chunk in merged.chunks}
             for chunk in entry.chunks:
                 same_place = held.get(tuple(chunk.offsets))
