@@ -492,8 +492,11 @@ def test_a_commit_record_of_another_format_is_refused_naming_it_and_what_to_do(r
     root.fs.pipe_file(path, json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as raised:
         commit.read_commit_record(root, 5)
-    message = str(raised.value)
-    assert root.url_of(path) in message and f"its format is {fmt!r}" in message and "upgrade dcp_fsspec" in message
+    assert str(raised.value) == (
+        f"commit record {root.url_of(path)} is unreadable (its format is {fmt!r}, this dcp_fsspec reads format 1: "
+        "written by another version or another program; upgrade dcp_fsspec to read it); delete the folder "
+        f"{root.url_of(layout.iteration_path(root, 5))} if that iteration is not needed"
+    )
 
 
 @pytest.mark.parametrize(
@@ -622,3 +625,59 @@ def test_a_key_that_cannot_be_a_folder_name_is_refused_saying_which_names_can(ke
         f"checkpoint key {key!r} cannot be a folder name; use letters, digits, '_', '-', '.' "
         "and do not start with '.' or '-'"
     )
+
+
+def test_a_commit_whose_key_never_finished_is_refused_naming_the_key_and_what_to_do(root: Location) -> None:
+    _written_key(root, 5, save_id="a" * 32)
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        commit.commit_record(root, 5, ("model", "optim"), 1, save_id="a" * 32)
+    folder, key = root.url_of(layout.iteration_path(root, 5)), root.url_of(layout.key_path(root, 5, "optim"))
+    assert str(raised.value) == (
+        f"cannot commit {folder}: key 'optim' at {key} has no .metadata, so its save did not finish; save the iteration again"
+    )
+    assert commit.read_commit_record(root, 5) is None
+
+
+def test_a_commit_of_keys_another_save_wrote_or_after_another_commit_says_what_happened(root: Location) -> None:
+    _written_key(root, 5, save_id="a" * 32)
+    folder = root.url_of(layout.iteration_path(root, 5))
+    metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.commit_record(root, 5, ("model",), 1, save_id="b" * 32)
+    assert str(raised.value) == (
+        f"cannot commit {folder}: {metadata} was written by another save (save_id {'a' * 32!r}, not {'b' * 32!r}), "
+        f"so another process is saving the same iteration into {root.url} (a restarted job racing the old one, or "
+        "two jobs with one save_dirname); this save is not committed. Give each run its own save_dirname"
+    )
+    first = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    assert str(raised.value) == (
+        f"cannot commit {folder}: another process committed it, or took it over, while this save wrote it (two "
+        f"processes saving the same iteration into {root.url}); this save is not committed. Give each run its own save_dirname"
+    )
+    assert commit.read_commit_record(root, 5) == first
+
+
+def test_taking_over_a_folder_whose_record_is_unreadable_names_it_and_deletes_nothing(root: Location) -> None:
+    _save(root, 5)
+    path = _record_path(root, 5)
+    root.fs.pipe_file(path, b"{not json")
+    before = sorted(root.fs.find(layout.iteration_path(root, 5)))
+    with pytest.raises(CorruptCheckpointError) as raised:
+        commit.take_over_iteration(root, 5, "b" * 32, replacing=None)
+    assert str(raised.value).startswith(f"commit record {root.url_of(path)} is unreadable (")
+    assert sorted(root.fs.find(layout.iteration_path(root, 5))) == before
+
+
+def test_saving_the_pointers_own_iteration_again_leaves_the_pointer_file_untouched(tmp_path: Any) -> None:
+    """A repeat of the newest iteration (overwrite=True) commits it; the pointer already names
+    it, so it is not written again (one request fewer on S3; here: the same file, not a new one)."""
+    root = resolve(str(tmp_path / "run"))
+    _save(root, 3)
+    before = (tmp_path / "run" / POINTER_NAME).stat()
+    with Checkpointer(root.url, overwrite=True) as ckpt:
+        ckpt.save(3, model={"w": torch.zeros(4)})
+    after = (tmp_path / "run" / POINTER_NAME).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert commit.read_pointer(root) == 3 and _committed(root, 3)
