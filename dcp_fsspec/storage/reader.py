@@ -6,7 +6,7 @@ every byte range the load plan needs, sorts and coalesces them, downloads them c
 bounded window (:mod:`.fetch`), and decodes each record as its bytes arrive with the decoder
 verification uses too (:mod:`.decoding`): a tensor's storage bytes are copied straight into the
 destination tensor and checked against the CRC-32 stored with them. Records of 1 MiB and more
-skip the window: their bytes are read into the destination tensor itself (local files with
+(from remote stores: those at least one request long) skip the window: their bytes are read into the destination tensor itself (local files with
 ``preadv``, S3 with the response body's ``readinto``), on a thread pool that also checksums
 them, while the small records stream.
 """
@@ -307,7 +307,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         it must buffer (a resharded read, say) is read whole into its buffer instead.
         """
         reads, checks = pools
-        big = [r for r in records if r.length >= _IN_PLACE_MIN]
+        at_least = _IN_PLACE_MIN if self.location.is_local else max(_IN_PLACE_MIN, self.max_request_bytes)
+        big = [r for r in records if r.length >= at_least]
         heads = [reads.submit(files.read, r.path, min(r.length, _HEAD_BYTES), r.offset) for r in big]
         started = []
         for rec, head_read in zip(big, heads):
@@ -323,7 +324,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 for p in range(0, len(dest), self.max_request_bytes)
             ]
             started.append(checks.submit(self._checksum_when_read, decoder, pieces, files))
-        return [r for r in records if r.length < _IN_PLACE_MIN], started
+        return [r for r in records if r.length < at_least], started
 
     def _checksum_when_read(
         self, decoder: _LoadDecoder, pieces: list[tuple[int, ThreadFuture[int]]], files: InPlaceFiles
