@@ -5,9 +5,10 @@ Instead of reading each file front to back and running ``torch.load`` per tensor
 every byte range the load plan needs, sorts and coalesces them, downloads them concurrently in a
 bounded window (:mod:`.fetch`), and decodes each record as its bytes arrive with the decoder
 verification uses too (:mod:`.decoding`): a tensor's storage bytes are copied straight into the
-destination tensor and checked against the CRC-32 stored with them. From local files, records of 1 MiB and more skip the window: their
-bytes are read into the destination tensor itself, on a thread pool, while the small records
-stream.
+destination tensor and checked against the CRC-32 stored with them. Records of 1 MiB and more
+(from remote stores: those at least one request long) skip the window: their bytes are read into the destination tensor itself (local files with
+``preadv``, S3 with the response body's ``readinto``), on a thread pool that also checksums
+them, while the small records stream.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..errors import (
 from .collector import collector_paused
 from .crc import crc32
 from .decoding import CRC_TAIL, RecordDecoder, RecordFault, RecordPlace, feed_records, read_metadata
-from .backends.local import LocalFiles
+from .backends.base import InPlaceFiles
 from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
@@ -54,7 +55,7 @@ from .trust import load_object
 from .urls import UrlBound
 
 MiB = 1024 * 1024
-# Records at least this big in local files are read straight into their tensors (below it, the
+# Records at least this big are read straight into their tensors (below it, the
 # extra read of the header costs more than the copy it saves); the header is in the first bytes.
 _IN_PLACE_MIN = 1 * MiB
 _HEAD_BYTES = 64 * 1024
@@ -79,10 +80,10 @@ class FsspecStorageReader(UrlBound, StorageReader):
         verify_checksums: check every tensor's bytes against the CRC-32 stored in its record
             (records written without one — CRC 0 — are not checked).
         window_bytes: downloaded-but-not-yet-decoded data held at once (bounds load memory;
-            big records of local files are read in place and take none of it).
+            big records are read in place and take none of it).
         max_request_bytes: the largest single ranged read; bigger records are split.
         max_gap_bytes: neighbouring ranges closer than this are fetched in one request.
-        threads: concurrent reads on filesystems without an async API (and local files).
+        threads: concurrent reads on filesystems without an async API, and of big records.
         retry: how reads are retried on throttling, 5xx and dropped connections, and the
             deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`); ``None``:
             only the driver's own retries.
@@ -209,19 +210,19 @@ class FsspecStorageReader(UrlBound, StorageReader):
         """Fetch every record the plan needs, concurrently and in file order, into the targets."""
         records = self._records_for(plan)
         undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
-        local = LocalFiles() if self.location.is_local else None
+        files = self.location.backend.in_place_files()
         pools = (
             (
                 ThreadPoolExecutor(self.threads, thread_name_prefix="dcp-fsspec-read"),
                 ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="dcp-fsspec-crc"),
             )
-            if local is not None
+            if files is not None
             else ()
         )
         try:
             in_place: list[ThreadFuture[Callable[[], None]]] = []
-            if local is not None:
-                records, in_place = self._start_in_place(records, planner, local, pools)
+            if files is not None:
+                records, in_place = self._start_in_place(records, planner, files, pools)
             self._stream_records(records, planner)  # the small ones, while the big ones are read
             for deliver in in_place:
                 deliver.result()()
@@ -240,8 +241,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         finally:
             for pool in pools:
                 pool.shutdown(wait=True, cancel_futures=True)
-            if local is not None:
-                local.close()
+            if files is not None:
+                files.close()
             if undo is not None:
                 undo.close()
             self._undo_queue = None
@@ -295,9 +296,9 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 )
 
     def _start_in_place(
-        self, records: list[_Record], planner: LoadPlanner, files: LocalFiles, pools: tuple[ThreadPoolExecutor, ...]
+        self, records: list[_Record], planner: LoadPlanner, files: InPlaceFiles, pools: tuple[ThreadPoolExecutor, ...]
     ) -> tuple[list[_Record], list[ThreadFuture[Callable[[], None]]]]:
-        """Local files: start reading big records' tensor bytes straight into their targets,
+        """Start reading big records' tensor bytes straight into their targets,
         several at once and checksummed on pool threads (no window, no copy).
 
         Returns the records left to stream, and per started record a future of the step that
@@ -306,7 +307,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         it must buffer (a resharded read, say) is read whole into its buffer instead.
         """
         reads, checks = pools
-        big = [r for r in records if r.length >= _IN_PLACE_MIN]
+        at_least = _IN_PLACE_MIN if self.location.is_local else max(_IN_PLACE_MIN, self.max_request_bytes)
+        big = [r for r in records if r.length >= at_least]
         heads = [reads.submit(files.read, r.path, min(r.length, _HEAD_BYTES), r.offset) for r in big]
         started = []
         for rec, head_read in zip(big, heads):
@@ -322,10 +324,10 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 for p in range(0, len(dest), self.max_request_bytes)
             ]
             started.append(checks.submit(self._checksum_when_read, decoder, pieces, files))
-        return [r for r in records if r.length < _IN_PLACE_MIN], started
+        return [r for r in records if r.length < at_least], started
 
     def _checksum_when_read(
-        self, decoder: _LoadDecoder, pieces: list[tuple[int, ThreadFuture[int]]], files: LocalFiles
+        self, decoder: _LoadDecoder, pieces: list[tuple[int, ThreadFuture[int]]], files: InPlaceFiles
     ) -> Callable[[], None]:
         dest, _ = decoder.rest_in_place()
         for piece, read in pieces:
@@ -443,7 +445,7 @@ class _LoadDecoder(RecordDecoder):
             self._target = target
         self.hold_whole()
 
-    # --- in place (local files) -------------------------------------------------------------
+    # --- in place (big records) -------------------------------------------------------------
 
     def rest_in_place(self) -> tuple[memoryview, int]:
         """After the record's first bytes were fed: the memory its remaining bytes go to, and
@@ -457,7 +459,7 @@ class _LoadDecoder(RecordDecoder):
         start = max(self.received, self.layout.data_start)
         return self._dest[start - self.layout.data_start :], start
 
-    def checksum_in_place(self, files: LocalFiles) -> Callable[[], None]:
+    def checksum_in_place(self, files: InPlaceFiles) -> Callable[[], None]:
         """Once :meth:`rest_in_place` is filled (on a pool thread): the CRC of what was read
         and the descriptor after it; returns the step that delivers the record."""
         rest, start = self.rest_in_place()

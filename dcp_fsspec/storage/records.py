@@ -273,18 +273,18 @@ class TensorSpec:
     @property
     def is_dense(self) -> bool:
         """The storage holds exactly this tensor, row-major (so its bytes can be copied as is)."""
-        numel = 1
-        for s in self.size:
+        # Row-major strides as torch gives them (a dimension of 0 counts as 1), in plain Python:
+        # this runs once per record of a load, where a meta tensor costs ~35 µs.
+        numel, step, row_major = 1, 1, []
+        for s in reversed(self.size):
             numel *= s
-        return (
-            self.storage_offset == 0
-            and numel == self.storage_numel
-            and self.stride == tuple(torch.empty(self.size, device="meta").stride())
-        )
+            row_major.append(step)
+            step *= max(s, 1)
+        return self.storage_offset == 0 and numel == self.storage_numel and self.stride == tuple(reversed(row_major))
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ absence becomes a ``StorageError`` naming the URL).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -46,6 +47,46 @@ class RangeReader:
 
     def close(self) -> None:
         pass
+
+
+class InPlaceFiles(RangeReader):
+    """Ranged reads that fill a caller's memory (a load's target tensor) without a copy of their own."""
+
+    def size(self, path: str) -> int:
+        """The file's length now."""
+        raise NotImplementedError
+
+    def read_into(self, path: str, offset: int, view: memoryview) -> int:
+        """Fill ``view`` from ``path`` at ``offset``: the bytes read, fewer only at the end of the file."""
+        raise NotImplementedError
+
+
+class LoopFiles(InPlaceFiles):
+    """:class:`InPlaceFiles` of a store read on its filesystem's event loop (S3, GCS, Azure).
+
+    Each call blocks its (pool) thread while the read runs on the loop, retried by the backend's
+    policy; a retried read fills the same memory again from its first byte.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend.fs)
+        self.backend = backend
+        self._sizes: dict[str, int] = {}
+
+    def _run(self, path: str, make: Callable[[], Any]) -> Any:
+        call = self.backend.retry.call_async(make, url=self.backend.url_of(path))
+        return asyncio.run_coroutine_threadsafe(call, self.fs.loop).result()
+
+    def read(self, path: str, size: int, offset: int) -> bytes:
+        return bytes(self._run(path, lambda: self.backend.read_range_async(path, offset, offset + size)))
+
+    def size(self, path: str) -> int:
+        if path not in self._sizes:  # s3fs answers from the listing the load's preflight made
+            self._sizes[path] = int(self.backend.call("info", path)["size"])
+        return self._sizes[path]
+
+    def read_into(self, path: str, offset: int, view: memoryview) -> int:
+        return int(self._run(path, lambda: self.backend.read_range_into_async(path, offset, view)))
 
 
 class Backend:
@@ -195,6 +236,18 @@ class Backend:
     async def read_range_async(self, path: str, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of ``path``, on the event loop (only where :attr:`async_reads`)."""
         return await self.fs._cat_file(path, start=start, end=end)
+
+    async def read_range_into_async(self, path: str, start: int, view: memoryview) -> int:
+        """Fill ``view`` with the bytes of ``path`` from ``start``, on the event loop: the bytes
+        read, fewer only where the file ends (generic: read, then copy; S3 reads into it)."""
+        data = await self.read_range_async(path, start, start + len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def in_place_files(self) -> InPlaceFiles | None:
+        """Reads a load fills its targets with directly, closed by the caller (generic: on the
+        event loop where :attr:`async_reads`, else none: the load streams every record)."""
+        return LoopFiles(self) if self.async_reads else None
 
     def range_reader(self) -> RangeReader:
         """A reader for the synchronous ranged reads of one load; the caller closes it."""

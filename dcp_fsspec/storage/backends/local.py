@@ -23,7 +23,7 @@ from ...errors import StorageError
 from .. import names
 from ..failures import storage_errors
 from ..uploads import ByteBudget, FileUpload, publish_whole
-from .base import Backend, RangeReader
+from .base import Backend, InPlaceFiles, RangeReader
 
 try:
     import fcntl
@@ -104,6 +104,9 @@ class LocalBackend(Backend):
     def range_reader(self) -> RangeReader:
         return LocalFiles()
 
+    def in_place_files(self) -> InPlaceFiles:
+        return LocalFiles()
+
 
 class LocalUpload(FileUpload):
     """Temporary file + fsync + rename: the final name holds all the bytes or does not exist."""
@@ -157,7 +160,7 @@ class LocalUpload(FileUpload):
             pass
 
 
-class LocalFiles(RangeReader):
+class LocalFiles(InPlaceFiles):
     """Local files opened once each, for positional reads from several threads at once."""
 
     def __init__(self) -> None:

@@ -176,28 +176,32 @@ class S3Backend(Backend):
             logger.warning("could not abort the unfinished uploads under %s: %s", url, e)
 
     async def read_range_async(self, path: str, start: int, end: int) -> bytes | bytearray:
+        out = bytearray(end - start)
+        got = await self.read_range_into_async(path, start, memoryview(out))
+        # The object ends before the span does: the caller reports it truncated.
+        return out if got == len(out) else bytes(out[:got])
+
+    async def read_range_into_async(self, path: str, start: int, view: memoryview) -> int:
+        """The body goes straight into ``view`` (a target tensor's memory, or a fetch's buffer)."""
         bucket, key, version = self.fs.split_path(path)
         response = await self.fs._call_s3(
             "get_object",
             Bucket=bucket,
             Key=key,
-            Range=f"bytes={start}-{end - 1}",
+            Range=f"bytes={start}-{start + len(view) - 1}",
             **({"VersionId": version} if version else {}),
         )
         body = response["Body"]
-        size = end - start
-        out = bytearray(size)
-        view = memoryview(out)
         got = 0
         try:
-            while got < size:
+            while got < len(view):
                 n = await body.readinto(view[got:])
-                if not n:  # the object ends before the span does: the caller reports it truncated
-                    return bytes(view[:got])
+                if not n:
+                    break
                 got += n
         finally:
             body.close()
-        return out
+        return got
 
 
 def _refused_by_condition(error: BaseException) -> bool:
