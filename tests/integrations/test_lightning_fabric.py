@@ -139,7 +139,12 @@ def _sharded_run(rank: int, world_size: int, url: str, options: dict[str, Any], 
         torch.save(state, f"{out}/{phase}.pt")
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+# The async path is storage-independent: on local disk only, to keep the suite short.
+@pytest.mark.parametrize(
+    ("lightning_backend", "async_mode"),
+    [("s3", "disabled"), ("local", "disabled"), ("local", "async")],
+    indirect=["lightning_backend"],
+)
 @pytest.mark.slow
 def test_sharded_checkpoint_on_two_ranks_resumes_bit_identical(
     lightning_backend: Backend, async_mode: str, tmp_path: Path
@@ -147,8 +152,6 @@ def test_sharded_checkpoint_on_two_ranks_resumes_bit_identical(
     """FSDP2 on 2 gloo ranks: fabric.save writes the shards through our writer to the URL, a
     restarted pair of ranks loads them into differently initialised models, trains on, and
     matches 2 ranks that never stopped; a strict load of an entry the checkpoint lacks fails."""
-    if lightning_backend.name == "s3" and async_mode == "async":
-        pytest.skip("the async path is storage-independent; run it on local disk only to keep the suite short")
     out = str(tmp_path)
     url, options = lightning_backend.url, lightning_backend.storage_options
     run_ranks(_sharded_run, 2, tmp_path, url, options, f"plain-{async_mode}", out)

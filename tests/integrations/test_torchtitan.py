@@ -313,13 +313,16 @@ def _resume(rank: int, world_size: int, url: str, options: dict[str, Any], async
         torch.save(state, f"{out}/resumed.pt")
 
 
+# The async paths are storage-independent: on local disk only, to keep the suite short.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "async_mode",
+    ("titan_backend", "async_mode"),
     [
-        "disabled",
-        "async",
+        ("s3", "disabled"),
+        ("local", "disabled"),
+        ("local", "async"),
         pytest.param(
+            "local",
             "async_with_pinned_mem",
             marks=pytest.mark.skipif(
                 not torch.cuda.is_available(),
@@ -327,13 +330,12 @@ def _resume(rank: int, world_size: int, url: str, options: dict[str, Any], async
             ),
         ),
     ],
+    indirect=["titan_backend"],
 )
 def test_fsdp2_on_two_ranks_resumes_bit_identical(titan_backend: Backend, async_mode: str, tmp_path: Path) -> None:
     """FSDP2 on 2 gloo ranks: each rank's shards written by our writer (synchronously, in
     torchtitan's thread, or, where CUDA is, in torch's background process), a restarted pair of ranks resumes
     from step 4 and matches 2 ranks that ran all 6 steps; keep_latest_k=2 leaves 2 folders."""
-    if titan_backend.name == "s3" and async_mode != "disabled":
-        pytest.skip("the async paths are storage-independent; run them on local disk only to keep the suite short")
     url, options, out = titan_backend.url, titan_backend.storage_options, str(tmp_path)
     run_ranks(_first, 2, tmp_path, url, options, async_mode, out)
     assert _steps_left(titan_backend) == ["step-2", "step-4"]
