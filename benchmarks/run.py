@@ -268,17 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(like S3), reading the whole object like stock moto, or each in turn "
                         "(default: both up to 1024 MiB, ranges above: stock GETs hold a copy "
                         "of the whole object per concurrent request)")
-    p.add_argument("--moto-complete", choices=["lean", "stock"], default="lean",
-                   help="CompleteMultipartUpload with one copy of the object (lean) or moto's "
-                        "own (~5 copies in memory, ~80 MB/s here)")
-    p.add_argument("--server", choices=["moto", *SERVERS], default="moto",
-                   help="the S3 server to start on 127.0.0.1: moto in this process (counts "
-                        "requests), or SeaweedFS / Ceph RGW (tests/servers/; installed apart)")
-    p.add_argument("--s3-endpoint", default=None, metavar="URL",
-                   help="a running S3 server instead of starting one; no request counters, "
-                        "no server CPU then")
-    p.add_argument("--s3-key", default="testing", help="access key for --s3-endpoint")
-    p.add_argument("--s3-secret", default="testing", help="secret key for --s3-endpoint")
+    add_server_arguments(p)
     p.add_argument("--no-async", action="store_true", help="skip the Checkpointer async hook")
     p.add_argument("--part-mib", type=int, default=16,
                    help="part / range size of the raw s3fs references")
@@ -286,7 +276,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="concurrent requests (s3) or files (local) of the raw references")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
-    p.add_argument("--local-dir", default=None, help="parent of the temporary local folder")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
     if args.moto_get is None:
@@ -308,6 +297,23 @@ def parse_sizes(text: str) -> list[int]:
 
 def size_label(mib: int) -> str:
     return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that pick the S3 server a benchmark measures (see :func:`start_server`),
+    shared by ``benchmarks.run``, ``benchmarks.small`` and ``benchmarks.tiers``."""
+    p.add_argument("--moto-complete", choices=["lean", "stock"], default="lean",
+                   help="CompleteMultipartUpload with one copy of the object (lean) or moto's "
+                        "own (~5 copies in memory, ~80 MB/s here)")
+    p.add_argument("--server", choices=["moto", *SERVERS], default="moto",
+                   help="the S3 server to start on 127.0.0.1: moto in this process (counts "
+                        "requests), or SeaweedFS / Ceph RGW (tests/servers/; installed apart)")
+    p.add_argument("--s3-endpoint", default=None, metavar="URL",
+                   help="a running S3 server instead of starting one; no request counters, "
+                        "no server CPU then")
+    p.add_argument("--s3-key", default="testing", help="access key for --s3-endpoint")
+    p.add_argument("--s3-secret", default="testing", help="secret key for --s3-endpoint")
+    p.add_argument("--local-dir", default=None, help="parent of the temporary local folder")
 
 
 def start_server(args: argparse.Namespace, sizes: list[int], notes: list[str]) -> tuple[S3Server, list[int]]:

@@ -1,7 +1,8 @@
 """Two tiers against a direct S3 save: what ``save()`` blocks, what a resume costs, how fast the drain uploads.
 
 ``python -m benchmarks.tiers`` starts a moto S3 server on 127.0.0.1 (the harness's
-``CountingS3Server``, port chosen by the OS) and, per repeat, runs four fresh processes on the
+``CountingS3Server``, port chosen by the OS; ``--server ceph`` or ``seaweedfs`` starts that
+server instead, ``--s3-endpoint`` uses a running one) and, per repeat, runs four fresh processes on the
 same 1 GiB state (``benchmarks/state.py``), each printing one JSON line:
 
 * ``direct`` — ``Checkpointer(s3_url).save(1, model=state)`` in synchronous mode: the time
@@ -33,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from . import state as st
-from .run import REPO, drop_page_cache, git_revision
-from .s3server import CountingS3Server
+from .run import REPO, add_server_arguments, drop_page_cache, git_revision, start_server
 
 PHASES = ("direct", "tiered", "resume-local", "resume-s3")
 GB = 1e9
@@ -115,9 +115,9 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return m
 
 
-def table(m: dict[str, Any], size_mib: int) -> str:
+def table(m: dict[str, Any], size_mib: int, server: str) -> str:
     return "\n".join([
-        f"| {size_mib} MiB state, moto S3 on 127.0.0.1 (medians) | seconds | |",
+        f"| {size_mib} MiB state, {server} on 127.0.0.1 (medians) | seconds | |",
         "|---|---|---|",
         f"| `save()` blocks, direct S3 (sync) | {m['direct_save_s']:.2f} | {m['direct_upload_gbps']:.3f} GB/s upload |",
         f"| `save()` blocks, local tier (sync) | {m['tiered_save_s']:.2f} | {m['save_ratio']:.2f}x the direct save |",
@@ -137,35 +137,41 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--local", help=argparse.SUPPRESS)
     p.add_argument("--storage-options", default="{}", help=argparse.SUPPRESS)
+    add_server_arguments(p)
     args = p.parse_args(argv)
     if args.phase is not None:
         print(json.dumps(_worker(args)), flush=True)
         return
     samples: list[dict[str, Any]] = []
-    with CountingS3Server() as server, tempfile.TemporaryDirectory(prefix="dcp-fsspec-tiers-") as tmp:
-        options = server.storage_options()
-        import fsspec
+    server, _ = start_server(args, [args.size_mib], [])
+    server_name = "S3 at " + args.s3_endpoint if args.s3_endpoint else {"ceph": "Ceph RGW", "seaweedfs": "SeaweedFS"}.get(args.server, "moto S3")
+    try:
+        with tempfile.TemporaryDirectory(prefix="dcp-fsspec-tiers-", dir=args.local_dir) as tmp:
+            options = server.storage_options()
+            server.create_bucket("bench")
+            import fsspec
 
-        s3 = fsspec.filesystem("s3", **options)
-        s3.mkdir("bench")
-        for repeat in range(args.repeats):
-            direct, tiered = f"s3://bench/direct-{repeat}", f"s3://bench/tiered-{repeat}"
-            local, fresh = f"{tmp}/local-{repeat}", f"{tmp}/fresh-{repeat}"
-            samples.append(_run_phase("direct", repeat, direct, local, options, args))
-            s3.rm(direct, recursive=True)  # moto keeps objects in memory
-            samples.append(_run_phase("tiered", repeat, tiered, local, options, args))
-            samples.append(_run_phase("resume-local", repeat, tiered, local, options, args))
-            samples.append(_run_phase("resume-s3", repeat, tiered, fresh, options, args))
-            s3.rm(tiered, recursive=True)
-            shutil.rmtree(local, ignore_errors=True)
-            shutil.rmtree(fresh, ignore_errors=True)
+            s3 = fsspec.filesystem("s3", **options)
+            for repeat in range(args.repeats):
+                direct, tiered = f"s3://bench/direct-{repeat}", f"s3://bench/tiered-{repeat}"
+                local, fresh = f"{tmp}/local-{repeat}", f"{tmp}/fresh-{repeat}"
+                samples.append(_run_phase("direct", repeat, direct, local, options, args))
+                s3.rm(direct, recursive=True)  # moto keeps objects in memory, Ceph on a sparse file
+                samples.append(_run_phase("tiered", repeat, tiered, local, options, args))
+                samples.append(_run_phase("resume-local", repeat, tiered, local, options, args))
+                samples.append(_run_phase("resume-s3", repeat, tiered, fresh, options, args))
+                s3.rm(tiered, recursive=True)
+                shutil.rmtree(local, ignore_errors=True)
+                shutil.rmtree(fresh, ignore_errors=True)
+    finally:
+        server.stop()
     m = summary(samples)
     for s in samples:
         if "bit_exact" in s and not s["bit_exact"]:
             raise SystemExit(f"{s['phase']} (repeat {s['repeat']}) did not load the state bit for bit")
     print(json.dumps({"kind": "summary", "date": datetime.date.today().isoformat(), "commit": git_revision(),
-                      "repeats": args.repeats, "size_mib": args.size_mib, **m}), flush=True)  # fmt: skip
-    print(table(m, args.size_mib))
+                      "repeats": args.repeats, "size_mib": args.size_mib, "server": server_name, **m}), flush=True)  # fmt: skip
+    print(table(m, args.size_mib, server_name))
 
 
 if __name__ == "__main__":
