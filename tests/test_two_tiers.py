@@ -669,3 +669,31 @@ def test_two_fsdp2_ranks_each_with_its_own_local_disk_resume_locally_or_durably_
     from_durable = str(tmp_path / "from-durable")
     run_ranks(_fsdp_resume, 2, tmp_path, url, options, nodes, from_durable)
     _resumed(from_durable, saved, 6, DURABLE)
+
+
+def _own_folders_async_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:
+    """Per-node local folders with async saves: stage, return, commit locally and drain behind."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])
+    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", async_mode="async_with_pinned_mem") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
+        ckpt.wait()
+        Path(f"{out}.{rank}").write_text(json.dumps(ckpt.committed_iterations()))
+
+
+@pytest.mark.slow
+def test_async_saves_on_per_node_folders_commit_on_each_node_and_drain_into_one_plain_durable_checkpoint(
+    tmp_path: Path,
+) -> None:
+    url, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    run_ranks(_own_folders_async_save, 2, tmp_path, url, str(tmp_path), out)
+    for rank in (0, 1):
+        assert json.loads(Path(f"{out}.{rank}").read_text()) == [1, 2]
+        assert _pointer(str(tmp_path / f"node-{rank}" / f"rank{rank}"), {}) == 2
+    assert _pointer(url, {}) == 2 and commit.committed_iterations(resolve(url)) == [1, 2]
+    folder = tmp_path / "durable" / "iter_000000002" / "trainer"
+    assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    target = {"w": torch.zeros(8, 8), "r": torch.zeros(3), "step": 0}
+    dcp.load(target, storage_reader=FsspecStorageReader(str(folder)), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(64.0).reshape(8, 8) * 2) and target["step"] == 2
