@@ -133,6 +133,17 @@ def test_a_small_save_and_load_cost_a_bounded_number_of_requests(s3_backend: Bac
     assert saved.count("get_object ckpt/latest_checkpoint.txt") == 2, saved
 
 
+def test_a_small_save_on_one_rank_writes_its_keys_at_once(s3_backend: Backend, request_log: RequestLog) -> None:
+    data_files = Gate(len(KEYS))
+    request_log.gates.append((lambda line: line.startswith("put_object") and line.endswith(".distcp"), data_files))
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        state = _small_state(0)
+        assert ckpt.load(**state) == 1
+    assert data_files.batches == [len(KEYS)], request_log.lines
+    assert torch.equal(state["optim"]["m"], _small_state(1)["optim"]["m"])
+
+
 def test_a_commit_reads_every_keys_metadata_at_once(s3_backend: Backend, request_log: RequestLog) -> None:
     commit_reads = Gate(len(KEYS))
 
