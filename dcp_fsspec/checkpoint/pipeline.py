@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch.distributed.checkpoint as dcp
@@ -34,6 +34,7 @@ from ..storage.verification import verify_checkpoint
 from ..storage.writer import FsspecStorageWriter
 from . import commit, layout, retention
 from ._collectives import Collectives
+from .at_once import at_once
 from .events import tensor_nbytes
 
 logger = logging.getLogger(__name__)
@@ -126,14 +127,19 @@ class SavePipeline:
         anything (its leftovers may be those of a save still running)."""
         root, overwrite = self._root, self.settings.overwrite
         folder = root.url_of(layout.iteration_path(root, iteration))
-        latest = commit.read_pointer(root)
+        # Three questions, one round trip: the pointer, the iteration's record, its folder.
+        latest, record, present = at_once([
+            partial(commit.read_pointer, root),
+            partial(commit.read_commit_record, root, iteration),
+            partial(commit.exists, root, layout.iteration_path(root, iteration)),
+        ], name="prepare")  # fmt: skip
         if latest is not None and latest > iteration and not overwrite:
             raise CheckpointExistsError(
                 f"cannot save {folder}: {commit.pointer_url(root)} already names the newer "
                 f"{layout.format_iteration(latest)} and never moves backwards; save a later iteration, use "
                 "a new save_dirname, or pass overwrite=True to write it anyway (the pointer stays)"
             )
-        record, reason = commit.inspect_iteration(root, iteration)
+        record, reason = commit.judge_iteration(root, iteration, record, present)
         # Committed but newer than the pointer: its save died between the commit record and the
         # pointer, so nothing names it; the resumed run replaces it like any leftover.
         unpublished = record is not None and (latest is None or latest < iteration)
@@ -167,10 +173,7 @@ class SavePipeline:
             for key in staged:
                 write(key)
             return
-        with ThreadPoolExecutor(max_workers=len(staged), thread_name_prefix="dcp-fsspec-key") as pool:
-            futures = [pool.submit(write, key) for key in staged]
-        for future in futures:
-            future.result()
+        at_once([partial(write, key) for key in staged], name="key")
 
     def _keys_at_once(self, staged: dict[str, dict[str, Any]]) -> bool:
         """Whether the keys may be written side by side.
@@ -196,8 +199,11 @@ class SavePipeline:
             save_id=save_id,
             unique_file_names=unique_file_names,
             # Not the storage writer's default (True, torch's): the iteration was cleared at
-            # prepare, so a key's .metadata here now is another save's, and must stay.
+            # prepare, so a key's .metadata here now is another save's, and must stay. For the
+            # same reason nothing is looked for first: .metadata is created only if absent, and
+            # the commit checks every key's token.
             overwrite=False,
+            _fresh_folder=True,
             **self.settings.writer.as_kwargs(),
         )
         try:
