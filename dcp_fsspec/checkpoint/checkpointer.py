@@ -566,7 +566,7 @@ class Checkpointer:
                 return e
             return None
 
-        errors = at_once([partial(read, key, where) for key, where in ordered], name="load")
+        errors = at_once([partial(read, key, where) for key, where in ordered])
         for i, ((key, _), error) in enumerate(zip(ordered, errors, strict=True)):
             if error is not None:
                 raise preflight.partly_loaded(error, key, [k for k, _ in ordered[:i]]) from error

@@ -209,7 +209,7 @@ def folder_read(results: list[object], keys: tuple[str, ...]) -> FolderRead:
 
 def read_folder(root: Location, iteration: int, keys: tuple[str, ...]) -> FolderRead:
     """``iteration``'s listing and each of ``keys``' ``.metadata``, read at once."""
-    return folder_read(at_once(folder_reads(root, iteration, keys), name="folder"), keys)
+    return folder_read(at_once(folder_reads(root, iteration, keys)), keys)
 
 
 def _metadata_bytes(root: Location, iteration: int, key: str) -> bytes | None:
@@ -477,7 +477,7 @@ def publish(
         StorageError: the backend failed; the pointer did not move.
     """
     with root.backend.exclusive(root.path):
-        read, *found = at_once([partial(_read_pointer_file, root), *folder_reads(root, iteration, keys)], name="commit")
+        read, *found = at_once([partial(_read_pointer_file, root), *folder_reads(root, iteration, keys)])
         current = _parse_pointer(root, read.data)
         if current is not None and current > iteration and not behind_pointer:
             raise _moved_past(root, iteration, current)

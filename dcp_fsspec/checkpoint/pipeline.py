@@ -132,7 +132,7 @@ class SavePipeline:
             partial(commit.read_pointer, root),
             partial(commit.read_commit_record, root, iteration),
             partial(commit.exists, root, layout.iteration_path(root, iteration)),
-        ], name="prepare")  # fmt: skip
+        ])  # fmt: skip
         if latest is not None and latest > iteration and not overwrite:
             raise CheckpointExistsError(
                 f"cannot save {folder}: {commit.pointer_url(root)} already names the newer "
@@ -173,7 +173,7 @@ class SavePipeline:
             for key in staged:
                 write(key)
             return
-        at_once([partial(write, key) for key in staged], name="key")
+        at_once([partial(write, key) for key in staged])
 
     def _keys_at_once(self, staged: dict[str, dict[str, Any]]) -> bool:
         """Whether the keys may be written side by side.

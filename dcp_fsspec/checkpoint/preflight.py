@@ -194,7 +194,7 @@ def check_keys(
             for check in checks:
                 check()
         else:
-            at_once(checks, name="preflight")
+            at_once(checks)
     except Exception as e:  # re-raised below, on every rank
         error = e
     collectives.raise_if_any_failed(error)
