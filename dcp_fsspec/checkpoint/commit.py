@@ -626,7 +626,9 @@ def claim_iteration(root: Location, iteration: int, save_id: str) -> bool:
         return False  # another save is clearing the folder: it is in use, not ours alone
 
 
-def take_over_iteration(root: Location, iteration: int, save_id: str, replacing: CommitRecord | None) -> None:
+def take_over_iteration(
+    root: Location, iteration: int, save_id: str, replacing: CommitRecord | None, *, unpublished: bool = False
+) -> None:
     """Make ``iteration``'s folder this save's alone, then delete everything else in it.
 
     For a folder that holds something: a save's leftovers (it may have died, or be running
@@ -637,6 +639,10 @@ def take_over_iteration(root: Location, iteration: int, save_id: str, replacing:
     landed first is never deleted (this raises), and once the mark is there the other's commit
     (created only if absent) fails. Only this save's commit may replace the mark
     (``commit_record(..., taken_over=True)``); a later save takes over a mark like any leftover.
+    ``unpublished``: ``replacing`` is replaced only because the pointer did not name it when the
+    caller looked (a save that died between its record and the pointer); it stays if the pointer
+    names it now, read under the same lock that a commit holds from its record to its pointer
+    (a save that was in between then, running, not dead).
 
     Raises:
         CheckpointExistsError: another save committed the iteration since the caller looked
@@ -651,6 +657,8 @@ def take_over_iteration(root: Location, iteration: int, save_id: str, replacing:
         current = _parse_record(root, path, read.data)
         if current is not None and current != replacing and not unfinished_keys(root, iteration, current.keys):
             raised = True
+        elif unpublished and current is not None and _published(root, iteration):
+            raised = True  # published since the caller looked: a running save's, not a dead one's
         else:
             raised = not backend.replace_if_unchanged(path, _take_over_mark(save_id), read)
     if raised:
@@ -668,6 +676,12 @@ def take_over_iteration(root: Location, iteration: int, save_id: str, replacing:
                 pass  # its writer removed it first
     backend.abort_pending_uploads(folder)
     backend.invalidate(folder)
+
+
+def _published(root: Location, iteration: int) -> bool:
+    """Whether the pointer names ``iteration`` or a newer one."""
+    latest = read_pointer(root)
+    return latest is not None and latest >= iteration
 
 
 def discard_iteration(root: Location, iteration: int) -> None:

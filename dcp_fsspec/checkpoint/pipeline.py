@@ -155,7 +155,7 @@ class SavePipeline:
         elif reason != "does not exist":
             logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
         if record is not None or reason != "does not exist":
-            commit.take_over_iteration(root, iteration, save_id, replacing=record)
+            commit.take_over_iteration(root, iteration, save_id, replacing=record, unpublished=unpublished and not overwrite)
             return Prepared(save_id, claimed=False, taken_over=True)
         return Prepared(save_id, commit.claim_iteration(root, iteration, save_id), taken_over=False)
 
