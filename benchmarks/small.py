@@ -12,14 +12,16 @@ small models checkpoint it, saved and loaded again and again in one process:
   written; a load reads the pointer and runs one ``dcp.load`` per key with ``FsspecReader``.
 
 The first save and load of each (connections, imports) are not counted; the table shows the
-medians of the rest, in ms, and on moto the requests one save and one load sent (counted at the
-server). One JSON line per implementation and backend, then the table.
+medians of the rest: wall ms, CPU ms of this process (on moto that includes the server, which
+runs in this process), and on moto the requests one save and one load sent (counted at the
+server). One JSON line per implementation and backend, then the table and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -103,17 +105,17 @@ IMPLS: dict[str, Callable[[str, dict[str, Any]], Any]] = {"dcp_fsspec": Ours, "t
 
 def measure(impl: Any, repeats: int, counters_url: str | None) -> dict[str, Any]:
     state = small_state()
-    save_ms, load_ms, save_requests, load_requests = [], [], [], []
+    save_ms, load_ms, save_cpu_ms, load_cpu_ms, save_requests, load_requests = [], [], [], [], [], []
     for i in range(repeats + 1):  # the first of each warms up
         before = fetch_counters(counters_url) if counters_url else None
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         impl.save(i + 1, state)
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         middle = fetch_counters(counters_url) if counters_url else None
         target = _zeros_like(state)
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         loaded = impl.load(target)
-        t3 = time.perf_counter()
+        c3, t3 = time.process_time(), time.perf_counter()
         after = fetch_counters(counters_url) if counters_url else None
         same = all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state), strict=True))
         if loaded != i + 1 or not same:
@@ -122,6 +124,8 @@ def measure(impl: Any, repeats: int, counters_url: str | None) -> dict[str, Any]
             continue
         save_ms.append((t1 - t0) * 1e3)
         load_ms.append((t3 - t2) * 1e3)
+        save_cpu_ms.append((c1 - c0) * 1e3)
+        load_cpu_ms.append((c3 - c2) * 1e3)
         if before is not None and middle is not None and after is not None:
             save_requests.append(totals(delta(before, middle))["requests"])
             load_requests.append(totals(delta(middle, after))["requests"])
@@ -129,9 +133,12 @@ def measure(impl: Any, repeats: int, counters_url: str | None) -> dict[str, Any]
     return {
         "save_ms": statistics.median(save_ms),
         "load_ms": statistics.median(load_ms),
+        "save_cpu_ms": statistics.median(save_cpu_ms),
+        "load_cpu_ms": statistics.median(load_cpu_ms),
         "save_requests": statistics.median(save_requests) if save_requests else None,
         "load_requests": statistics.median(load_requests) if load_requests else None,
         "state_bytes": nbytes,
+        "keys": len(state),
         "repeats": repeats,
     }
 
@@ -145,16 +152,19 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | implementation | save ms | load ms | requests per save / load |", "|---|---|---:|---:|---|"]
+    lines = ["| backend | implementation | state | save ms | load ms | CPU ms save / load | requests per save / load |",
+             "|---|---|---|---:|---:|---|---|"]  # fmt: skip
     for r in rows:
         req = "–" if r["save_requests"] is None else f"{r['save_requests']:.0f} / {r['load_requests']:.0f}"
-        lines.append(f"| {r['backend']} | {r['label']} | {r['save_ms']:.0f} | {r['load_ms']:.0f} | {req} |")
+        state = f"{r['state_bytes'] / 2**20:.1f} MiB, {r['keys']} keys"
+        cpu = f"{r['save_cpu_ms']:.0f} / {r['load_cpu_ms']:.0f}"
+        lines.append(f"| {r['backend']} | {r['label']} | {state} | {r['save_ms']:.0f} | {r['load_ms']:.0f} | {cpu} | {req} |")
     by = {(r["backend"], r["impl"]): r for r in rows}
     for backend in dict.fromkeys(r["backend"] for r in rows):
         ours, torch_ = by.get((backend, "dcp_fsspec")), by.get((backend, "torch"))
         if ours and torch_:
-            lines.append(f"| {backend} | ours ÷ torch | {ours['save_ms'] / torch_['save_ms']:.2f}× | "
-                         f"{ours['load_ms'] / torch_['load_ms']:.2f}× | |")  # fmt: skip
+            lines.append(f"| {backend} | ours ÷ torch | | {ours['save_ms'] / torch_['save_ms']:.2f}× | "
+                         f"{ours['load_ms'] / torch_['load_ms']:.2f}× | | |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -197,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         if server is not None:
             server.stop()
     print(render(rows))
+    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     sys.stdout.flush()
 
 

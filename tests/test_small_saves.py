@@ -26,14 +26,25 @@ KEYS = ("model", "optim", "scheduler", "trainer")
 # Seconds a gate waits for requests sent together; only a save that sends them one by one waits.
 DEADLINE = 20.0
 # What a save of a new iteration sends on S3: the pointer, the iteration's commit record and
-# folder (a HEAD and a LIST), its claim; per key the look for an old .metadata, the data file and
-# .metadata; then the commit: the pointer (its version for the compare-and-swap), one listing,
-# each key's .metadata (the save's token), the commit record and the pointer.
-SAVE_REQUESTS = 5 + 3 * len(KEYS) + 4 + len(KEYS)
+# folder (a HEAD and a LIST), its claim; per key the data file and .metadata; then the commit:
+# the pointer (its version for the compare-and-swap), one listing, each key's .metadata (the
+# save's token), the commit record and the pointer.
+SAVE_REQUESTS = 5 + 2 * len(KEYS) + 4 + len(KEYS)
 # What a load of the latest iteration sends: the pointer, the commit record, the iteration's
-# listing (twice: committed, then saved together), each key's .metadata twice (the token check,
-# then the preflight) and its folder's listing, and each key's data file.
-LOAD_REQUESTS = 4 + 4 * len(KEYS)
+# listing, each key's .metadata (read once: the token check's bytes serve the load), its
+# folder's listing (the preflight's look at the data files) and its data file.
+LOAD_REQUESTS = 3 + 3 * len(KEYS)
+# The same, in round trips one after another (the requests of one round go out together):
+# a save reads the pointer, the iteration's record and whether its folder exists (a HEAD, then a
+# LIST), claims it; writes every key at once (the data file, then .metadata); reads the pointer,
+# the listing and every .metadata at once; writes the commit record, then the pointer.
+SAVE_ROUNDS = 2 + 1 + 2 + 1 + 1 + 1
+# A load reads the pointer; the commit record; the listing and every key's .metadata at once;
+# every key's folder listing (the preflight) at once; every key's data file at once.
+LOAD_ROUNDS = 1 + 1 + 1 + 1 + 1
+# How long each request waits before it is sent, in the test of round trips: far longer than
+# starting the threads that send requests together takes, so that those start in one round.
+ROUND_DELAY = 0.25
 
 
 class Gate:
@@ -73,10 +84,24 @@ class Gate:
 @dataclass
 class RequestLog:
     """Every S3 API call made while the test runs, as ``"operation key"``, in order; requests
-    that a gate's predicate picks wait at that gate (s3fs sends them all from one event loop)."""
+    that a gate's predicate picks wait at that gate (s3fs sends them all from one event loop).
+
+    With a ``delay``, every request waits that long before it is sent, and is numbered with the
+    round trip it belongs to: one more than the highest round of the requests that had finished
+    when it started. Requests sent together share a round; one that waited for another's answer
+    is a round later. So the highest round is the number of round trips one after another.
+    """
 
     lines: list[str] = field(default_factory=list)
     gates: list[tuple[Callable[[str], bool], Gate]] = field(default_factory=list)
+    delay: float = 0.0
+    rounds: list[int] = field(default_factory=list)
+    finished_round: int = 0
+
+    def clear(self) -> None:
+        self.lines.clear()
+        self.rounds.clear()
+        self.finished_round = 0
 
 
 @pytest.fixture
@@ -87,10 +112,16 @@ def request_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[RequestLog]:
     async def logging_call(self: s3fs.S3FileSystem, method: str, *args: Any, **kwargs: Any) -> Any:
         line = f"{method} {kwargs.get('Key', kwargs.get('Prefix', ''))}"
         log.lines.append(line)
+        round_ = log.finished_round + 1
+        log.rounds.append(round_)
         for picks, gate in log.gates:
             if picks(line):
                 await gate.through()
-        return await real(self, method, *args, **kwargs)
+        await asyncio.sleep(log.delay)
+        try:
+            return await real(self, method, *args, **kwargs)
+        finally:
+            log.finished_round = max(log.finished_round, round_)
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", logging_call)
     yield log
@@ -116,11 +147,11 @@ def _show(what: str, log: list[str]) -> None:
 def test_a_small_save_and_load_cost_a_bounded_number_of_requests(s3_backend: Backend, request_log: RequestLog) -> None:
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
         ckpt.save(1, **_small_state(1))
-        request_log.lines.clear()
+        request_log.clear()
         ckpt.save(2, **_small_state(2))
         saved = list(request_log.lines)
         _show("save", saved)
-    request_log.lines.clear()
+    request_log.clear()
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
         state = _small_state(0)
         assert ckpt.load(**state) == 2
@@ -131,6 +162,37 @@ def test_a_small_save_and_load_cost_a_bounded_number_of_requests(s3_backend: Bac
     assert len(loaded) <= LOAD_REQUESTS, loaded
     # The pointer: read at the preparation, and once more for the compare-and-swap that moves it.
     assert saved.count("get_object ckpt/latest_checkpoint.txt") == 2, saved
+
+
+def test_a_small_save_and_load_are_a_bounded_number_of_round_trips_one_after_another(
+    s3_backend: Backend, request_log: RequestLog
+) -> None:
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        request_log.clear()
+        request_log.delay = ROUND_DELAY
+        ckpt.save(2, **_small_state(2))
+        saved = list(zip(request_log.rounds, request_log.lines, strict=True))
+        request_log.clear()
+        state = _small_state(0)
+        assert ckpt.load(**state) == 2
+        loaded = list(zip(request_log.rounds, request_log.lines, strict=True))
+    _show("save, by round trip", [f"{r} {line}" for r, line in saved])
+    _show("load, by round trip", [f"{r} {line}" for r, line in loaded])
+    assert torch.equal(state["model"]["w"], _small_state(2)["model"]["w"])
+    assert max(r for r, _ in saved) <= SAVE_ROUNDS, saved
+    assert max(r for r, _ in loaded) <= LOAD_ROUNDS, loaded
+
+
+def test_a_small_save_on_one_rank_writes_its_keys_at_once(s3_backend: Backend, request_log: RequestLog) -> None:
+    data_files = Gate(len(KEYS))
+    request_log.gates.append((lambda line: line.startswith("put_object") and line.endswith(".distcp"), data_files))
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        state = _small_state(0)
+        assert ckpt.load(**state) == 1
+    assert data_files.batches == [len(KEYS)], request_log.lines
+    assert torch.equal(state["optim"]["m"], _small_state(1)["optim"]["m"])
 
 
 def test_a_commit_reads_every_keys_metadata_at_once(s3_backend: Backend, request_log: RequestLog) -> None:

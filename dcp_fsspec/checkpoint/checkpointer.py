@@ -18,6 +18,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Callable
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..storage.urls import redact_url, resolve
 from . import commit, layout, preflight, resume
 from . import state as state_mod
 from ._collectives import Collectives
+from .at_once import at_once
 from .background import BackgroundSaver, ThreadSaver
 from .drain import DRAIN_EVERY, DRAIN_POLICIES
 from .events import Callback, CheckpointEvent, report, tensor_nbytes
@@ -433,7 +435,7 @@ class Checkpointer:
                 )  # fmt: skip
             elif plan is None:
                 logger.info("no checkpoint under %s and no load_path: training from scratch", self.url)
-            return plan
+            return plan if plan is None or not self._collectives.distributed else plan.without_metadata()
 
         plan = self._collectives.run_on_rank0(plan_on_rank0)
         if plan is None:
@@ -473,12 +475,19 @@ class Checkpointer:
                 ordered, state, model=state.get(MODEL_KEY), reader_options=reader_options,
                 new_planner=self._new_planner, collectives=self._collectives, alone=alone,
             )  # fmt: skip
+            side_by_side = self._keys_at_once(checked)
+            if side_by_side:
+                self._read_keys_at_once(ordered, checked)
             for key, where in ordered:
                 try:
-                    nbytes += self._load_key(key, where, checked[key], state[key], model=state.get(MODEL_KEY), alone=alone)
+                    if not side_by_side:
+                        self._read_key(key, where, checked[key], alone=alone)
+                    state_mod.restore(key, state[key], checked[key].state_dict, model=state.get(MODEL_KEY),
+                                      strict=self._resume_options.strict_resume)  # fmt: skip
                 except CorruptCheckpointError as e:
                     raise preflight.partly_loaded(e, key, applied) from e
                 applied.append(key)
+                nbytes += tensor_nbytes(checked[key].state_dict)
         except CorruptCheckpointError as e:
             if plan.from_load_path or tier == LOCAL:
                 raise
@@ -531,11 +540,39 @@ class Checkpointer:
         self._tiers.resumed_locally(resumed, durable_latest)
         return resumed
 
-    def _load_key(
-        self, key: str, where: KeyToLoad, checked: preflight.CheckedKey, value: Any, *, model: Any, alone: bool
-    ) -> int:
-        """Load one checked key in place; return the tensor bytes this rank read (``alone``: see
-        :meth:`_load_plan`)."""
+    def _keys_at_once(self, checked: dict[str, preflight.CheckedKey]) -> bool:
+        """Whether the keys may be read side by side: as the save writes them (see
+        :meth:`.pipeline.SavePipeline._keys_at_once`), on one rank and while the whole state fits
+        one reader's window, so that several readers hold no more memory than one would."""
+        return (
+            len(checked) > 1
+            and not self._collectives.distributed
+            and sum(tensor_nbytes(c.state_dict) for c in checked.values()) <= self._reader_settings.window_bytes
+        )
+
+    def _read_keys_at_once(self, ordered: list[tuple[str, KeyToLoad]], checked: dict[str, preflight.CheckedKey]) -> None:
+        """One rank: read every key's data at once (keys are independent DCP checkpoints, so a
+        small load costs the round trips of one key); they are restored afterwards, in order.
+
+        Raises:
+            CorruptCheckpointError: a key's data is damaged (the first in order, named as partly
+                loaded); the keys before it are named as restored (their tensors were read in
+                place), and those after it may be partly loaded too.
+        """
+        def read(key: str, where: KeyToLoad) -> CorruptCheckpointError | None:
+            try:
+                self._read_key(key, where, checked[key], alone=False)
+            except CorruptCheckpointError as e:
+                return e
+            return None
+
+        errors = at_once([partial(read, key, where) for key, where in ordered])
+        for i, ((key, _), error) in enumerate(zip(ordered, errors, strict=True)):
+            if error is not None:
+                raise preflight.partly_loaded(error, key, [k for k, _ in ordered[:i]]) from error
+
+    def _read_key(self, key: str, where: KeyToLoad, checked: preflight.CheckedKey, *, alone: bool) -> None:
+        """Read one checked key's tensors into its state dict (``alone``: see :meth:`_load_plan`)."""
         error: Exception | None = None
         try:
             dcp.load(
@@ -555,8 +592,6 @@ class Checkpointer:
             self._collectives.raise_if_any_failed(error)
         elif error is not None:
             raise error
-        state_mod.restore(key, value, checked.state_dict, model=model, strict=self._resume_options.strict_resume)
-        return tensor_nbytes(checked.state_dict)
 
     def _new_planner(self) -> SafeLoadPlanner:
         return SafeLoadPlanner(allow_partial_load=not self._resume_options.strict_resume, trust_checkpoint=self._trust_checkpoint)

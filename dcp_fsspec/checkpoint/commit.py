@@ -22,14 +22,16 @@ import logging
 import posixpath
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from ..storage.backends import Versioned
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 from ..storage.urls import Location
 from . import layout
+from .at_once import at_once
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +47,6 @@ _TAKEN_OVER_BY = "taken_over_by"
 _MAX_RECORD_BYTES = 1024 * 1024
 # How often a pointer update re-reads and tries again after losing a race to another writer.
 _POINTER_ROUNDS = 20
-# How many keys' .metadata a commit or a load's token check reads at once.
-_READS_AT_ONCE = 16
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,47 @@ def unfinished_keys(
     return [k for k in absent if not key_is_committed(root, iteration, k)]
 
 
+@dataclass(frozen=True)
+class FolderRead:
+    """An iteration folder as one round trip reads it: its listing and each key's ``.metadata``.
+
+    Attributes:
+        listed: every file under the folder (one recursive listing).
+        metadata: each key asked about → the bytes of its ``.metadata``, ``None`` where it has
+            none (read with a call that raises on failure: an error never reads as "missing").
+    """
+
+    listed: set[str]
+    metadata: dict[str, bytes | None]
+
+    def unfinished(self, keys: tuple[str, ...]) -> list[str]:
+        """The ``keys`` that have no ``.metadata``, in order."""
+        return [k for k in keys if self.metadata[k] is None]
+
+
+def folder_reads(root: Location, iteration: int, keys: tuple[str, ...]) -> list[Callable[[], object]]:
+    """The calls that read ``iteration``'s folder for ``keys``, to send with others at once
+    (:func:`.at_once.at_once`); :func:`folder_read` makes their results a :class:`FolderRead`."""
+    return [partial(_files_of, root, iteration), *(partial(_metadata_bytes, root, iteration, k) for k in keys)]
+
+
+def folder_read(results: list[object], keys: tuple[str, ...]) -> FolderRead:
+    """The :class:`FolderRead` of :func:`folder_reads`'s results."""
+    listed, *metadata = results
+    assert isinstance(listed, set)
+    return FolderRead(listed, dict(zip(keys, metadata, strict=True)))  # type: ignore[arg-type]
+
+
+def read_folder(root: Location, iteration: int, keys: tuple[str, ...]) -> FolderRead:
+    """``iteration``'s listing and each of ``keys``' ``.metadata``, read at once."""
+    return folder_read(at_once(folder_reads(root, iteration, keys)), keys)
+
+
+def _metadata_bytes(root: Location, iteration: int, key: str) -> bytes | None:
+    # One GET on S3, present or not.
+    return root.backend.read_versioned(posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME)).data
+
+
 def inspect_iteration(
     root: Location, iteration: int, *, latest: int | None = None
 ) -> tuple[CommitRecord | None, str | None]:
@@ -188,11 +229,18 @@ def inspect_iteration(
             it may also be one that retention began to delete (it removes the record first).
     """
     record = read_commit_record(root, iteration)
-    folder = layout.iteration_path(root, iteration)
+    present = record is not None or exists(root, layout.iteration_path(root, iteration))
+    return judge_iteration(root, iteration, record, present, latest=latest)
+
+
+def judge_iteration(
+    root: Location, iteration: int, record: CommitRecord | None, present: bool, *, latest: int | None = None
+) -> tuple[CommitRecord | None, str | None]:
+    """:func:`inspect_iteration` from what the caller read: ``iteration``'s commit record
+    (:func:`read_commit_record`) and whether its folder exists (:func:`exists`), which a caller
+    may read together with other things in one round trip."""
     if record is None:
-        if not exists(root, folder):
-            return None, "does not exist"
-        return None, _no_record(iteration, latest)
+        return None, _no_record(iteration, latest) if present else "does not exist"
     unfinished = unfinished_keys(root, iteration, record.keys)
     if unfinished:
         return None, _unfinished(root, iteration, unfinished[0])
@@ -329,21 +377,50 @@ def require_committed(root: Location, iteration: int, *, named_by: str) -> Commi
     """
     record, reason = inspect_iteration(root, iteration)
     if record is None:
-        folder = root.url_of(layout.iteration_path(root, iteration))
-        committed = [layout.format_iteration(i) for i in committed_iterations(root)]
-        raise CheckpointNotFoundError(
-            f"{named_by} names {folder}, which {reason}; committed iterations there: "
-            f"{committed or 'none'}. Restore that folder, or rewrite {POINTER_NAME} to name a "
-            "committed iteration (or delete it to start over)"
-        )
+        raise _not_committed(root, iteration, str(reason), named_by)
     return record
 
 
-def require_saved_together(root: Location, record: CommitRecord, *, trust_checkpoint: bool = False) -> None:
+def require_loadable(
+    root: Location, iteration: int, *, named_by: str, trust_checkpoint: bool = False
+) -> tuple[CommitRecord, FolderRead]:
+    """:func:`require_committed` and :func:`require_saved_together` in two round trips: the
+    commit record, then the folder's listing and every key's ``.metadata`` at once; returns
+    the record and what was read of the folder (a load parses those ``.metadata`` again rather
+    than reading them again).
+
+    Raises:
+        CheckpointNotFoundError: ``iteration`` is not committed (the message names ``named_by``).
+        CorruptCheckpointError: the record, or a key's ``.metadata``, is not this save's.
+        StorageError: the backend failed.
+    """
+    record = read_commit_record(root, iteration) or require_committed(root, iteration, named_by=named_by)
+    folder = read_folder(root, iteration, record.keys)
+    unfinished = folder.unfinished(record.keys)
+    if unfinished:
+        raise _not_committed(root, iteration, _unfinished(root, iteration, unfinished[0]), named_by)
+    require_saved_together(root, record, trust_checkpoint=trust_checkpoint, folder=folder)
+    return record, folder
+
+
+def _not_committed(root: Location, iteration: int, reason: str, named_by: str) -> CheckpointNotFoundError:
+    folder = root.url_of(layout.iteration_path(root, iteration))
+    committed = [layout.format_iteration(i) for i in committed_iterations(root)]
+    return CheckpointNotFoundError(
+        f"{named_by} names {folder}, which {reason}; committed iterations there: "
+        f"{committed or 'none'}. Restore that folder, or rewrite {POINTER_NAME} to name a "
+        "committed iteration (or delete it to start over)"
+    )
+
+
+def require_saved_together(
+    root: Location, record: CommitRecord, *, trust_checkpoint: bool = False, folder: FolderRead | None = None
+) -> None:
     """Check that every key ``record`` lists is the save that wrote ``record`` (its token).
 
     A folder two saves of one iteration wrote into is never loaded as one checkpoint. A record
-    written before tokens existed (no ``save_id``) is not checked.
+    written before tokens existed (no ``save_id``) is not checked. ``folder``: the folder as the
+    caller read it (:func:`read_folder`), else it is read here.
 
     Raises:
         CorruptCheckpointError: a key's ``.metadata`` carries another save's token, or names a
@@ -352,12 +429,11 @@ def require_saved_together(root: Location, record: CommitRecord, *, trust_checkp
     """
     if record.save_id is None:
         return
-    listed = _files_of(root, record.iteration)
-    problem = _first_key_problem(root, record.iteration, record.keys, record.save_id, listed, trust_checkpoint=trust_checkpoint)
+    folder = read_folder(root, record.iteration, record.keys) if folder is None else folder
+    problem = _first_key_problem(root, record.iteration, record.keys, record.save_id, folder, trust_checkpoint=trust_checkpoint)
     if problem is not None:
-        folder = root.url_of(layout.iteration_path(root, record.iteration))
         raise CorruptCheckpointError(
-            f"{folder} is not the checkpoint its {COMMIT_RECORD_NAME} committed: {problem} (another "
+            f"{root.url_of(layout.iteration_path(root, record.iteration))} is not the checkpoint its {COMMIT_RECORD_NAME} committed: {problem} (another "
             "process saved the same iteration into it); it is not loaded. Load another iteration, "
             "or delete this folder"
         )
@@ -377,7 +453,8 @@ def publish(
 
     One versioned read of the pointer serves both the check that no other run published a newer
     iteration while this one was written and the compare-and-swap that moves it; only a lost race
-    reads it again.
+    reads it again. It goes out with the iteration's listing and every key's ``.metadata`` (the
+    commit's checks): one round trip, then the record's write, then the pointer's.
 
     Args:
         root: the ``save_dirname`` location.
@@ -400,11 +477,11 @@ def publish(
         StorageError: the backend failed; the pointer did not move.
     """
     with root.backend.exclusive(root.path):
-        read = _read_pointer_file(root)
+        read, *found = at_once([partial(_read_pointer_file, root), *folder_reads(root, iteration, keys)])
         current = _parse_pointer(root, read.data)
         if current is not None and current > iteration and not behind_pointer:
             raise _moved_past(root, iteration, current)
-        commit_record(root, iteration, keys, world_size, save_id, taken_over=taken_over)
+        commit_record(root, iteration, keys, world_size, save_id, taken_over=taken_over, folder=folder_read(found, keys))
         if current is not None and current >= iteration:
             return current
         if _replace_pointer(root, _pointer_bytes(iteration), read):
@@ -437,6 +514,7 @@ def commit_record(
     save_id: str | None = None,
     *,
     taken_over: bool = False,
+    folder: FolderRead | None = None,
 ) -> CommitRecord:
     """Write ``iteration``'s commit record once each of ``keys`` is a finished DCP checkpoint
     of this save.
@@ -447,21 +525,22 @@ def commit_record(
     created, never replaced (a conditional write; the caller holds ``exclusive(root)`` where the
     store has no conditional writes), so of two such saves one commits and the other raises.
     ``taken_over``: this save put its mark in the record's place (:func:`take_over_iteration`);
-    the record replaces that mark only if it is still there.
+    the record replaces that mark only if it is still there. ``folder``: the folder as the
+    caller read it (:func:`read_folder`), else it is read here.
 
     Raises:
         CheckpointNotFoundError: a key has no ``.metadata`` (its save did not finish).
         CheckpointExistsError: another save of this iteration wrote a key, or committed first.
     """
-    listed = _files_of(root, iteration)
+    folder = read_folder(root, iteration, keys) if folder is None else folder
     folder_url = root.url_of(layout.iteration_path(root, iteration))
-    for key in unfinished_keys(root, iteration, keys, listed):
+    for key in folder.unfinished(keys):
         url = root.url_of(layout.key_path(root, iteration, key))
         raise CheckpointNotFoundError(
             f"cannot commit {folder_url}: key {key!r} at {url} has no {METADATA_NAME}, so its save "
             "did not finish; save the iteration again"
         )
-    problem = None if save_id is None else _first_key_problem(root, iteration, keys, save_id, listed)
+    problem = None if save_id is None else _first_key_problem(root, iteration, keys, save_id, folder)
     if problem is not None:
         raise CheckpointExistsError(
             f"cannot commit {folder_url}: {problem}, so another process is saving the same "
@@ -486,60 +565,35 @@ def commit_record(
 
 
 def _first_key_problem(
-    root: Location,
-    iteration: int,
-    keys: tuple[str, ...],
-    save_id: str,
-    listed: set[str] | None = None,
-    *,
-    trust_checkpoint: bool = False,
+    root: Location, iteration: int, keys: tuple[str, ...], save_id: str, folder: FolderRead, *, trust_checkpoint: bool = False
 ) -> str | None:
-    """:func:`_key_problem` of the first of ``keys`` (in order) that has one; ``None`` if none has.
+    """Why the first of ``keys`` (in order) that is not the save ``save_id`` wrote is not, in
+    words; ``None`` if every key is.
 
-    Every key's ``.metadata`` is read at once: the keys' reads are one round trip, not one each.
+    A key is that save's when its ``.metadata`` (as ``folder`` read it) carries ``save_id`` and
+    every data file it names is there (in ``folder``'s listing, or confirmed one by one).
+    ``trust_checkpoint``: unpickle ``.metadata`` in full (see :func:`~dcp_fsspec.storage.decoding.parse_metadata`).
 
     Raises:
         CorruptCheckpointError: a ``.metadata`` is not DCP metadata.
         StorageError: the backend failed.
     """
-    def problem_of(key: str) -> str | None:
-        return _key_problem(root, iteration, key, save_id, listed, trust_checkpoint=trust_checkpoint)
+    from ..storage.decoding import parse_metadata  # needs torch; ls, prune and cp never get here
 
-    with ThreadPoolExecutor(max_workers=max(1, min(len(keys), _READS_AT_ONCE)), thread_name_prefix="dcp-fsspec-commit") as pool:
-        problems = list(pool.map(problem_of, keys))
-    return next((p for p in problems if p is not None), None)
-
-
-def _key_problem(
-    root: Location, iteration: int, key: str, save_id: str, listed: set[str] | None, *, trust_checkpoint: bool
-) -> str | None:
-    """Why ``key`` of ``iteration`` is not the save ``save_id`` wrote, in words; ``None`` if it is.
-
-    It is that save's when its ``.metadata`` carries ``save_id`` and every data file it names is
-    there (in ``listed``, one listing of the iteration, or confirmed one by one).
-    ``trust_checkpoint``: unpickle ``.metadata`` in full (see :func:`~dcp_fsspec.storage.decoding.parse_metadata`).
-
-    Raises:
-        CorruptCheckpointError: ``.metadata`` is not DCP metadata.
-        StorageError: the backend failed.
-    """
-    folder = layout.key_path(root, iteration, key)
-    path = posixpath.join(folder, METADATA_NAME)
-    url = root.url_of(path)
-    try:
-        from ..storage.decoding import parse_metadata  # needs torch; ls, prune and cp never get here
-
-        metadata = parse_metadata(root.backend.call("cat_file", path), url, trust_checkpoint=trust_checkpoint)
-    except FileNotFoundError:
-        return f"{url} does not exist"
-    meta = metadata.storage_meta
-    if meta is None or meta.save_id != save_id:
-        return f"{url} was written by another save (save_id {getattr(meta, 'save_id', None)!r}, not {save_id!r})"
-    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-    for name in files:
-        file_path = posixpath.join(folder, name)
-        if (listed is None or file_path not in listed) and not exists(root, file_path):
-            return f"{root.url_of(file_path)}, which {url} names, is missing"
+    for key in keys:
+        key_folder = layout.key_path(root, iteration, key)
+        url = root.url_of(posixpath.join(key_folder, METADATA_NAME))
+        raw = folder.metadata[key]
+        if raw is None:
+            return f"{url} does not exist"
+        meta = parse_metadata(raw, url, trust_checkpoint=trust_checkpoint)
+        stored = meta.storage_meta
+        if stored is None or stored.save_id != save_id:
+            return f"{url} was written by another save (save_id {getattr(stored, 'save_id', None)!r}, not {save_id!r})"
+        for name in sorted({info.relative_path for info in (meta.storage_data or {}).values()}):
+            file_path = posixpath.join(key_folder, name)
+            if file_path not in folder.listed and not exists(root, file_path):
+                return f"{root.url_of(file_path)}, which {url} names, is missing"
     return None
 
 
@@ -565,12 +619,16 @@ def claim_iteration(root: Location, iteration: int, save_id: str) -> bool:
     path = root.join(layout.format_iteration(iteration), CLAIM_NAME)
     try:
         with backend.exclusive(layout.iteration_path(root, iteration)):
-            return create_atomically(root, path, save_id.encode())
+            # Not fsynced: the claim matters only among saves running now. After a crash the
+            # folder holds leftovers with it or without it, and the next save takes it over.
+            return create_atomically(root, path, save_id.encode(), durable=False)
     except FileNotFoundError:
         return False  # another save is clearing the folder: it is in use, not ours alone
 
 
-def take_over_iteration(root: Location, iteration: int, save_id: str, replacing: CommitRecord | None) -> None:
+def take_over_iteration(
+    root: Location, iteration: int, save_id: str, replacing: CommitRecord | None, *, unpublished: bool = False
+) -> None:
     """Make ``iteration``'s folder this save's alone, then delete everything else in it.
 
     For a folder that holds something: a save's leftovers (it may have died, or be running
@@ -581,6 +639,10 @@ def take_over_iteration(root: Location, iteration: int, save_id: str, replacing:
     landed first is never deleted (this raises), and once the mark is there the other's commit
     (created only if absent) fails. Only this save's commit may replace the mark
     (``commit_record(..., taken_over=True)``); a later save takes over a mark like any leftover.
+    ``unpublished``: ``replacing`` is replaced only because the pointer did not name it when the
+    caller looked (a save that died between its record and the pointer); it stays if the pointer
+    names it now, read under the same lock that a commit holds from its record to its pointer
+    (a save that was in between then, running, not dead).
 
     Raises:
         CheckpointExistsError: another save committed the iteration since the caller looked
@@ -595,6 +657,8 @@ def take_over_iteration(root: Location, iteration: int, save_id: str, replacing:
         current = _parse_record(root, path, read.data)
         if current is not None and current != replacing and not unfinished_keys(root, iteration, current.keys):
             raised = True
+        elif unpublished and current is not None and _published(root, iteration):
+            raised = True  # published since the caller looked: a running save's, not a dead one's
         else:
             raised = not backend.replace_if_unchanged(path, _take_over_mark(save_id), read)
     if raised:
@@ -612,6 +676,12 @@ def take_over_iteration(root: Location, iteration: int, save_id: str, replacing:
                 pass  # its writer removed it first
     backend.abort_pending_uploads(folder)
     backend.invalidate(folder)
+
+
+def _published(root: Location, iteration: int) -> bool:
+    """Whether the pointer names ``iteration`` or a newer one."""
+    latest = read_pointer(root)
+    return latest is not None and latest >= iteration
 
 
 def discard_iteration(root: Location, iteration: int) -> None:
@@ -711,9 +781,10 @@ def _replace_pointer(root: Location, data: bytes, read: Versioned) -> bool:
     return root.backend.replace_if_unchanged(root.join(POINTER_NAME), data, read)
 
 
-def create_atomically(root: Location, path: str, data: bytes) -> bool:
+def create_atomically(root: Location, path: str, data: bytes, *, durable: bool = True) -> bool:
     """Write ``data`` to ``path`` only if nothing is there: a conditional write where the store
     has one, else a read and :func:`write_atomically` (the caller holds ``exclusive``).
+    ``durable=False``: on local disk, without the fsyncs that make it survive a power loss.
 
     Returns:
         True if ``path`` now holds ``data`` because of this call (also when the write landed but
@@ -725,11 +796,11 @@ def create_atomically(root: Location, path: str, data: bytes) -> bool:
     existing = backend.read_versioned(path).data
     if existing is not None or backend.conditional_writes:
         return existing == data
-    write_atomically(root, path, data)
+    write_atomically(root, path, data, durable=durable)
     return True
 
 
-def write_atomically(root: Location, path: str, data: bytes) -> None:
+def write_atomically(root: Location, path: str, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix
     (the backend's way: temporary name and rename where there are folders, one PUT elsewhere)."""
-    root.backend.write_small_atomic(path, data)
+    root.backend.write_small_atomic(path, data, fsync=durable)

@@ -4,7 +4,8 @@ One save, read top to bottom in :meth:`SavePipeline.run`: rank 0 prepares the it
 folder (refusing to replace a committed one; taking over one that holds anything, a failed
 save's leftovers or a running save's files, with a mark that the other's commit cannot pass,
 before it clears it) → every rank
-writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` → rank 0 commits
+writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` (a small state
+on one rank: all keys at once) → rank 0 commits
 and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention. The pointer is read
 twice per save, at the preparation and in the compare-and-swap that moves it; retention takes
 the iteration the move left it on. A synchronous save, the background process of an
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch.distributed.checkpoint as dcp
@@ -32,6 +34,8 @@ from ..storage.verification import verify_checkpoint
 from ..storage.writer import FsspecStorageWriter
 from . import commit, layout, retention
 from ._collectives import Collectives
+from .at_once import at_once
+from .events import tensor_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +116,7 @@ class SavePipeline:
         # The save's token, from rank 0 to every rank: in every data file's name and every
         # key's .metadata, and checked at the commit, so a save commits only what it wrote.
         prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration, save_id or uuid.uuid4().hex))
-        for key in keys:
-            self._write_key(iteration, key, staged[key], prepared.save_id, unique_file_names=not prepared.claimed)
+        self._write_keys(iteration, staged, prepared.save_id, unique_file_names=not prepared.claimed)
         latest = self._publish(iteration, keys, prepared)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
             retention.apply_retention(self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest)
@@ -124,14 +127,19 @@ class SavePipeline:
         anything (its leftovers may be those of a save still running)."""
         root, overwrite = self._root, self.settings.overwrite
         folder = root.url_of(layout.iteration_path(root, iteration))
-        latest = commit.read_pointer(root)
+        # Three questions, one round trip: the pointer, the iteration's record, its folder.
+        latest, record, present = at_once([
+            partial(commit.read_pointer, root),
+            partial(commit.read_commit_record, root, iteration),
+            partial(commit.exists, root, layout.iteration_path(root, iteration)),
+        ])  # fmt: skip
         if latest is not None and latest > iteration and not overwrite:
             raise CheckpointExistsError(
                 f"cannot save {folder}: {commit.pointer_url(root)} already names the newer "
                 f"{layout.format_iteration(latest)} and never moves backwards; save a later iteration, use "
                 "a new save_dirname, or pass overwrite=True to write it anyway (the pointer stays)"
             )
-        record, reason = commit.inspect_iteration(root, iteration)
+        record, reason = commit.judge_iteration(root, iteration, record, present)
         # Committed but newer than the pointer: its save died between the commit record and the
         # pointer, so nothing names it; the resumed run replaces it like any leftover.
         unpublished = record is not None and (latest is None or latest < iteration)
@@ -147,9 +155,38 @@ class SavePipeline:
         elif reason != "does not exist":
             logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
         if record is not None or reason != "does not exist":
-            commit.take_over_iteration(root, iteration, save_id, replacing=record)
+            commit.take_over_iteration(root, iteration, save_id, replacing=record, unpublished=unpublished and not overwrite)
             return Prepared(save_id, claimed=False, taken_over=True)
         return Prepared(save_id, commit.claim_iteration(root, iteration, save_id), taken_over=False)
+
+    def _write_keys(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str, *, unique_file_names: bool) -> None:
+        """Write every key: side by side where :meth:`_keys_at_once` allows, else one after another.
+
+        Keys are independent DCP checkpoints, so a small save's time is its round trips, and
+        writing the keys together makes them those of one key. If keys fail, the first one's
+        error (in key order) is raised once every key has finished.
+        """
+        def write(key: str) -> None:
+            self._write_key(iteration, key, staged[key], save_id, unique_file_names=unique_file_names)
+
+        if not self._keys_at_once(staged):
+            for key in staged:
+                write(key)
+            return
+        at_once([partial(write, key) for key in staged])
+
+    def _keys_at_once(self, staged: dict[str, dict[str, Any]]) -> bool:
+        """Whether the keys may be written side by side.
+
+        Only without other ranks: DCP's collectives of two keys on one process group would
+        interleave in a different order on each rank. And only while the whole state fits one
+        writer's in-flight budget, so that several writers hold no more memory than one would.
+        """
+        return (
+            len(staged) > 1
+            and not self._collectives.distributed
+            and tensor_nbytes(staged) <= self.settings.writer.max_inflight_bytes
+        )
 
     def _write_key(
         self, iteration: int, key: str, state_dict: dict[str, Any], save_id: str, *, unique_file_names: bool
@@ -162,8 +199,11 @@ class SavePipeline:
             save_id=save_id,
             unique_file_names=unique_file_names,
             # Not the storage writer's default (True, torch's): the iteration was cleared at
-            # prepare, so a key's .metadata here now is another save's, and must stay.
+            # prepare, so a key's .metadata here now is another save's, and must stay. For the
+            # same reason nothing is looked for first: .metadata is created only if absent, and
+            # the commit checks every key's token.
             overwrite=False,
+            _fresh_folder=True,
             **self.settings.writer.as_kwargs(),
         )
         try:

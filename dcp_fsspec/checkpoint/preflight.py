@@ -24,17 +24,21 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError
+from ..storage.decoding import parse_metadata
+from ..storage.names import METADATA_NAME
 from ..storage.reader import FsspecStorageReader
 from . import state as state_mod
 from ._collectives import Collectives
+from .at_once import at_once
 from .resume import KeyToLoad
 
 
@@ -60,13 +64,29 @@ class _CheckedReader(FsspecStorageReader):
 
     # The .metadata read, and per data file the end of the last record checked there.
     _checked: tuple[Metadata, dict[str, tuple[int, str]]] | None = None
+    # .metadata's bytes where the resume rules read them already (KeyToLoad.metadata).
+    _given: bytes | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._checked is None and self._given is not None and kwargs.get("rank") is None:
+            return self._parse_given(self._given)
         if self._checked is None:
             return super().read_metadata(*args, **kwargs)
         metadata = self._checked[0]
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _parse_given(self, raw: bytes) -> Metadata:
+        """``.metadata`` from the bytes the resume rules read, checked as a read of it is."""
+        try:
+            metadata = parse_metadata(raw, self.location.url_of(self.location.join(METADATA_NAME)),
+                                      trust_checkpoint=self.trust_checkpoint)  # fmt: skip
+        except DcpFsspecError as e:
+            self.metadata_failure = self.metadata_failure or e
+            raise
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -162,8 +182,19 @@ def check_keys(
             # DCP flattens nested dicts, so {"model": sd} receives the entries saved as "model.…".
             target = state_dict if where.nested_under is None else {where.nested_under: state_dict}
             reader = _CheckedReader(where.url, **reader_options)
-            reader.check(target, new_planner(), alone or collectives.rank == 0, covered=alone)
+            reader._given = where.metadata
             checked[key] = CheckedKey(state_dict, target, reader)
+        checks = [
+            partial(c.reader.check, c.target, new_planner(), alone or collectives.rank == 0, covered=alone)
+            for c in checked.values()
+        ]
+        # The checks read each key's .metadata and list its folder: on one rank, every key's at
+        # once (one round trip). With other ranks, one after another, as DCP's planners run there.
+        if collectives.distributed:
+            for check in checks:
+                check()
+        else:
+            at_once(checks)
     except Exception as e:  # re-raised below, on every rank
         error = e
     collectives.raise_if_any_failed(error)

@@ -14,6 +14,7 @@ with a pointer, or a single DCP checkpoint of the model, plain or saved as
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import posixpath
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ class Found:
         keys: each finished key found → its DCP checkpoint's URL (a pointer's: those its commit
             record lists; a folder's: those asked about that have ``.metadata``).
         entries: a single checkpoint's entry names, from its ``.metadata``.
+        metadata: each key → its ``.metadata``'s bytes, as the token check read them (a pointer's).
     """
 
     kind: str
@@ -55,6 +57,7 @@ class Found:
     iteration: int | None = None
     keys: dict[str, str] = field(default_factory=dict)
     entries: tuple[str, ...] = ()
+    metadata: dict[str, bytes] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,13 @@ class KeyToLoad:
         url: the DCP checkpoint.
         nested_under: the checkpoint holds ``{nested_under: state_dict}`` (its entries are named
             ``model.…``), as ``dcp.save({"model": state})`` writes; ``None``: the state dict itself.
+        metadata: its ``.metadata``'s bytes where the resume rules read them already (the load
+            parses them instead of reading them again); ``None``: the load reads them.
     """
 
     url: str
     nested_under: str | None = None
+    metadata: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,12 @@ class ResumePlan:
     keys: dict[str, KeyToLoad]
     from_load_path: bool
     notes: tuple[tuple[int, str], ...] = ()
+
+    def without_metadata(self) -> ResumePlan:
+        """This plan without the ``.metadata`` bytes, for rank 0 to broadcast: every rank reads
+        them itself rather than a large model's metadata going through the process group."""
+        keys = {k: dataclasses.replace(v, metadata=None) for k, v in self.keys.items()}
+        return dataclasses.replace(self, keys=keys)
 
 
 def load_path_keys(wanted: Sequence[str], options: ResumeOptions) -> list[str]:
@@ -180,10 +192,10 @@ def _named_by_pointer(root: Location, trust_checkpoint: bool) -> Found | None:
 
 
 def _committed(root: Location, iteration: int, *, named_by: str, trust_checkpoint: bool) -> Found:
-    record = commit.require_committed(root, iteration, named_by=named_by)
-    commit.require_saved_together(root, record, trust_checkpoint=trust_checkpoint)
+    record, read = commit.require_loadable(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint)
     keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
-    return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, iteration)), iteration, keys)
+    metadata = {k: raw for k, raw in read.metadata.items() if raw is not None}
+    return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, iteration)), iteration, keys, metadata=metadata)
 
 
 def _leftovers(root: Location) -> str | None:
@@ -282,7 +294,7 @@ def _select(
 ) -> ResumePlan:
     missing = [k for k in keys if k not in found.keys]
     notes += _missing(missing, found.folder, tuple(found.keys), options)
-    chosen = {k: KeyToLoad(found.keys[k]) for k in keys if k in found.keys}
+    chosen = {k: KeyToLoad(found.keys[k], metadata=found.metadata.get(k)) for k in keys if k in found.keys}
     return ResumePlan(found.folder, iteration, chosen, from_load_path, notes)
 
 

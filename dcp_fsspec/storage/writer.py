@@ -127,6 +127,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             ``StreamTransformExtension`` of your own), applied to every record in the writer's
             file threads, in torch's order and with torch's descriptors. With ``compression`` too,
             the data is compressed first and then passed through these (compress, then encrypt).
+        _fresh_folder: the caller cleared the folder for this save (the Checkpointer's iteration
+            folders): with ``overwrite=False`` no look for an old ``.metadata`` before the data
+            is written (one round trip less); ``.metadata`` is still created only if absent.
         **storage_kwargs: torch ``FsspecWriter``-style storage options (``anon=True``), merged
             into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
 
@@ -162,6 +165,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         _extensions: Sequence[StreamTransformExtension] | None = None,
+        _fresh_folder: bool = False,
         **storage_kwargs: Any,
     ) -> None:
         StorageWriter.__init__(self)
@@ -185,6 +189,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         self.transforms = writer_transforms(extensions)
         self._bind(path, options, fs, retry)
         self.overwrite = overwrite
+        self._fresh_folder = _fresh_folder
         self.files_per_rank = files_per_rank
         self.part_size = part_size
         self.multipart_threshold = multipart_threshold
@@ -244,7 +249,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             backend.make_folder(self.location.path)
             # Only without overwrite (with it, prepare_global_plan removes an old .metadata), and
             # as one read: on S3 one GET, where "exists" of a missing file is a HEAD and a LIST.
-            exists = not self.overwrite and backend.read_versioned(metadata_path).data is not None
+            exists = not (self.overwrite or self._fresh_folder) and backend.read_versioned(metadata_path).data is not None
         if exists:
             # "Checkpoint already exists": torch's words, which code written for torch matches.
             raise CheckpointExistsError(
@@ -283,6 +288,22 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         results: list[WriteResult] = []
         # A rank may have nothing to write (DCP gives each replicated item to one rank only).
         workers = max(1, min(len(jobs), self.files_per_rank))
+        if workers == 1:  # one file at a time (a small key's one file): no thread to start
+            for name, items in jobs:
+                results.extend(self._write_file(budget, name, items, planner))
+        else:
+            results = self._write_files_at_once(workers, budget, jobs, planner)
+        if self.sync_files:
+            backend.sync_folder(self.location.path)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_files_at_once(
+        self, workers: int, budget: ByteBudget, jobs: list[tuple[str, list[WriteItem]]], planner: SavePlanner
+    ) -> list[WriteResult]:
+        """Write each job's file on ``workers`` threads; raise the first failure once all finished."""
+        results: list[WriteResult] = []
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp-fsspec-write") as pool:
             futures = [pool.submit(self._write_file, budget, name, items, planner) for name, items in jobs]
             errors = []
@@ -293,11 +314,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                     errors.append(e)
             if errors:
                 raise errors[0]
-        if self.sync_files:
-            backend.sync_folder(self.location.path)
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        return results
 
     @collector_paused()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

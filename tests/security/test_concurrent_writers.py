@@ -169,6 +169,34 @@ def test_a_save_that_looked_before_the_other_committed_never_clears_that_commit(
 
 
 @pytest.mark.parametrize("backend_name", ["local", "s3", "memory"])
+def test_a_save_that_saw_a_commit_before_its_pointer_moved_never_clears_it_once_published(
+    backend_name: str, request: pytest.FixtureRequest
+) -> None:
+    """Guarantee row: 'two processes saving the *same* iteration into one folder never commit a mix'
+
+    Save B's preparation read the pointer before save A moved it, and A's commit record after
+    A wrote it: to B that is a commit whose save died before the pointer (unpublished), which a
+    resumed run replaces. By the time B takes the folder over, A has moved the pointer: B must
+    stop, deleting nothing, and A's checkpoint loads bit-exact (two processes both once
+    reported their save of one folder as saved).
+    """
+    backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
+    with Checkpointer(backend.url, backend.storage_options) as ckpt:
+        ckpt.save(ITERATION, **_state(0, 0))
+    root = resolve(backend.url, backend.storage_options)
+    record = commit.read_commit_record(root, ITERATION)
+    before = _folder_files(backend)
+    with pytest.raises(CheckpointExistsError) as raised:
+        commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
+    assert backend.url in str(raised.value)
+    assert _folder_files(backend) == before
+    target = _empty_like(_state(0, 0))
+    with Checkpointer(backend.url, backend.storage_options) as ckpt:
+        assert ckpt.load(**target) == ITERATION
+    assert _equal(target, _state(0, 0))
+
+
+@pytest.mark.parametrize("backend_name", ["local", "s3", "memory"])
 def test_once_a_save_took_the_folder_over_the_other_saves_commit_fails(
     backend_name: str, request: pytest.FixtureRequest
 ) -> None:
