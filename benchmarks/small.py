@@ -33,7 +33,7 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .run import SERVERS, start_server
+from .run import add_server_arguments, start_server
 from .s3server import CountingS3Server, delta, fetch_counters, totals
 
 BUCKET = "dcp-fsspec-small"
@@ -173,12 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=10, help="saves and loads measured (after one warm-up)")
     p.add_argument("--backends", default="s3,local")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--server", choices=["moto", *SERVERS], default="moto")
-    p.add_argument("--s3-endpoint", default=None, metavar="URL", help="a running S3 server instead")
-    p.add_argument("--s3-key", default="testing")
-    p.add_argument("--s3-secret", default="testing")
-    p.add_argument("--moto-complete", default="lean", help=argparse.SUPPRESS)
-    p.add_argument("--local-dir", default=None)
+    add_server_arguments(p)
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     server = None
