@@ -483,11 +483,37 @@ def publish(
             raise _moved_past(root, iteration, current)
         commit_record(root, iteration, keys, world_size, save_id, taken_over=taken_over, folder=folder_read(found, keys))
         if current is not None and current >= iteration:
-            return current
-        if _replace_pointer(root, _pointer_bytes(iteration), read):
-            return iteration
-    # Another writer changed the pointer between our read and our write: the full loop decides.
-    return iteration if write_pointer(root, iteration) else _require_pointer(root)
+            latest = current
+        elif _replace_pointer(root, _pointer_bytes(iteration), read):
+            latest = iteration
+        else:
+            latest = None
+    if latest is None:
+        # Another writer changed the pointer between our read and our write: the full loop decides.
+        latest = iteration if write_pointer(root, iteration) else _require_pointer(root)
+    _still_ours(root, iteration, save_id)
+    return latest
+
+
+def _still_ours(root: Location, iteration: int, save_id: str | None) -> None:
+    """Where conditional writes, not a lock, settle races (S3), check after the pointer moved
+    that this save's record is still there: another save of the same iteration that saw it before
+    the pointer moved may have taken it for a dead save's and replaced it. That save re-reads the pointer after its
+    take-over mark (:func:`take_over_iteration`); one of the two re-reads always sees the other's
+    write, so at most one of them reports success.
+
+    Raises:
+        CheckpointExistsError: the record is another save's, or a take-over mark, now.
+    """
+    if not root.backend.conditional_writes or save_id is None:
+        return  # exclusive() is a lock across processes here (or nothing settles the race at all)
+    record = read_commit_record(root, iteration)
+    if record is None or record.save_id != save_id:
+        raise CheckpointExistsError(
+            f"cannot save {root.url_of(layout.iteration_path(root, iteration))}: another process "
+            f"saving the same iteration into {root.url} took it over while this save committed it. "
+            "Give each run its own save_dirname"
+        )
 
 
 def _require_pointer(root: Location) -> int:
@@ -661,6 +687,11 @@ def take_over_iteration(
             raised = True  # published since the caller looked: a running save's, not a dead one's
         else:
             raised = not backend.replace_if_unchanged(path, _take_over_mark(save_id), read)
+            if not raised and unpublished and current is not None and backend.conditional_writes:
+                # No lock spans processes here: the save whose record this was may have moved the
+                # pointer since, checking its record before our mark (see _still_ours). Then it
+                # reported success: put its record back and leave.
+                raised = _published(root, iteration) and _give_back(root, path, read.data, save_id)
     if raised:
         raise CheckpointExistsError(
             f"cannot save {root.url_of(folder)}: another process committed it while this save "
@@ -676,6 +707,15 @@ def take_over_iteration(
                 pass  # its writer removed it first
     backend.abort_pending_uploads(folder)
     backend.invalidate(folder)
+
+
+def _give_back(root: Location, path: str, record: bytes | None, save_id: str) -> bool:
+    """Put ``record`` back in place of this save's take-over mark (nothing was deleted yet)."""
+    backend = root.backend
+    mark = backend.read_versioned(path)
+    if record is not None and mark.data == _take_over_mark(save_id):
+        backend.replace_if_unchanged(path, record, mark)
+    return True
 
 
 def _published(root: Location, iteration: int) -> bool:

@@ -196,6 +196,69 @@ def test_a_save_that_saw_a_commit_before_its_pointer_moved_never_clears_it_once_
     assert _equal(target, _state(0, 0))
 
 
+def test_on_s3_a_save_whose_record_was_taken_over_before_it_looked_again_reports_failure(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guarantee row: 'two processes saving the *same* iteration into one folder never commit a mix'
+
+    On S3 no lock spans the record and the pointer: save B, having seen A's record before A's
+    pointer moved, marks the record as taken over just after A moved the pointer. A looks at its
+    record once more after the pointer and finds B's mark: A reports failure, so only B may
+    report success.
+    """
+    root = resolve(s3_backend.url, s3_backend.storage_options)
+    replace_pointer = commit._replace_pointer
+
+    def then_b_marks(*args: Any, **kwargs: Any) -> bool:
+        moved = replace_pointer(*args, **kwargs)
+        path = root.join(f"iter_{ITERATION:09d}", commit.COMMIT_RECORD_NAME)
+        root.backend.replace_if_unchanged(path, commit._take_over_mark("b" * 32), root.backend.read_versioned(path))
+        return moved
+
+    monkeypatch.setattr(commit, "_replace_pointer", then_b_marks)
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        with pytest.raises(CheckpointExistsError, match="took it over while this save committed it") as raised:
+            ckpt.save(ITERATION, **_state(0, 0))
+    assert s3_backend.url in str(raised.value)
+
+
+def test_on_s3_a_take_over_that_finds_the_pointer_moved_after_its_mark_puts_the_record_back(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guarantee row: 'two processes saving the *same* iteration into one folder never commit a mix'
+
+    The other order: A moves the pointer (and finds its record still its own) just before B's
+    mark lands. B looks at the pointer once more after its mark, finds it moved, puts A's record
+    back and fails, deleting nothing: A's checkpoint loads bit-exact.
+    """
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        ckpt.save(ITERATION - 1, **_state(1, 0))
+        ckpt.save(ITERATION, **_state(0, 0))
+    root = resolve(s3_backend.url, s3_backend.storage_options)
+    record = commit.read_commit_record(root, ITERATION)
+    # A between its record and its pointer, as B saw it:
+    commit.write_atomically(root, root.join(commit.POINTER_NAME), f"iter_{ITERATION - 1:09d}\n".encode())
+    before = _folder_files(s3_backend)
+    replace = type(root.backend).replace_if_unchanged
+
+    def mark_then_a_moves_the_pointer(self: Any, path: str, data: bytes, expected: Any) -> bool:
+        done = replace(self, path, data, expected)
+        if data == commit._take_over_mark("b" * 32):
+            commit.write_atomically(root, root.join(commit.POINTER_NAME), f"iter_{ITERATION:09d}\n".encode())
+        return done
+
+    monkeypatch.setattr(type(root.backend), "replace_if_unchanged", mark_then_a_moves_the_pointer)
+    with pytest.raises(CheckpointExistsError):
+        commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
+    monkeypatch.undo()
+    assert commit.read_commit_record(root, ITERATION) == record
+    assert _folder_files(s3_backend) == before
+    target = _empty_like(_state(0, 0))
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        assert ckpt.load(**target) == ITERATION
+    assert _equal(target, _state(0, 0))
+
+
 @pytest.mark.parametrize("backend_name", ["local", "s3", "memory"])
 def test_once_a_save_took_the_folder_over_the_other_saves_commit_fails(
     backend_name: str, request: pytest.FixtureRequest
