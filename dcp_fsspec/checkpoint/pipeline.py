@@ -199,11 +199,9 @@ class SavePipeline:
             save_id=save_id,
             unique_file_names=unique_file_names,
             # Not the storage writer's default (True, torch's): the iteration was cleared at
-            # prepare, so a key's .metadata here now is another save's, and must stay. For the
-            # same reason nothing is looked for first: .metadata is created only if absent, and
-            # the commit checks every key's token.
+            # prepare, so a key's .metadata here now is another save's, and must stay: the
+            # writer refuses before it writes a byte over that key's files.
             overwrite=False,
-            _fresh_folder=True,
             **self.settings.writer.as_kwargs(),
         )
         try:

@@ -127,9 +127,6 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             ``StreamTransformExtension`` of your own), applied to every record in the writer's
             file threads, in torch's order and with torch's descriptors. With ``compression`` too,
             the data is compressed first and then passed through these (compress, then encrypt).
-        _fresh_folder: the caller cleared the folder for this save (the Checkpointer's iteration
-            folders): with ``overwrite=False`` no look for an old ``.metadata`` before the data
-            is written (one round trip less); ``.metadata`` is still created only if absent.
         **storage_kwargs: torch ``FsspecWriter``-style storage options (``anon=True``), merged
             into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
 
@@ -165,7 +162,6 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         _extensions: Sequence[StreamTransformExtension] | None = None,
-        _fresh_folder: bool = False,
         **storage_kwargs: Any,
     ) -> None:
         StorageWriter.__init__(self)
@@ -189,7 +185,6 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         self.transforms = writer_transforms(extensions)
         self._bind(path, options, fs, retry)
         self.overwrite = overwrite
-        self._fresh_folder = _fresh_folder
         self.files_per_rank = files_per_rank
         self.part_size = part_size
         self.multipart_threshold = multipart_threshold
@@ -249,7 +244,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             backend.make_folder(self.location.path)
             # Only without overwrite (with it, prepare_global_plan removes an old .metadata), and
             # as one read: on S3 one GET, where "exists" of a missing file is a HEAD and a LIST.
-            exists = not (self.overwrite or self._fresh_folder) and backend.read_versioned(metadata_path).data is not None
+            exists = not self.overwrite and backend.read_versioned(metadata_path).data is not None
         if exists:
             # "Checkpoint already exists": torch's words, which code written for torch matches.
             raise CheckpointExistsError(
