@@ -1,6 +1,6 @@
 """Small, frequent checkpoints: the latency of one save and one load, not bandwidth.
 
-``python -m benchmarks.small [--repeats 10] [--server moto|seaweedfs|ceph] [--backends s3,local]``
+``python -m benchmarks.small [--repeats 10] [--server moto|seaweedfs|ceph] [--backends s3,local] [--rtt-ms 10]``
 
 A ~3 MiB state in four keys (model, optim, scheduler, trainer), as RL policies, adapters and
 small models checkpoint it, saved and loaded again and again in one process:
@@ -15,6 +15,10 @@ The first save and load of each (connections, imports) are not counted; the tabl
 medians of the rest: wall ms, CPU ms of this process (on moto that includes the server, which
 runs in this process), and on moto the requests one save and one load sent (counted at the
 server). One JSON line per implementation and backend, then the table and the load average.
+
+``--rtt-ms N`` puts :class:`~.latency.LatencyProxy` between the clients and the S3 server: every
+request then costs a network's round trip, as it does across one, and a save's time shows its
+round trips one after another rather than the server's CPU per request.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 
+from .latency import LatencyProxy
 from .run import add_server_arguments, start_server
 from .s3server import CountingS3Server, delta, fetch_counters, totals
 
@@ -173,12 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=10, help="saves and loads measured (after one warm-up)")
     p.add_argument("--backends", default="s3,local")
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--rtt-ms", type=float, default=0.0,
+                   help="a round trip this long added to every S3 request (a proxy in front of the server)")
     add_server_arguments(p)
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
     server = None
     if "s3" in backends:
         server, _ = start_server(args, [1], [])
+    proxy = LatencyProxy(server.endpoint_url, args.rtt_ms).start() if server is not None and args.rtt_ms > 0 else None
     rows = []
     try:
         if server is not None:
@@ -189,16 +197,21 @@ def main(argv: list[str] | None = None) -> None:
                     if backend == "s3":
                         assert server is not None
                         url, so = f"s3://{BUCKET}/{name}", server.storage_options()
+                        if proxy is not None:
+                            so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
                         counters = server.counters_url if isinstance(server, CountingS3Server) else None
                     else:
                         url, so, counters = f"{local}/{name}", {}, None
                     impl = IMPLS[name](url, so)
                     row = {"kind": "small", "backend": backend, "impl": name, "label": impl.label,
                            "server": args.s3_endpoint or args.server if backend == "s3" else None,
+                           "rtt_ms": args.rtt_ms if backend == "s3" else None,
                            **measure(impl, args.repeats, counters)}  # fmt: skip
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
+        if proxy is not None:
+            proxy.stop()
         if server is not None:
             server.stop()
     print(render(rows))

@@ -213,3 +213,35 @@ def test_a_commit_reads_every_keys_metadata_at_once(s3_backend: Backend, request
         ckpt.save(1, **_small_state(1))
         assert ckpt.committed_iterations() == [1]
     assert commit_reads.batches == [len(KEYS)], request_log.lines
+
+
+def test_a_put_waits_for_the_servers_go_ahead_only_when_its_body_is_large(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """botocore sends ``Expect: 100-continue`` with every streamed body: a round trip more per
+    PUT. A small save's PUTs go without it; a body of EXPECT_CONTINUE_FROM bytes or more keeps it."""
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    from dcp_fsspec.storage.backends.s3 import EXPECT_CONTINUE_FROM
+
+    sent: list[tuple[str, int, bytes | None]] = []
+    real_send = AIOHTTPSession.send
+
+    async def recording_send(self: AIOHTTPSession, request: Any) -> Any:
+        if request.method == "PUT":
+            name = "/".join(request.url.split("?")[0].split("/")[-2:])  # key/file
+            expect = request.headers.get("Expect")  # bytes, as botocore keeps it
+            expect = expect.encode() if isinstance(expect, str) else expect
+            sent.append((name, int(request.headers.get("Content-Length") or 0), expect))
+        return await real_send(self, request)
+
+    monkeypatch.setattr(AIOHTTPSession, "send", recording_send)
+    large = torch.zeros(EXPECT_CONTINUE_FROM // 4 + 1024)  # one data file just over the bound
+    with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        ckpt.save(2, **_small_state(2), big={"t": large})
+    small = [(name, n, expect) for name, n, expect in sent if n < EXPECT_CONTINUE_FROM]
+    big = [(name, n, expect) for name, n, expect in sent if n >= EXPECT_CONTINUE_FROM]
+    assert len(small) >= 2 * (2 * len(KEYS) + 3), sent  # data files, .metadata, claim, record, pointer
+    assert all(expect is None for _, _, expect in small), small
+    assert len(big) == 1 and big[0][0].startswith("big/") and big[0][2] == b"100-continue", big

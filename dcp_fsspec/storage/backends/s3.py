@@ -10,7 +10,8 @@ record its CRC-32; the pointer is replaced with ``If-Match`` on the ETag read
 (``If-None-Match: *`` when there was none), so the server settles races between writers (in
 the bare form where the server compares bare ETags); a
 ranged GET's body is read into one buffer as it arrives (s3fs's ``_cat_file`` keeps the chunks
-and joins them: each span twice in memory); a missing bucket is named as such.
+and joins them: each span twice in memory); a missing bucket is named as such; a body under
+16 MiB goes without ``Expect: 100-continue`` (a round trip of its own).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import itertools
 import logging
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +42,10 @@ logger = logging.getLogger(__name__)
 # Buckets known to exist, per filesystem: every key of every save has a backend of its own, and
 # one HEAD of the bucket per key was a round trip of each small save for nothing.
 _BUCKETS_SEEN: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+# botocore clients that carry our request hooks (:func:`_hook_client`).
+_HOOKED_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+# A body at least this long is sent with ``Expect: 100-continue``: only after the server's go-ahead.
+EXPECT_CONTINUE_FROM = 16 * 1024 * 1024
 # Filesystems whose server compares If-Match with the bare ETag (see replace_if_unchanged).
 _BARE_ETAG_SERVERS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -49,6 +54,10 @@ class S3Backend(Backend):
     name = "S3"
     conditional_writes = True
     exclusive_across_processes = True
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy, url_of: Callable[[str], str] | None = None) -> None:
+        super().__init__(fs, retry, url_of)
+        _hook_client(fs)
 
     @classmethod
     def accepts(cls, fs: fsspec.AbstractFileSystem) -> bool:
@@ -224,6 +233,44 @@ CHECKSUM_ALGORITHM = "CRC32"
 def checksum_header(crc: int) -> dict[str, str]:
     """The request parameter that carries a body's CRC-32 ``crc`` (``ChecksumCRC32=…``)."""
     return {f"Checksum{CHECKSUM_ALGORITHM}": base64.b64encode(crc.to_bytes(4, "big")).decode()}
+
+
+def _hook_client(fs: Any) -> None:
+    """Register :func:`_continue_only_for_large_bodies` on ``fs``'s botocore client, once per client.
+
+    Where the client cannot be made here (a configuration it refuses, or a call from within
+    fsspec's event loop), nothing is registered: the first request reports the problem as before.
+    """
+    client = getattr(fs, "_s3", None)
+    if client is not None and client in _HOOKED_CLIENTS:
+        return
+    try:
+        client = fsspec.asyn.sync(fs.loop, fs.set_session)
+    except Exception as e:  # noqa: BLE001 - the requests that follow raise it in context
+        logger.debug("S3 client hooks not registered for %s: %s", fs, e)
+        return
+    # Last among the handlers of "before-call.s3": after botocore's own, which adds the header.
+    client.meta.events.register_last("before-call.s3", _continue_only_for_large_bodies, unique_id="dcp-fsspec-expect")
+    _HOOKED_CLIENTS.add(client)
+
+
+def _continue_only_for_large_bodies(params: dict[str, Any], **_: Any) -> None:
+    """botocore's before-call hook: no ``Expect: 100-continue`` on a body under
+    :data:`EXPECT_CONTINUE_FROM` bytes.
+
+    botocore asks for the server's go-ahead before every body it can stream (and ours stream),
+    whatever its size: a round trip more for each PUT, which across a network is most of a small
+    PUT's time (a small save's PUTs come one round after another: five round trips of its 15).
+    The go-ahead spares sending a body the server refuses; that is worth a round trip only for
+    a body that takes many to send.
+    """
+    from botocore.utils import determine_content_length  # s3fs brings botocore
+
+    headers = params.get("headers") or {}
+    if "Expect" in headers:
+        length = determine_content_length(params.get("body"))
+        if length is not None and length < EXPECT_CONTINUE_FROM:
+            del headers["Expect"]
 
 
 async def _checksummed_bodies(fs: Any) -> bool:
