@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import fsspec.asyn
 import pytest
 import s3fs
 import torch
@@ -42,6 +43,10 @@ LOAD_REQUESTS = 3 + 3 * len(KEYS)
 # then .metadata); reads the pointer, the listing and every .metadata at once; writes the commit
 # record, then the pointer; reads the commit record again.
 SAVE_ROUNDS = 2 + 1 + 3 + 1 + 1 + 1 + 1
+# Retention (keep_last_n) after that save: the listing of save_dirname; the newest N commit
+# records at once; the oldest iteration's record deleted (uncommitted first); its folder's
+# listing and its unfinished uploads at once; its files deleted.
+RETENTION_ROUNDS = 1 + 1 + 1 + 1 + 1
 # A load reads the pointer; the commit record; the listing and every key's .metadata at once;
 # every key's folder listing (the preflight) at once; every key's data file at once.
 LOAD_ROUNDS = 1 + 1 + 1 + 1 + 1
@@ -127,6 +132,8 @@ def request_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[RequestLog]:
             log.finished_round = max(log.finished_round, round_)
 
     monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", logging_call)
+    # s3fs's blocking call_s3 wraps the original _call_s3 (made at import): it is logged too.
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", fsspec.asyn.sync_wrapper(logging_call))
     yield log
 
 
@@ -185,6 +192,19 @@ def test_a_small_save_and_load_are_a_bounded_number_of_round_trips_one_after_ano
     assert torch.equal(state["model"]["w"], _small_state(2)["model"]["w"])
     assert max(r for r, _ in saved) <= SAVE_ROUNDS, saved
     assert max(r for r, _ in loaded) <= LOAD_ROUNDS, loaded
+
+
+def test_retention_after_a_small_save_is_a_bounded_number_of_round_trips(s3_backend: Backend, request_log: RequestLog) -> None:
+    with Checkpointer(s3_backend.url, s3_backend.storage_options, keep_last_n=2) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        ckpt.save(2, **_small_state(2))
+        request_log.clear()
+        request_log.delay = ROUND_DELAY
+        ckpt.save(3, **_small_state(3))
+        saved = list(zip(request_log.rounds, request_log.lines, strict=True))
+        assert ckpt.committed_iterations() == [2, 3]
+    _show("save with retention, by round trip", [f"{r} {line}" for r, line in saved])
+    assert max(r for r, _ in saved) <= SAVE_ROUNDS + RETENTION_ROUNDS, saved
 
 
 def test_a_small_save_on_one_rank_writes_its_keys_at_once(s3_backend: Backend, request_log: RequestLog) -> None:

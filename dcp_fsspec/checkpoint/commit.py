@@ -23,6 +23,7 @@ import posixpath
 import time
 from collections.abc import Mapping
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -732,13 +733,15 @@ def discard_iteration(root: Location, iteration: int) -> None:
             committed, so retention retries it at the next save.
     """
     folder = layout.iteration_path(root, iteration)
-    record = posixpath.join(folder, COMMIT_RECORD_NAME)
-    for path, kwargs in ((record, {}), (folder, {"recursive": True})):
+
+    def remove(path: str, **kwargs: Any) -> None:
         try:
             root.backend.call("rm", path, **kwargs)
         except FileNotFoundError:
             pass  # already gone
-    root.backend.abort_pending_uploads(folder)
+
+    remove(posixpath.join(folder, COMMIT_RECORD_NAME))  # uncommitted first
+    at_once([partial(remove, folder, recursive=True), partial(root.backend.abort_pending_uploads, folder)])
     root.backend.invalidate(folder)
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable
+from functools import partial
 
 from ..errors import DcpFsspecError
 from ..storage.urls import Location
 from . import commit, layout
+from .at_once import at_once
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +63,14 @@ def plan_from_storage(
     """
     listing = commit.list_save_dirname(root)
     iterations = list(listing.folders)
+    candidates = sorted((i for i in iterations if latest is not None and i <= latest), reverse=True)
     committed: list[int] = []
-    for iteration in sorted((i for i in iterations if latest is not None and i <= latest), reverse=True):
-        if len(committed) == keep_last_n:
-            break
-        if commit.listed_record(root, listing, iteration) is not None:
-            committed.append(iteration)
+    # Newest first, as many at once as committed ones are still wanted: the same records a
+    # one-by-one scan reads, in one round trip where they are all committed.
+    while len(committed) < keep_last_n and candidates:
+        batch, candidates = candidates[: keep_last_n - len(committed)], candidates[keep_last_n - len(committed) :]
+        records = at_once([partial(commit.listed_record, root, listing, iteration) for iteration in batch])
+        committed += [iteration for iteration, record in zip(batch, records, strict=True) if record is not None]
     return iterations, plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
 
 
