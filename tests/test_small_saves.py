@@ -27,22 +27,22 @@ KEYS = ("model", "optim", "scheduler", "trainer")
 # Seconds a gate waits for requests sent together; only a save that sends them one by one waits.
 DEADLINE = 20.0
 # What a save of a new iteration sends on S3: the pointer, the iteration's commit record and
-# folder (a HEAD and a LIST), its claim; per key a look for an old .metadata (another save's
+# folder (one LIST of its prefix), its claim; per key a look for an old .metadata (another save's
 # stays: the writer refuses before writing), the data file and .metadata; then the commit:
 # the pointer (its version for the compare-and-swap), one listing, each key's .metadata (the
 # save's token), the commit record and the pointer; then the commit record once more (on S3 no
 # lock spans the record and the pointer: the save checks that no other took it over meanwhile).
-SAVE_REQUESTS = 5 + 3 * len(KEYS) + 4 + len(KEYS) + 1
+SAVE_REQUESTS = 4 + 3 * len(KEYS) + 4 + len(KEYS) + 1
 # What a load of the latest iteration sends: the pointer, the commit record, the iteration's
 # listing, each key's .metadata (read once: the token check's bytes serve the load), its
 # folder's listing (the preflight's look at the data files) and its data file.
 LOAD_REQUESTS = 3 + 3 * len(KEYS)
 # The same, in round trips one after another (the requests of one round go out together):
-# a save reads the pointer, the iteration's record and whether its folder exists (a HEAD, then a
-# LIST), claims it; writes every key at once (looks for an old .metadata, writes the data file,
+# a save reads the pointer, the iteration's record and whether its folder exists at once, claims
+# it; writes every key at once (looks for an old .metadata, writes the data file,
 # then .metadata); reads the pointer, the listing and every .metadata at once; writes the commit
 # record, then the pointer; reads the commit record again.
-SAVE_ROUNDS = 2 + 1 + 3 + 1 + 1 + 1 + 1
+SAVE_ROUNDS = 1 + 1 + 3 + 1 + 1 + 1 + 1
 # Retention (keep_last_n) after that save: the listing of save_dirname; the newest N commit
 # records at once; the oldest iteration's record deleted (uncommitted first); its folder's
 # listing and its unfinished uploads at once; its files deleted.

@@ -94,6 +94,12 @@ def exists(root: Location, path: str) -> bool:
     return True
 
 
+def folder_exists(root: Location, path: str) -> bool:
+    """Whether the folder ``path`` exists (holds anything, on object stores); a backend failure
+    is an error, as in :func:`exists`. One request on S3."""
+    return root.backend.folder_exists(path)
+
+
 def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
     """The commit record of ``iteration``, or ``None`` when its folder has none (or a save's
     take-over mark in its place: that save has not committed).
@@ -230,7 +236,7 @@ def inspect_iteration(
             it may also be one that retention began to delete (it removes the record first).
     """
     record = read_commit_record(root, iteration)
-    present = record is not None or exists(root, layout.iteration_path(root, iteration))
+    present = record is not None or folder_exists(root, layout.iteration_path(root, iteration))
     return judge_iteration(root, iteration, record, present, latest=latest)
 
 
@@ -238,7 +244,7 @@ def judge_iteration(
     root: Location, iteration: int, record: CommitRecord | None, present: bool, *, latest: int | None = None
 ) -> tuple[CommitRecord | None, str | None]:
     """:func:`inspect_iteration` from what the caller read: ``iteration``'s commit record
-    (:func:`read_commit_record`) and whether its folder exists (:func:`exists`), which a caller
+    (:func:`read_commit_record`) and whether its folder exists (:func:`folder_exists`), which a caller
     may read together with other things in one round trip."""
     if record is None:
         return None, _no_record(iteration, latest) if present else "does not exist"

@@ -131,7 +131,7 @@ class SavePipeline:
         latest, record, present = at_once([
             partial(commit.read_pointer, root),
             partial(commit.read_commit_record, root, iteration),
-            partial(commit.exists, root, layout.iteration_path(root, iteration)),
+            partial(commit.folder_exists, root, layout.iteration_path(root, iteration)),
         ])  # fmt: skip
         if latest is not None and latest > iteration and not overwrite:
             raise CheckpointExistsError(

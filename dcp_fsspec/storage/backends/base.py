@@ -9,6 +9,7 @@ absence becomes a ``StorageError`` naming the URL).
 from __future__ import annotations
 
 import asyncio
+import posixpath
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -167,6 +168,16 @@ class Backend:
     def invalidate(self, path: str) -> None:
         """Forget cached listings of ``path`` (s3fs caches them; other ranks may have written)."""
         self.fs.invalidate_cache(path)
+
+    def folder_exists(self, path: str) -> bool:
+        """Whether the folder ``path`` exists (on object stores: whether anything is stored under
+        it). A backend failure raises StorageError: it is not an answer."""
+        self.invalidate(posixpath.dirname(path))
+        try:
+            self.call("info", path)
+        except FileNotFoundError:
+            return False
+        return True
 
     # --- writing ----------------------------------------------------------------------------
 

@@ -86,6 +86,24 @@ class S3Backend(Backend):
             raise StorageError(f"cannot check the bucket of {url}: {e}") from e
         seen.add(bucket)
 
+    def folder_exists(self, path: str) -> bool:
+        """One LIST of the folder's prefix (s3fs's ``info`` first asks HEAD of an object by the
+        folder's name, which never exists: a round trip for nothing)."""
+        bucket, key, _ = self.fs.split_path(path)
+        url = self.url_of(path)
+        try:
+            listing = self.retry.run(
+                self.fs, "call_s3", "list_objects_v2", Bucket=bucket, Prefix=key.rstrip("/") + "/", MaxKeys=1, url=url
+            )
+        except FileNotFoundError as e:
+            self.raise_if_no_container(e, url)
+            return False
+        except DcpFsspecError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot list {url}: {e}") from e
+        return bool(listing.get("Contents") or listing.get("CommonPrefixes"))
+
     def new_upload(
         self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
     ) -> FileUpload:
