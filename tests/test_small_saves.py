@@ -265,3 +265,32 @@ def test_a_put_waits_for_the_servers_go_ahead_only_when_its_body_is_large(
     assert len(small) >= 2 * (2 * len(KEYS) + 3), sent  # data files, .metadata, claim, record, pointer
     assert all(expect is None for _, _, expect in small), small
     assert len(big) == 1 and big[0][0].startswith("big/") and big[0][2] == b"100-continue", big
+
+
+def test_small_loads_on_local_disk_reuse_their_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small local load is a few milliseconds; starting its read, fetch and checksum threads
+    anew each time was a third of them. The storage layer's pools are kept between loads: over
+    many loads they start fewer threads than there are loads (the pools' sizes bound them)."""
+    import threading
+
+    from dcp_fsspec.storage import reader
+
+    loads = 40
+    pools = {"read": 16, "fetch": 16, "crc": reader._CHECKSUM_THREADS}
+    assert sum(pools.values()) < loads  # else the bound below could not tell kept pools from new ones
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def counting_start(self: threading.Thread) -> None:
+        if any(self.name.startswith(f"dcp-fsspec-{role}") for role in pools):
+            started.append(self.name)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counting_start)
+    with Checkpointer(str(tmp_path), {}) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        for _ in range(loads):
+            state = _small_state(0)
+            assert ckpt.load(**state) == 1
+            assert torch.equal(state["model"]["w"], _small_state(1)["model"]["w"])
+    assert 0 < len(started) < loads, started

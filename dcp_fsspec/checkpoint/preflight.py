@@ -55,7 +55,7 @@ class CheckedKey:
 
     state_dict: dict[str, Any]
     target: dict[str, Any]
-    reader: FsspecStorageReader
+    reader: _CheckedReader
 
 
 class _CheckedReader(FsspecStorageReader):

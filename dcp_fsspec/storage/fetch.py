@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ import fsspec
 
 from .backends import backend_for
 from .retry import NO_RETRY, RetryPolicy
+from .workers import Workers
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class _Fetcher:
         self.backend = backend_for(fs, retry)
         self._async = self.backend.async_reads
         self._reader = None if self._async else self.backend.range_reader()
-        self._pool = None if self._async else ThreadPoolExecutor(threads, thread_name_prefix="dcp-fsspec-read")
+        self._pool = None if self._async else Workers("fetch", threads)
 
     def start(self, span: Span) -> Future[bytes | bytearray]:
         url = self.backend.url_of(span.path)
@@ -87,7 +88,7 @@ class _Fetcher:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.close()
         if self._reader is not None:
             self._reader.close()
 

@@ -19,7 +19,6 @@ import posixpath
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ThreadFuture
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +52,7 @@ from .settings import merge_storage_kwargs
 from .transforms import UndoQueue, missing_package, reader_transforms, untransform, untransformed_limit
 from .trust import load_object
 from .urls import UrlBound
+from .workers import Workers
 
 MiB = 1024 * 1024
 # Records at least this big are read straight into their tensors (below it, the
@@ -211,14 +211,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         records = self._records_for(plan)
         undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
         files = self.location.backend.in_place_files()
-        pools = (
-            (
-                ThreadPoolExecutor(self.threads, thread_name_prefix="dcp-fsspec-read"),
-                ThreadPoolExecutor(_CHECKSUM_THREADS, thread_name_prefix="dcp-fsspec-crc"),
-            )
-            if files is not None
-            else ()
-        )
+        pools = (Workers("read", self.threads), Workers("crc", _CHECKSUM_THREADS)) if files is not None else ()
         try:
             in_place: list[ThreadFuture[Callable[[], None]]] = []
             if files is not None:
@@ -239,8 +232,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         except OSError as e:
             raise StorageError(f"cannot read checkpoint data from {self.location.url!r}: {e}") from e
         finally:
-            for pool in pools:
-                pool.shutdown(wait=True, cancel_futures=True)
+            for pool in pools:  # the reads first: a checksum task may be waiting for one
+                pool.close()
             if files is not None:
                 files.close()
             if undo is not None:
@@ -296,7 +289,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 )
 
     def _start_in_place(
-        self, records: list[_Record], planner: LoadPlanner, files: InPlaceFiles, pools: tuple[ThreadPoolExecutor, ...]
+        self, records: list[_Record], planner: LoadPlanner, files: InPlaceFiles, pools: tuple[Workers, ...]
     ) -> tuple[list[_Record], list[ThreadFuture[Callable[[], None]]]]:
         """Start reading big records' tensor bytes straight into their targets,
         several at once and checksummed on pool threads (no window, no copy).
