@@ -26,6 +26,7 @@ from dcp_fsspec import (
     FsspecStorageWriter,
 )
 from dcp_fsspec.checkpoint import commit, layout, retention
+from dcp_fsspec.checkpoint.pipeline import SavePipeline
 from dcp_fsspec.storage.urls import resolve
 
 from .conftest import Backend
@@ -488,6 +489,7 @@ def test_a_failed_delete_is_logged_and_retried_at_the_next_save(
             patch.setattr(fs, "rm", broken_rm)
             training.run(1)
             ckpt.save(2, **training.keys())  # not fatal
+            ckpt.wait()  # the old iteration's files are deleted on a thread of their own
         assert "iter_000000001" in caplog.text and "retried" in caplog.text
         assert ckpt.committed_iterations() == [2]  # uncommitted before the data was touched
         assert fs.exists(posixpath.join(root, "iter_000000001"))
@@ -495,6 +497,51 @@ def test_a_failed_delete_is_logged_and_retried_at_the_next_save(
         ckpt.save(3, **training.keys())
     assert not fs.exists(posixpath.join(root, "iter_000000001"))
     assert not fs.exists(posixpath.join(root, "iter_000000002"))
+
+
+def test_a_save_returns_before_retention_deleted_the_old_files_and_the_next_save_waits_for_them(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention uncommits the old iteration in the save; its files go on a thread of their
+    own (a small local save spent a sixth of its time deleting them). The next save waits for
+    that thread: it may write into the folder being deleted."""
+    import threading
+
+    purging, release, prepared = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+    real_remove, real_prepare = commit.remove_iteration_files, SavePipeline._prepare
+
+    def held_remove(root: Any, iteration: int) -> None:
+        purging.set()
+        assert release.wait(30)
+        real_remove(root, iteration)
+        order.append(f"deleted {iteration}")
+
+    def noted_prepare(self: SavePipeline, iteration: int, save_id: str) -> Any:
+        order.append(f"prepare {iteration}")
+        prepared.set()
+        return real_prepare(self, iteration, save_id)
+
+    monkeypatch.setattr(commit, "remove_iteration_files", held_remove)
+    monkeypatch.setattr(SavePipeline, "_prepare", noted_prepare)
+    old = tmp_path / "iter_000000001"
+    with Checkpointer(str(tmp_path), keep_last_n=1) as ckpt:
+        ckpt.save(1, model={"w": torch.ones(4)})
+        ckpt.save(2, model={"w": torch.ones(4) * 2})  # returns with the deletion held
+        assert purging.wait(30)
+        assert ckpt.committed_iterations() == [2]  # uncommitted before save() returned
+        assert old.exists()
+        prepared.clear()
+        third = threading.Thread(target=ckpt.save, args=(3,), kwargs={"model": {"w": torch.ones(4) * 3}})
+        third.start()
+        assert not prepared.wait(1.0)  # the third save waits for the deletion in flight
+        release.set()
+        third.join(30)
+        assert not third.is_alive()
+        ckpt.wait()
+        assert ckpt.committed_iterations() == [3]
+    assert order == ["prepare 1", "prepare 2", "deleted 1", "prepare 3", "deleted 2"], order
+    assert not old.exists() and not (tmp_path / "iter_000000002").exists()
 
 
 def test_retention_deletes_nothing_when_it_cannot_tell_what_is_committed(

@@ -198,7 +198,7 @@ def test_a_failed_deletion_is_logged_skipped_and_the_rest_still_deleted(
         assert retention.apply_retention(root, 1) == [2]
     assert layout.list_iterations(root) == [1, 3]
     assert _messages(caplog, retention) == [
-        "could not delete iter_000000001 (retried at the next save): [Errno 13] Permission denied"
+        f"could not delete iter_000000001 under {root.url} (retried at the next save): [Errno 13] Permission denied"
     ]
 
 

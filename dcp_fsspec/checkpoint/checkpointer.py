@@ -74,7 +74,9 @@ class Checkpointer:
             :meth:`save` waits for the previous one first. Errors from the background surface at
             the next :meth:`save`, :meth:`wait` or :meth:`finalize`.
         keep_last_n: keep this many newest committed iterations, delete older ones after each
-            save; ``None`` keeps everything.
+            save; ``None`` keeps everything. An older iteration is uncommitted before ``save()``
+            returns; its files are deleted on a thread of their own (done by the next
+            ``save()``, :meth:`wait` or :meth:`finalize`).
         load_path: initial weights for a run with nothing under ``save_dirname`` yet: an
             iteration folder (``…/iter_000000100``), a ``save_dirname`` with a pointer, or a single
             DCP checkpoint of the model (its state dict, or ``{"model": state_dict}`` as
@@ -233,7 +235,7 @@ class Checkpointer:
         )
         self._pending_end: tuple[int, tuple[str, ...], int, float] | None = None  # async save in flight
         self._save_collectives = save_collectives
-        self._pipeline = SavePipeline(self._save_settings, save_collectives)
+        self._pipeline = SavePipeline(self._save_settings, save_collectives, purge_in_background=True)
         self._closed = False
         self._stager: Stager | None = None
         self._background: BackgroundSaver | ThreadSaver | None = None
@@ -299,13 +301,15 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the asynchronous save in flight (if any) is committed; raise its error.
 
-        With ``local_dirname``, also wait until the drain to ``save_dirname`` is done.
+        Also wait until the files of iterations retention let go of are deleted; with
+        ``local_dirname``, until the drain to ``save_dirname`` is done.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first; the save is still in flight.
             DrainError: the last drain failed: ``save_dirname`` is behind the local tier.
         """
         self._wait_local(timeout)
+        self._pipeline.wait_for_purge()
         if self._tiers is not None:
             self._tiers.wait(timeout)
 
@@ -639,6 +643,7 @@ class Checkpointer:
                         if self._background is not None:
                             self._background.close()
             finally:
+                self._pipeline.wait_for_purge()
                 self._background = None
                 if self._stager is not None:
                     self._stager.close()

@@ -21,8 +21,7 @@ import json
 import logging
 import posixpath
 import time
-from collections.abc import Mapping
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 from dataclasses import dataclass, field
 from functools import partial
@@ -157,18 +156,19 @@ def key_is_committed(root: Location, iteration: int, key: str) -> bool:
     return exists(root, posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME))
 
 
-def _files_of(root: Location, iteration: int) -> set[str]:
-    """Every file under ``iteration``'s folder: one recursive listing."""
+def _files_of(root: Location, iteration: int) -> dict[str, int]:
+    """Every file under ``iteration``'s folder → its size: one recursive listing."""
     folder = layout.iteration_path(root, iteration)
     root.backend.invalidate(folder)
     try:
-        return set(root.backend.call("find", folder))
+        found = root.backend.call("find", folder, detail=True)
     except FileNotFoundError:
-        return set()
+        return {}
+    return {path: int(info.get("size") or 0) for path, info in found.items()}
 
 
 def unfinished_keys(
-    root: Location, iteration: int, keys: tuple[str, ...], listed: set[str] | None = None
+    root: Location, iteration: int, keys: tuple[str, ...], listed: Collection[str] | None = None
 ) -> list[str]:
     """The ``keys`` of ``iteration`` that have no ``.metadata``, in one listing where possible.
 
@@ -188,17 +188,24 @@ class FolderRead:
     """An iteration folder as one round trip reads it: its listing and each key's ``.metadata``.
 
     Attributes:
-        listed: every file under the folder (one recursive listing).
+        listed: every file under the folder (one recursive listing) → its size.
         metadata: each key asked about → the bytes of its ``.metadata``, ``None`` where it has
             none (read with a call that raises on failure: an error never reads as "missing").
     """
 
-    listed: set[str]
+    listed: dict[str, int]
     metadata: dict[str, bytes | None]
 
     def unfinished(self, keys: tuple[str, ...]) -> list[str]:
         """The ``keys`` that have no ``.metadata``, in order."""
         return [k for k in keys if self.metadata[k] is None]
+
+    def sizes_in(self, folder: str) -> dict[str, int]:
+        """The files directly in ``folder`` (a key's, under this one) by name → size: what a
+        load's check of its data files would list again."""
+        prefix = folder.rstrip("/") + "/"
+        return {path[len(prefix) :]: size for path, size in self.listed.items()
+                if path.startswith(prefix) and "/" not in path[len(prefix) :]}  # fmt: skip
 
 
 def folder_reads(root: Location, iteration: int, keys: tuple[str, ...]) -> list[Callable[[], object]]:
@@ -210,7 +217,7 @@ def folder_reads(root: Location, iteration: int, keys: tuple[str, ...]) -> list[
 def folder_read(results: list[object], keys: tuple[str, ...]) -> FolderRead:
     """The :class:`FolderRead` of :func:`folder_reads`'s results."""
     listed, *metadata = results
-    assert isinstance(listed, set)
+    assert isinstance(listed, dict)
     return FolderRead(listed, dict(zip(keys, metadata, strict=True)))  # type: ignore[arg-type]
 
 
@@ -738,17 +745,37 @@ def discard_iteration(root: Location, iteration: int) -> None:
         StorageError: the backend failed; the folder may be half deleted, but it is no longer
             committed, so retention retries it at the next save.
     """
+    uncommit_iteration(root, iteration)
+    remove_iteration_files(root, iteration)
+
+
+def uncommit_iteration(root: Location, iteration: int) -> None:
+    """Delete ``iteration``'s commit record: from then on no load, listing or resume takes it
+    for a checkpoint, and retention deletes what is left of it at a later save.
+
+    Raises:
+        StorageError: the backend failed; the iteration may still be committed.
+    """
+    _remove(root, posixpath.join(layout.iteration_path(root, iteration), COMMIT_RECORD_NAME))
+
+
+def remove_iteration_files(root: Location, iteration: int) -> None:
+    """Delete every file under ``iteration``'s folder, and its unfinished multipart uploads, at
+    once; call it on an uncommitted iteration (:func:`uncommit_iteration`).
+
+    Raises:
+        StorageError: the backend failed; the folder may be half deleted.
+    """
     folder = layout.iteration_path(root, iteration)
-
-    def remove(path: str, **kwargs: Any) -> None:
-        try:
-            root.backend.call("rm", path, **kwargs)
-        except FileNotFoundError:
-            pass  # already gone
-
-    remove(posixpath.join(folder, COMMIT_RECORD_NAME))  # uncommitted first
-    at_once([partial(remove, folder, recursive=True), partial(root.backend.abort_pending_uploads, folder)])
+    at_once([partial(_remove, root, folder, recursive=True), partial(root.backend.abort_pending_uploads, folder)])
     root.backend.invalidate(folder)
+
+
+def _remove(root: Location, path: str, **kwargs: Any) -> None:
+    try:
+        root.backend.call("rm", path, **kwargs)
+    except FileNotFoundError:
+        pass  # already gone
 
 
 def read_pointer(root: Location) -> int | None:

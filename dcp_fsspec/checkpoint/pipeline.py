@@ -6,7 +6,9 @@ save's leftovers or a running save's files, with a mark that the other's commit 
 before it clears it) → every rank
 writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` (a small state
 on one rank: all keys at once) → rank 0 commits
-and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention. The pointer is read
+and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention (it uncommits the
+old iterations; a :class:`~dcp_fsspec.Checkpointer`'s own pipeline deletes their files on a
+thread of its own, which the next save waits for). The pointer is read
 twice per save, at the preparation and in the compare-and-swap that moves it; retention takes
 the iteration the move left it on. A synchronous save, the background process of an
 asynchronous one and the thread that stands in for it run this same code, each building it
@@ -87,12 +89,23 @@ class SavePipeline:
     Args:
         settings: where and how to save.
         collectives: the ranks the checkpoint spans (a background process passes its own group).
+        purge_in_background: retention deletes old iterations' files on a thread of its own
+            (:class:`.retention.BackgroundPurge`), after uncommitting them in the save; the
+            owner calls :meth:`wait_for_purge` before it closes. ``False`` (a background save
+            process, already off the training thread): in the save.
     """
 
-    def __init__(self, settings: SaveSettings, collectives: Collectives) -> None:
+    def __init__(self, settings: SaveSettings, collectives: Collectives, *, purge_in_background: bool = False) -> None:
         self.settings = settings
         self._root = resolve(settings.url, settings.storage_options, retry=settings.retry)
         self._collectives = collectives
+        self._purge = retention.BackgroundPurge() if purge_in_background else None
+
+    def wait_for_purge(self) -> None:
+        """Return once the files retention let go of in the last save are deleted (or the
+        failure is logged)."""
+        if self._purge is not None:
+            self._purge.wait()
 
     @collector_paused()
     def run(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str | None = None) -> int:
@@ -113,13 +126,16 @@ class SavePipeline:
             StorageError: the backend failed; nothing was committed.
         """
         keys = tuple(staged)
+        self.wait_for_purge()  # the last save's old iterations: this one may write into one of them
         # The save's token, from rank 0 to every rank: in every data file's name and every
         # key's .metadata, and checked at the commit, so a save commits only what it wrote.
         prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration, save_id or uuid.uuid4().hex))
         self._write_keys(iteration, staged, prepared.save_id, unique_file_names=not prepared.claimed)
         latest = self._publish(iteration, keys, prepared)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
-            retention.apply_retention(self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest)
+            retention.apply_retention(
+                self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest, purge=self._purge
+            )
         return latest
 
     def _prepare(self, iteration: int, save_id: str) -> Prepared:

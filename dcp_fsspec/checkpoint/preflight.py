@@ -66,6 +66,8 @@ class _CheckedReader(FsspecStorageReader):
     _checked: tuple[Metadata, dict[str, tuple[int, str]]] | None = None
     # .metadata's bytes where the resume rules read them already (KeyToLoad.metadata).
     _given: bytes | None = None
+    # The key folder's files → sizes, where the resume rules listed them (KeyToLoad.file_sizes).
+    _given_sizes: dict[str, int] | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._checked is None and self._given is not None and kwargs.get("rank") is None:
@@ -88,6 +90,11 @@ class _CheckedReader(FsspecStorageReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _listed_sizes(self, folders: set[str]) -> dict[str, int]:
+        if self._given_sizes is not None and folders == {""}:  # the key's own folder, listed already
+            return self._given_sizes
+        return super()._listed_sizes(folders)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         if self._checked is not None and self._needed_ends(plan) == self._checked[1]:
@@ -182,7 +189,7 @@ def check_keys(
             # DCP flattens nested dicts, so {"model": sd} receives the entries saved as "model.…".
             target = state_dict if where.nested_under is None else {where.nested_under: state_dict}
             reader = _CheckedReader(where.url, **reader_options)
-            reader._given = where.metadata
+            reader._given, reader._given_sizes = where.metadata, where.file_sizes
             checked[key] = CheckedKey(state_dict, target, reader)
         checks = [
             partial(c.reader.check, c.target, new_planner(), alone or collectives.rank == 0, covered=alone)

@@ -49,6 +49,8 @@ class Found:
             record lists; a folder's: those asked about that have ``.metadata``).
         entries: a single checkpoint's entry names, from its ``.metadata``.
         metadata: each key → its ``.metadata``'s bytes, as the token check read them (a pointer's).
+        file_sizes: each key → the files in its folder → their sizes, as the same round trip
+            listed them (a pointer's).
     """
 
     kind: str
@@ -58,6 +60,7 @@ class Found:
     keys: dict[str, str] = field(default_factory=dict)
     entries: tuple[str, ...] = ()
     metadata: dict[str, bytes] = field(default_factory=dict, repr=False)
+    file_sizes: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,15 @@ class KeyToLoad:
             ``model.…``), as ``dcp.save({"model": state})`` writes; ``None``: the state dict itself.
         metadata: its ``.metadata``'s bytes where the resume rules read them already (the load
             parses them instead of reading them again); ``None``: the load reads them.
+        file_sizes: the files in its folder → their sizes, where the resume rules listed them
+            already (the load checks its data files against them rather than listing again);
+            ``None``: the load lists them.
     """
 
     url: str
     nested_under: str | None = None
     metadata: bytes | None = field(default=None, repr=False)
+    file_sizes: dict[str, int] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -125,9 +132,10 @@ class ResumePlan:
     notes: tuple[tuple[int, str], ...] = ()
 
     def without_metadata(self) -> ResumePlan:
-        """This plan without the ``.metadata`` bytes, for rank 0 to broadcast: every rank reads
-        them itself rather than a large model's metadata going through the process group."""
-        keys = {k: dataclasses.replace(v, metadata=None) for k, v in self.keys.items()}
+        """This plan without the ``.metadata`` bytes (and listings), for rank 0 to broadcast:
+        every rank reads them itself rather than a large model's metadata going through the
+        process group."""
+        keys = {k: dataclasses.replace(v, metadata=None, file_sizes=None) for k, v in self.keys.items()}
         return dataclasses.replace(self, keys=keys)
 
 
@@ -195,7 +203,9 @@ def _committed(root: Location, iteration: int, *, named_by: str, trust_checkpoin
     record, read = commit.require_loadable(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint)
     keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
     metadata = {k: raw for k, raw in read.metadata.items() if raw is not None}
-    return Found(POINTER, root.url, root.url_of(layout.iteration_path(root, iteration)), iteration, keys, metadata=metadata)
+    sizes = {k: read.sizes_in(layout.key_path(root, iteration, k)) for k in record.keys}
+    folder = root.url_of(layout.iteration_path(root, iteration))
+    return Found(POINTER, root.url, folder, iteration, keys, metadata=metadata, file_sizes=sizes)
 
 
 def _leftovers(root: Location) -> str | None:
@@ -294,7 +304,11 @@ def _select(
 ) -> ResumePlan:
     missing = [k for k in keys if k not in found.keys]
     notes += _missing(missing, found.folder, tuple(found.keys), options)
-    chosen = {k: KeyToLoad(found.keys[k], metadata=found.metadata.get(k)) for k in keys if k in found.keys}
+    chosen = {
+        k: KeyToLoad(found.keys[k], metadata=found.metadata.get(k), file_sizes=found.file_sizes.get(k))
+        for k in keys
+        if k in found.keys
+    }
     return ResumePlan(found.folder, iteration, chosen, from_load_path, notes)
 
 
