@@ -544,6 +544,40 @@ def test_a_save_returns_before_retention_deleted_the_old_files_and_the_next_save
     assert not old.exists() and not (tmp_path / "iter_000000002").exists()
 
 
+def test_a_save_whose_early_look_for_retention_fails_still_commits_and_retention_reads_again(
+    memory_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention's listing and records go out with the save's first requests; their failure is
+    retention's (read again after the commit), never the save's."""
+    training = _save_trained(memory_backend, [1, 2])
+    real_list, real_record = commit.list_save_dirname, commit.listed_record
+    failed: list[str] = []
+
+    def list_once_failing(root: Any) -> Any:
+        if not failed:
+            failed.append("listing")
+            raise ConnectionError("network down")
+        return real_list(root)
+
+    def record_once_failing(root: Any, listing: Any, iteration: int) -> Any:
+        if "record" not in failed:
+            failed.append("record")
+            raise ConnectionError("network down")
+        return real_record(root, listing, iteration)
+
+    with _ckpt(memory_backend, keep_last_n=2) as ckpt:
+        monkeypatch.setattr(commit, "list_save_dirname", list_once_failing)
+        training.run(1)
+        ckpt.save(3, **training.keys())  # the listing at its start fails
+        assert failed == ["listing"]
+        assert ckpt.committed_iterations() == [2, 3]
+        monkeypatch.setattr(commit, "listed_record", record_once_failing)
+        training.run(1)
+        ckpt.save(4, **training.keys())  # the record read with its claim fails
+        assert failed == ["listing", "record"]
+        assert ckpt.committed_iterations() == [3, 4]
+
+
 def test_retention_deletes_nothing_when_it_cannot_tell_what_is_committed(
     memory_backend: Backend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -43,11 +43,11 @@ LOAD_REQUESTS = 3 + 2 * len(KEYS)
 # then .metadata); reads the pointer, the listing and every .metadata at once; writes the commit
 # record, then the pointer; reads the commit record again.
 SAVE_ROUNDS = 1 + 1 + 3 + 1 + 1 + 1 + 1
-# Retention (keep_last_n) in that save: the listing of save_dirname; the newest N commit
-# records at once; the oldest iteration's record deleted (uncommitted first). Then, on a thread
-# of its own while training goes on: its folder's listing and its unfinished uploads at once;
-# its files deleted.
-RETENTION_ROUNDS_IN_SAVE = 1 + 1 + 1
+# Retention (keep_last_n) in that save: the listing of save_dirname goes with the save's first
+# questions and the newest N commit records with its claim, so after the commit only the oldest
+# iteration's record is deleted (uncommitted first). Then, on a thread of its own while training
+# goes on: its folder's listing and its unfinished uploads at once; its files deleted.
+RETENTION_ROUNDS_IN_SAVE = 1
 RETENTION_ROUNDS = RETENTION_ROUNDS_IN_SAVE + 1 + 1
 # A load reads the pointer; the commit record; the listing and every key's .metadata at once;
 # every key's data file at once.

@@ -6,8 +6,9 @@ save's leftovers or a running save's files, with a mark that the other's commit 
 before it clears it) → every rank
 writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` (a small state
 on one rank: all keys at once) → rank 0 commits
-and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention (it uncommits the
-old iterations; a :class:`~dcp_fsspec.Checkpointer`'s own pipeline deletes their files on a
+and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention (from what the
+preparation read beside its own questions, :class:`.retention.Survey`; it uncommits the old
+iterations; a :class:`~dcp_fsspec.Checkpointer`'s own pipeline deletes their files on a
 thread of its own, which the next save waits for). The pointer is read
 twice per save, at the preparation and in the compare-and-swap that moves it; retention takes
 the iteration the move left it on. A synchronous save, the background process of an
@@ -100,6 +101,7 @@ class SavePipeline:
         self._root = resolve(settings.url, settings.storage_options, retry=settings.retry)
         self._collectives = collectives
         self._purge = retention.BackgroundPurge() if purge_in_background else None
+        self._survey: retention.Survey | None = None  # rank 0: what retention needs, read early
 
     def wait_for_purge(self) -> None:
         """Return once the files retention let go of in the last save are deleted (or the
@@ -133,9 +135,11 @@ class SavePipeline:
         self._write_keys(iteration, staged, prepared.save_id, unique_file_names=not prepared.claimed)
         latest = self._publish(iteration, keys, prepared)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
+            survey, self._survey = self._survey, None
             retention.apply_retention(
-                self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest, purge=self._purge
-            )
+                self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest, purge=self._purge,
+                survey=survey, committed_now=iteration,
+            )  # fmt: skip
         return latest
 
     def _prepare(self, iteration: int, save_id: str) -> Prepared:
@@ -143,12 +147,16 @@ class SavePipeline:
         anything (its leftovers may be those of a save still running)."""
         root, overwrite = self._root, self.settings.overwrite
         folder = root.url_of(layout.iteration_path(root, iteration))
-        # Three questions, one round trip: the pointer, the iteration's record, its folder.
-        latest, record, present = at_once([
+        # Three questions, one round trip: the pointer, the iteration's record, its folder; with
+        # retention, also its listing of save_dirname (and, with the claim, the records it keeps).
+        keep_last_n = self.settings.keep_last_n
+        latest, record, present, *survey = at_once([
             partial(commit.read_pointer, root),
             partial(commit.read_commit_record, root, iteration),
             partial(commit.folder_exists, root, layout.iteration_path(root, iteration)),
+            *([retention.Survey.listing_read(root)] if keep_last_n is not None else []),
         ])  # fmt: skip
+        self._survey = survey[0] if survey else None
         if latest is not None and latest > iteration and not overwrite:
             raise CheckpointExistsError(
                 f"cannot save {folder}: {commit.pointer_url(root)} already names the newer "
@@ -173,7 +181,9 @@ class SavePipeline:
         if record is not None or reason != "does not exist":
             commit.take_over_iteration(root, iteration, save_id, replacing=record, unpublished=unpublished and not overwrite)
             return Prepared(save_id, claimed=False, taken_over=True)
-        return Prepared(save_id, commit.claim_iteration(root, iteration, save_id), taken_over=False)
+        reads = [] if self._survey is None or keep_last_n is None else self._survey.record_reads(root, keep_last_n, iteration)
+        claimed = at_once([partial(commit.claim_iteration, root, iteration, save_id), *reads])[0]
+        return Prepared(save_id, claimed, taken_over=False)
 
     def _write_keys(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str, *, unique_file_names: bool) -> None:
         """Write every key: side by side where :meth:`_keys_at_once` allows, else one after another.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
 from functools import partial
 
 from ..errors import DcpFsspecError
@@ -50,7 +51,13 @@ def plan_deletions(
 
 
 def plan_from_storage(
-    root: Location, keep_last_n: int, *, latest: int | None, protected: Collection[int] = ()
+    root: Location,
+    keep_last_n: int,
+    *,
+    latest: int | None,
+    protected: Collection[int] = (),
+    survey: Survey | None = None,
+    committed_now: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """Every iteration folder under ``root``, and :func:`plan_deletions`' plan for them.
 
@@ -58,21 +65,77 @@ def plan_from_storage(
     committed ones matter, so only their records (and those of damaged ones met on the way) are
     read: a bounded number of requests however many folders there are.
 
+    Args:
+        survey: the listing and records a save read at its start (:class:`Survey`); else read here.
+        committed_now: an iteration the caller just committed (newer than ``survey``'s listing).
+
     Raises:
         CorruptCheckpointError: a commit record it reads is not one we wrote.
         StorageError: the backend failed.
     """
-    listing = commit.list_save_dirname(root)
-    iterations = list(listing.folders)
+    listing = commit.list_save_dirname(root) if survey is None or survey.listing is None else survey.listing
+    known = {} if survey is None else dict(survey.committed)  # iteration → committed, as read
+    if committed_now is not None:
+        known[committed_now] = True
+    iterations = sorted(set(listing.folders) | set(known))
     candidates = sorted((i for i in iterations if latest is not None and i <= latest), reverse=True)
     committed: list[int] = []
     # Newest first, as many at once as committed ones are still wanted: the same records a
     # one-by-one scan reads, in one round trip where they are all committed.
     while len(committed) < keep_last_n and candidates:
         batch, candidates = candidates[: keep_last_n - len(committed)], candidates[keep_last_n - len(committed) :]
-        records = at_once([partial(commit.listed_record, root, listing, iteration) for iteration in batch])
-        committed += [iteration for iteration, record in zip(batch, records, strict=True) if record is not None]
+        unknown = [i for i in batch if i not in known]
+        records = at_once([partial(commit.listed_record, root, listing, iteration) for iteration in unknown])
+        known.update((i, record is not None) for i, record in zip(unknown, records, strict=True))
+        committed += [iteration for iteration in batch if known[iteration]]
     return iterations, plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
+
+
+@dataclass
+class Survey:
+    """What retention reads of ``save_dirname``, read at the start of a save beside the save's
+    own requests: its listing (with the pointer and the iteration's record) and the records of
+    the iterations it will keep (with the claim). Retention after the commit then costs one
+    round trip, the old record's deletion, where it cost three (S3, a small save).
+
+    Read before the save wrote, it lacks only what appeared since: folders retention then
+    keeps, never deletes. A read that failed is left out, and retention reads it again.
+
+    Attributes:
+        listing: :func:`.commit.list_save_dirname`'s, or ``None`` if it failed.
+        committed: iteration → whether its commit record says committed, for those read.
+    """
+
+    listing: commit.Listing | None
+    committed: dict[int, bool] = field(default_factory=dict)
+
+    @classmethod
+    def listing_read(cls, root: Location) -> Callable[[], Survey]:
+        """The listing's read, to send with other questions; a failure leaves it to retention."""
+
+        def read() -> Survey:
+            try:
+                return cls(commit.list_save_dirname(root))
+            except (OSError, DcpFsspecError):
+                return cls(None)
+
+        return read
+
+    def record_reads(self, root: Location, keep_last_n: int, iteration: int) -> list[Callable[[], None]]:
+        """The reads of the records retention will want once ``iteration`` is committed: the
+        newest ``keep_last_n - 1`` folders below it."""
+        if self.listing is None:
+            return []
+        listing = self.listing
+        below = sorted((i for i in listing.folders if i < iteration), reverse=True)[: keep_last_n - 1]
+
+        def read(i: int) -> None:
+            try:
+                self.committed[i] = commit.listed_record(root, listing, i) is not None
+            except (OSError, DcpFsspecError):
+                pass  # unknown: retention reads it again, and says so if it fails there
+
+        return [partial(read, i) for i in below]
 
 
 def apply_retention(
@@ -82,6 +145,8 @@ def apply_retention(
     protected: Collection[int] = (),
     latest: int | None = None,
     purge: BackgroundPurge | None = None,
+    survey: Survey | None = None,
+    committed_now: int | None = None,
 ) -> list[int]:
     """Delete what :func:`plan_deletions` says; failures are logged, never raised.
 
@@ -95,6 +160,7 @@ def apply_retention(
             records deleted, so no load or listing takes them for checkpoints once this
             returns) and their files deleted on ``purge``'s thread, while training goes on.
             ``None``: here.
+        survey, committed_now: what the caller read already (see :func:`plan_from_storage`).
 
     Returns:
         The iterations deleted (with ``purge``: uncommitted, their files on their way). One that
@@ -103,7 +169,9 @@ def apply_retention(
     try:
         if latest is None:
             latest = commit.read_pointer(root)
-        plan = plan_from_storage(root, keep_last_n, latest=latest, protected=protected)[1]
+        plan = plan_from_storage(
+            root, keep_last_n, latest=latest, protected=protected, survey=survey, committed_now=committed_now
+        )[1]
     except (OSError, DcpFsspecError) as e:
         logger.warning("retention skipped under %s (retried at the next save): %s", root.url, e)
         return []
