@@ -278,8 +278,9 @@ def test_small_loads_on_local_disk_reuse_their_threads(tmp_path: Any, monkeypatc
     many loads they start fewer threads than there are loads (the pools' sizes bound them)."""
     import threading
 
-    from dcp_fsspec.storage import reader
+    from dcp_fsspec.storage import reader, workers
 
+    monkeypatch.setattr(workers, "_pools", {})  # fresh pools: earlier tests' threads do not count
     loads = 40
     pools = {"read": 16, "fetch": 16, "crc": reader._CHECKSUM_THREADS}
     assert sum(pools.values()) < loads  # else the bound below could not tell kept pools from new ones
