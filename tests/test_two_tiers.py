@@ -441,14 +441,14 @@ def test_the_ranks_own_metadata_merge_into_one_with_each_chunk_once_in_its_ranks
         merge_metadata([(0, _own_metadata(0)), (1, not_a_tensor)], rename=rank_file_name, save_id="t", checkpoint_id="x")
 
 
-def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str) -> None:
+def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str, scale: float = 1.0) -> None:
     """Each rank its own local_dirname (a node's own disk): save 1 to 3 (keeping one locally)
-    with a sharded and a replicated tensor; rank 0 keeps its log."""
+    with a sharded (times ``scale``) and a replicated tensor; rank 0 keeps its log."""
     log = logging.FileHandler(f"{out}.log")
     logging.getLogger("dcp_fsspec").addHandler(log)
     logging.getLogger("dcp_fsspec").setLevel(logging.INFO)
     mesh = init_device_mesh("cpu", (world_size,))
-    sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])
+    sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8) * scale, mesh, [Shard(0)])
     with Checkpointer(url, local_dirname=f"{base}/node-{rank}", keep_last_n_local=1) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
@@ -520,6 +520,29 @@ def test_a_damaged_local_copy_on_one_node_sends_every_rank_to_the_durable_tier_w
         assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and result["step"] == 3
     warning = next(line for line in Path(f"{loaded}.log").read_text().splitlines() if "damaged" in line)
     assert str(shard.parent) in warning and url in warning, warning
+
+
+@pytest.mark.slow
+def test_a_node_that_rejoins_with_another_runs_copy_of_the_iteration_sends_every_rank_to_the_durable_tier(
+    tmp_path: Path,
+) -> None:
+    # Node 1 was out of the job: it still holds iteration 3 as an earlier run saved it (other
+    # values, another token), while the job saved 3 again without it. Both ranks read the
+    # durable 3; neither mixes node 1's copy into it.
+    stale, job = tmp_path / "stale", tmp_path / "job"
+    stale.mkdir()
+    job.mkdir()
+    run_ranks(_own_folders_save, 2, tmp_path, str(stale / "durable"), str(stale), str(stale / "out"), 10.0)
+    run_ranks(_own_folders_save, 2, tmp_path, str(job / "durable"), str(job), str(job / "out"))
+    shutil.rmtree(job / "node-1")
+    shutil.copytree(stale / "node-1", job / "node-1")
+    assert _pointer(str(job / "node-1" / "rank1"), {}) == 3  # a committed, complete local 3, of the other run
+    loaded = str(tmp_path / "loaded")
+    run_ranks(_load_sharded, 2, tmp_path, str(job / "durable"), str(job), loaded)
+    for rank in (0, 1):
+        result = torch.load(f"{loaded}.{rank}")
+        assert result["iteration"] == 3 and result["tiers"] == [DURABLE], result
+        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and result["step"] == 3
 
 
 def _fsdp_training(seed: int) -> FsdpTraining:
