@@ -132,6 +132,23 @@ def test_with_json_nothing_at_the_url_is_kind_not_found(capsys: pytest.CaptureFi
     assert str(tmp_path / "nothing") in doc["error"]
 
 
+def test_a_per_node_local_dirname_is_one_line_naming_each_ranks_save_dirname_and_exits_3(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Per node, a local_dirname holds rank{r}/ folders, each a save_dirname of its own.
+    for name in ("rank0", "rank1", "rank01", "ranks"):
+        (tmp_path / name / "iter_000000001").mkdir(parents=True)
+    (tmp_path / "rank2").write_text("a file, not a rank's folder")
+    for command in ("ls", "inspect"):
+        code, _, err = _cli_run(capsys, command, str(tmp_path))
+        assert code == 3 and _one_or_two_lines(err) == [
+            f"dcp-fsspec {command}: error: {tmp_path} is a per-node local_dirname holding each rank's own "
+            f"save_dirname (rank0, rank1): give one of them, e.g. {tmp_path}/rank0"
+        ], err
+    code, out, _ = _cli_run(capsys, "ls", str(tmp_path / "rank1"))
+    assert code == 0 and "iter_000000001" in out
+
+
 def test_with_json_a_bad_command_line_is_a_json_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["prune", "memory://x/run", "--json"])  # --keep is missing

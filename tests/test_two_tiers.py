@@ -37,12 +37,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_fsspec import Checkpointer, DrainError, FsspecStorageReader, RetryPolicy
+from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, RetryPolicy
 from dcp_fsspec.checkpoint import commit, drain
 from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
 from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.tools import targets
 
 from .ckpt_fsdp import FsdpTraining, assert_same_full_state
 from .ckpt_helpers import Training, assert_same_training
@@ -474,6 +475,9 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
         tier = tmp_path / f"node-{rank}" / f"rank{rank}"
         assert _pointer(str(tier), {}) == 3 and commit.committed_iterations(resolve(str(tier))) == [3]
         assert not (tmp_path / f"node-{rank}" / f"rank{1 - rank}").exists()
+        with pytest.raises(CheckpointNotFoundError, match=f"per-node local_dirname .*give one of them, e.g. .*rank{rank}$"):
+            targets.classify(resolve(str(tmp_path / f"node-{rank}")))  # what every tool is given
+        assert targets.classify(resolve(str(tier))).kind == "run"
     assert commit.committed_iterations(resolve(url)) == [1, 2, 3]
     # The durable copy: one plain checkpoint, each rank's shard in its own file, no drain leftovers.
     assert sorted(p.name for p in (tmp_path / "durable" / "iter_000000003" / "trainer").iterdir()) == [
