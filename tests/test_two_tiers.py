@@ -42,6 +42,7 @@ from dcp_fsspec.checkpoint import commit, drain
 from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
 from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
 from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
 from dcp_fsspec.storage.urls import resolve
 from dcp_fsspec.tools import targets
 
@@ -340,6 +341,37 @@ class _HoldDrain(logging.Handler):
         return True
 
 
+def test_drain_every_holds_the_next_save_until_the_drain_in_flight_is_done_and_every_iteration_goes_up(
+    s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "local"
+    hold = _HoldDrain(1)
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log.addHandler(hold)
+    try:
+        with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
+            s3_backend.url, s3_backend.storage_options, local_dirname=local, keep_last_n_local=1
+        ) as ckpt:  # fmt: skip
+            ckpt.save(1, trainer={"w": torch.ones(4)})
+            assert hold.reached.wait(60)
+            second = threading.Thread(target=ckpt.save, args=(2,), kwargs={"trainer": {"w": torch.ones(4) * 2}})
+            second.start()
+            second.join(1.0)
+            assert second.is_alive()  # save(2) waits for the drain of 1 ...
+            # ... with 2 committed locally, and 1 (in flight) not yet let go of by local retention
+            assert sorted(p.name for p in local.glob("iter_*")) == ["iter_000000001", "iter_000000002"]
+            assert _pointer(str(local), {}) == 2 and ckpt.committed_iterations() == []
+            hold.release.set()
+            second.join(60)
+            assert not second.is_alive()
+            ckpt.save(3, trainer={"w": torch.ones(4) * 3})
+            ckpt.wait()
+            assert ckpt.committed_iterations() == [1, 2, 3]
+    finally:
+        hold.release.set()
+        drain_log.removeHandler(hold)
+
+
 def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the_one_in_flight(
     s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -395,6 +427,26 @@ def test_rank0_commits_the_durable_copy_only_once_every_other_rank_marked_its_fi
     marker.write_bytes(token.encode())
     drain_as_rank0_of_two()
     assert commit.read_pointer(durable) == 3 and not marker.exists()  # committed; the marker is gone
+
+
+def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(tmp_path: Path) -> None:
+    local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
+    _committed_locally(local, 3)
+    local_root = resolve(str(local), {})
+    token = commit.read_commit_record(local_root, 3).save_id  # type: ignore[union-attr]
+    folder, copy = str(local / "iter_000000003"), str(tmp_path / "durable" / "iter_000000003")
+    # Per node, every rank's copy must be the save rank 0 drains (its token).
+    with pytest.raises(DrainError, match="is another save's") as raised:
+        drain.drain_iteration(local_root, durable, drain.DrainJob(3, "another-save"), rank=1, world_size=2,
+                              keep_last_n=None, per_node=True)  # fmt: skip
+    assert folder in str(raised.value) and copy in str(raised.value)
+    (local / "iter_000000003" / COMMIT_RECORD_NAME).unlink()  # as a save that died before its commit leaves it
+    for rank in (0, 1):
+        with pytest.raises(DrainError, match="a durable copy is only made of a committed one") as raised:
+            drain.drain_iteration(local_root, durable, drain.DrainJob(3, token), rank=rank, world_size=2,
+                                  keep_last_n=None, marker_wait=0.5, per_node=True)  # fmt: skip
+        assert folder in str(raised.value) and copy in str(raised.value)
+    assert commit.read_pointer(durable) is None and not (tmp_path / "durable" / "iter_000000003").exists()
 
 
 def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
