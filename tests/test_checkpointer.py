@@ -664,6 +664,14 @@ def test_iteration_names_round_trip_through_the_one_regex() -> None:
     assert [layout.parse_iteration(n) for n in ("iter_5", "iter_00000000x", "xiter_000000005")] == [None] * 3
 
 
+def test_rank_folder_names_round_trip_and_a_listed_name_is_bounded() -> None:
+    assert [layout.parse_rank_folder(layout.rank_folder_name(r)) for r in (0, 7, 123_456_789)] == [0, 7, 123_456_789]
+    # Names from a listing that are not ours: leading zeros, signs, other scripts' digits, and
+    # a name whose digits int() would refuse (over 4300) or take long to read.
+    bad = ("rank", "rank01", "rank-1", "rank+1", "rank\u0663", "xrank1", "rank1x", "rank" + "9" * 5000)
+    assert [layout.parse_rank_folder(n) for n in bad] == [None] * len(bad)
+
+
 def test_verify_before_commit_refuses_a_damaged_iteration_and_keeps_the_pointer(
     local_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

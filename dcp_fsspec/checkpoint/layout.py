@@ -2,7 +2,9 @@
 
 An iteration's folder is ``iter_`` and the iteration zero-padded to nine digits
 (``iter_000000005``); every key saved with it is a DCP checkpoint in a subfolder
-(``iter_000000005/model/``). This module owns the one regex for those names. It does not know
+(``iter_000000005/model/``). A per-node local tier holds one ``rank{r}`` folder per rank, each
+laid out the same way. This module owns the regexes for those names, torch-free so the tools can
+read them. It does not know
 what makes a folder *committed* (``commit`` does, from one listing of ``save_dirname``): its
 finder returns every folder, committed or not.
 """
@@ -25,6 +27,10 @@ _ITERATION_RE = re.compile(rf"iter_([0-9]{{{_ITERATION_DIGITS},{_MAX_ITERATION_D
 # Key names become folder names on every backend, so they stay portable and never collide with
 # DCP's hidden ``.metadata`` or with our own hidden files.
 _KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+# A per-node local tier holds one ``rank{r}`` folder per rank on the node (see ``tiers``). The
+# name is read back from listings, so its digits are bounded like an iteration's.
+_RANK_PREFIX = "rank"
+_RANK_RE = re.compile(r"rank(0|[1-9][0-9]{0,8})")
 
 
 def format_iteration(iteration: int) -> str:
@@ -42,6 +48,17 @@ def parse_iteration(name: str) -> int | None:
     """The iteration named by a folder name or path (its last component), or ``None`` (also for
     a name too long to be one we write: more than 18 digits)."""
     match = _ITERATION_RE.fullmatch(posixpath.basename(name.rstrip("/")))
+    return int(match.group(1)) if match else None
+
+
+def rank_folder_name(rank: int) -> str:
+    """The folder of rank ``rank``'s own local tier under a per-node ``local_dirname``."""
+    return f"{_RANK_PREFIX}{rank}"
+
+
+def parse_rank_folder(name: str) -> int | None:
+    """The rank whose per-node local tier a folder named ``name`` is (``"rank3"`` → 3), or None."""
+    match = _RANK_RE.fullmatch(name)
     return int(match.group(1)) if match else None
 
 

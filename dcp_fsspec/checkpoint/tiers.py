@@ -104,20 +104,9 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, st
         return {}
 
 
-def rank_folder_name(rank: int) -> str:
-    """The folder of rank ``rank``'s own local tier under a per-node ``local_dirname``."""
-    return f"rank{rank}"
-
-
-def parse_rank_folder(name: str) -> int | None:
-    """The rank whose per-node local tier a folder named ``name`` is, or None."""
-    digits = name.removeprefix("rank")
-    return int(digits) if digits != name and digits.isdigit() and rank_folder_name(int(digits)) == name else None
-
-
 def rank_tier(local: Location, rank: int) -> Location:
     """Rank ``rank``'s own local tier in per-node mode: ``{local_dirname}/rank{rank}``."""
-    return resolve(posixpath.join(local.secret_url, rank_folder_name(rank)), fs=local.fs, retry=local.retry)
+    return resolve(posixpath.join(local.secret_url, layout.rank_folder_name(rank)), fs=local.fs, retry=local.retry)
 
 
 class TwoTiers:

@@ -13,7 +13,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Literal
 
-from ..checkpoint import commit, layout, tiers
+from ..checkpoint import commit, layout
 from ..errors import CheckpointNotFoundError
 from ..storage.failures import storage_errors
 from ..storage.names import METADATA_NAME, POINTER_NAME
@@ -66,12 +66,12 @@ def classify(location: Location) -> Target:
         layout.parse_iteration(n) is not None and kind == "directory" for n, kind in names.items()
     ):
         return Target("run", location)
-    ranks = sorted(r for n, kind in names.items() if kind == "directory" and (r := tiers.parse_rank_folder(n)) is not None)
+    ranks = sorted(r for n, kind in names.items() if kind == "directory" and (r := layout.parse_rank_folder(n)) is not None)
     if ranks:  # a per-node local_dirname: each node's disk holds its rank's own save_dirname
-        shown = ", ".join(tiers.rank_folder_name(r) for r in ranks)
+        shown = ", ".join(layout.rank_folder_name(r) for r in ranks)
         raise CheckpointNotFoundError(
             f"{location.url} is a per-node local_dirname holding each rank's own save_dirname ({shown}): "
-            f"give one of them, e.g. {location.url.rstrip('/')}/{tiers.rank_folder_name(ranks[0])}"
+            f"give one of them, e.g. {location.url.rstrip('/')}/{layout.rank_folder_name(ranks[0])}"
         )
     what = "is empty or does not exist" if not names else "holds no .metadata, iteration folders or pointer"
     raise CheckpointNotFoundError(
