@@ -272,27 +272,56 @@ def test_a_put_waits_for_the_servers_go_ahead_only_when_its_body_is_large(
     assert len(big) == 1 and big[0][0].startswith("big/") and big[0][2] == b"100-continue", big
 
 
-def test_small_loads_on_local_disk_reuse_their_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small local load is a few milliseconds; starting its read, fetch and checksum threads
-    anew each time was a third of them. The storage layer's pools are kept between loads: over
-    many loads they start fewer threads than there are loads (the pools' sizes bound them)."""
+def _count_threads_and_hand_offs(monkeypatch: pytest.MonkeyPatch, roles: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """From now on: the names of the threads of ``roles`` started, and of every call handed to a
+    thread pool (ours or any other)."""
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
-    from dcp_fsspec.storage import reader, workers
-
-    monkeypatch.setattr(workers, "_pools", {})  # fresh pools: earlier tests' threads do not count
-    loads = 40
-    pools = {"read": 16, "fetch": 16, "crc": reader._CHECKSUM_THREADS}
-    assert sum(pools.values()) < loads  # else the bound below could not tell kept pools from new ones
     started: list[str] = []
-    real_start = threading.Thread.start
+    handed: list[str] = []
+    real_start, real_submit = threading.Thread.start, ThreadPoolExecutor.submit
 
     def counting_start(self: threading.Thread) -> None:
-        if any(self.name.startswith(f"dcp-fsspec-{role}") for role in pools):
+        if any(self.name.startswith(f"dcp-fsspec-{role}") for role in roles):
             started.append(self.name)
         real_start(self)
 
+    def counting_submit(self: ThreadPoolExecutor, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        handed.append(getattr(fn, "__qualname__", repr(fn)))
+        return real_submit(self, fn, *args, **kwargs)
+
     monkeypatch.setattr(threading.Thread, "start", counting_start)
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", counting_submit)
+    return started, handed
+
+
+def test_small_loads_on_local_disk_run_on_the_calling_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small local load is a few milliseconds, and no round trip to hide: handing its reads,
+    checks and keys to other threads (and the GIL back and forth) took half of it. It starts no
+    thread and hands nothing to one."""
+    with Checkpointer(str(tmp_path), {}) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        started, handed = _count_threads_and_hand_offs(monkeypatch, ("read", "fetch", "crc", "at-once"))
+        for _ in range(5):
+            state = _small_state(0)
+            assert ckpt.load(**state) == 1
+            assert torch.equal(state["model"]["w"], _small_state(1)["model"]["w"])
+    assert started == [] and handed == [], (started, handed)
+
+
+def test_loads_reuse_their_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a load uses threads (a remote store, or a bigger state here), its read, fetch and
+    checksum threads are the storage layer's pools, kept between loads: over many loads they
+    start fewer threads than there are loads (the pools' sizes bound them)."""
+    from dcp_fsspec.storage import reader, workers
+
+    monkeypatch.setattr(workers, "_pools", {})  # fresh pools: earlier tests' threads do not count
+    monkeypatch.setattr(reader, "_ON_THIS_THREAD_MAX", 0)  # every load on threads
+    loads = 40
+    pools = {"read": 16, "fetch": 16, "crc": reader._CHECKSUM_THREADS}
+    assert sum(pools.values()) < loads  # else the bound below could not tell kept pools from new ones
+    started, _ = _count_threads_and_hand_offs(monkeypatch, tuple(pools))
     with Checkpointer(str(tmp_path), {}) as ckpt:
         ckpt.save(1, **_small_state(1))
         for _ in range(loads):

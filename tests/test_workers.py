@@ -64,3 +64,16 @@ def test_reads_of_one_role_and_size_share_their_threads() -> None:
             workers.submit(lambda: names.add(threading.current_thread().name)).result(WAIT)
     assert 1 <= len(names) <= 2, names
     assert all(name.startswith("dcp-fsspec-test-share") for name in names)
+
+
+def test_no_threads_runs_each_task_on_the_callers_thread_as_it_is_submitted() -> None:
+    seen: list[str] = []
+    before = threading.active_count()
+    with Workers("test-inline", 0) as workers:
+        done = workers.submit(lambda n: seen.append(threading.current_thread().name) or n * 2, 21)
+        assert done.done() and done.result() == 42  # done before submit returned
+        failed = workers.submit(lambda: 1 / 0)
+        assert failed.done() and isinstance(failed.exception(), ZeroDivisionError)
+    assert seen == [threading.current_thread().name]
+    assert threading.active_count() == before
+    assert not any(t.name.startswith("dcp-fsspec-test-inline") for t in threading.enumerate())

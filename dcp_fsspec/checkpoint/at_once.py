@@ -6,6 +6,10 @@ sent together, they cost one round trip instead of one each.
 
 The calls run on one pool of threads per process, kept between saves: a small save on local
 disk takes a few milliseconds, of which starting threads anew each time would be a good share.
+Where a store answers on this machine (``Location.answers_locally``: local disk, ``memory://``)
+there is no round trip to hide, and small reads run ``one_by_one`` on the calling thread: handing
+each to another thread, and the GIL back and forth, cost more than the reads (a 4-key local load
+took twice as long).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ _pool_pid: int | None = None
 _in_pool = threading.local()
 
 
-def at_once(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+def at_once(calls: Sequence[Callable[[], Any]], *, one_by_one: bool = False) -> list[Any]:
     """Run every call, side by side, and return their results in order.
 
     The first call runs on the calling thread, the others on the shared pool (one call uses no
@@ -35,7 +39,11 @@ def at_once(calls: Sequence[Callable[[], Any]]) -> list[Any]:
     Args:
         calls: the calls, independent of each other. A call may itself use :func:`at_once`
             (it then gets threads of its own, never waiting for the pool it runs on).
+        one_by_one: run them in order on the calling thread instead, with the same results and
+            the same error (for reads a store answers on this machine).
     """
+    if one_by_one:
+        return _one_by_one(calls)
     if len(calls) <= 1:
         return [call() for call in calls]
     if getattr(_in_pool, "yes", False):
@@ -54,6 +62,20 @@ def _run(pool: ThreadPoolExecutor, calls: Sequence[Callable[[], Any]]) -> list[A
         if error is not None:
             raise error
     return [first, *(f.result() for f in others)]
+
+
+def _one_by_one(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    results: list[Any] = []
+    first_error: Exception | None = None
+    for call in calls:
+        try:
+            results.append(call())
+        except Exception as e:  # every call still runs, as side by side
+            first_error = first_error or e
+            results.append(None)
+    if first_error is not None:
+        raise first_error
+    return results
 
 
 def _shared_pool() -> ThreadPoolExecutor:

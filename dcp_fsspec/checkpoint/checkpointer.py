@@ -547,10 +547,12 @@ class Checkpointer:
     def _keys_at_once(self, checked: dict[str, preflight.CheckedKey]) -> bool:
         """Whether the keys may be read side by side: as the save writes them (see
         :meth:`.pipeline.SavePipeline._keys_at_once`), on one rank and while the whole state fits
-        one reader's window, so that several readers hold no more memory than one would."""
+        one reader's window, so that several readers hold no more memory than one would; and
+        where a read costs a round trip (on local disk one key's reader has its own threads)."""
         return (
             len(checked) > 1
             and not self._collectives.distributed
+            and not all(c.reader.location.answers_locally for c in checked.values())
             and sum(tensor_nbytes(c.state_dict) for c in checked.values()) <= self._reader_settings.window_bytes
         )
 

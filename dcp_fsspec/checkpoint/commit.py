@@ -223,7 +223,7 @@ def folder_read(results: list[object], keys: tuple[str, ...]) -> FolderRead:
 
 def read_folder(root: Location, iteration: int, keys: tuple[str, ...]) -> FolderRead:
     """``iteration``'s listing and each of ``keys``' ``.metadata``, read at once."""
-    return folder_read(at_once(folder_reads(root, iteration, keys)), keys)
+    return folder_read(at_once(folder_reads(root, iteration, keys), one_by_one=root.answers_locally), keys)
 
 
 def _metadata_bytes(root: Location, iteration: int, key: str) -> bytes | None:
@@ -491,7 +491,8 @@ def publish(
         StorageError: the backend failed; the pointer did not move.
     """
     with root.backend.exclusive(root.path):
-        read, *found = at_once([partial(_read_pointer_file, root), *folder_reads(root, iteration, keys)])
+        read, *found = at_once([partial(_read_pointer_file, root), *folder_reads(root, iteration, keys)],
+                               one_by_one=root.answers_locally)  # fmt: skip
         current = _parse_pointer(root, read.data)
         if current is not None and current > iteration and not behind_pointer:
             raise _moved_past(root, iteration, current)
@@ -767,7 +768,8 @@ def remove_iteration_files(root: Location, iteration: int) -> None:
         StorageError: the backend failed; the folder may be half deleted.
     """
     folder = layout.iteration_path(root, iteration)
-    at_once([partial(_remove, root, folder, recursive=True), partial(root.backend.abort_pending_uploads, folder)])
+    at_once([partial(_remove, root, folder, recursive=True), partial(root.backend.abort_pending_uploads, folder)],
+            one_by_one=root.answers_locally)  # fmt: skip
     root.backend.invalidate(folder)
 
 

@@ -155,7 +155,7 @@ class SavePipeline:
             partial(commit.read_commit_record, root, iteration),
             partial(commit.folder_exists, root, layout.iteration_path(root, iteration)),
             *([retention.Survey.listing_read(root)] if keep_last_n is not None else []),
-        ])  # fmt: skip
+        ], one_by_one=root.answers_locally)  # fmt: skip
         self._survey = survey[0] if survey else None
         if latest is not None and latest > iteration and not overwrite:
             raise CheckpointExistsError(
@@ -182,7 +182,8 @@ class SavePipeline:
             commit.take_over_iteration(root, iteration, save_id, replacing=record, unpublished=unpublished and not overwrite)
             return Prepared(save_id, claimed=False, taken_over=True)
         reads = [] if self._survey is None or keep_last_n is None else self._survey.record_reads(root, keep_last_n, iteration)
-        claimed = at_once([partial(commit.claim_iteration, root, iteration, save_id), *reads])[0]
+        claimed = at_once([partial(commit.claim_iteration, root, iteration, save_id), *reads],
+                          one_by_one=root.answers_locally)[0]  # fmt: skip
         return Prepared(save_id, claimed, taken_over=False)
 
     def _write_keys(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str, *, unique_file_names: bool) -> None:

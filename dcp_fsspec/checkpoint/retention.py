@@ -85,7 +85,8 @@ def plan_from_storage(
     while len(committed) < keep_last_n and candidates:
         batch, candidates = candidates[: keep_last_n - len(committed)], candidates[keep_last_n - len(committed) :]
         unknown = [i for i in batch if i not in known]
-        records = at_once([partial(commit.listed_record, root, listing, iteration) for iteration in unknown])
+        records = at_once([partial(commit.listed_record, root, listing, iteration) for iteration in unknown],
+                          one_by_one=root.answers_locally)  # fmt: skip
         known.update((i, record is not None) for i, record in zip(unknown, records, strict=True))
         committed += [iteration for iteration in batch if known[iteration]]
     return iterations, plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)

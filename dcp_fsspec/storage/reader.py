@@ -60,6 +60,10 @@ MiB = 1024 * 1024
 _IN_PLACE_MIN = 1 * MiB
 _HEAD_BYTES = 64 * 1024
 _CHECKSUM_THREADS = 4  # the CRC-32 (zlib's or ISA-L's) runs without the GIL
+# A read of at most this many bytes from a store that answers on this machine (local disk,
+# memory://) runs on the calling thread: a small local load spent more on handing records to
+# threads and back than on reading them.
+_ON_THIS_THREAD_MAX = 16 * MiB
 _UNDO_THREADS = 4  # zstd decompresses without the GIL
 
 
@@ -211,12 +215,14 @@ class FsspecStorageReader(UrlBound, StorageReader):
         records = self._records_for(plan)
         undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
         files = self.location.backend.in_place_files()
-        pools = (Workers("read", self.threads), Workers("crc", _CHECKSUM_THREADS)) if files is not None else ()
+        small_here = self.location.answers_locally and sum(r.length for r in records) <= _ON_THIS_THREAD_MAX
+        threads = 0 if small_here else self.threads
+        pools = (Workers("read", threads), Workers("crc", threads and _CHECKSUM_THREADS)) if files is not None else ()
         try:
             in_place: list[ThreadFuture[Callable[[], None]]] = []
             if files is not None:
                 records, in_place = self._start_in_place(records, planner, files, pools)
-            self._stream_records(records, planner)  # the small ones, while the big ones are read
+            self._stream_records(records, planner, threads)  # the small ones, while the big ones are read
             for deliver in in_place:
                 deliver.result()()
             if undo is not None:
@@ -334,7 +340,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 "before; restore it or load another checkpoint"
             )
 
-    def _stream_records(self, records: list[_Record], planner: LoadPlanner) -> None:
+    def _stream_records(self, records: list[_Record], planner: LoadPlanner, threads: int) -> None:
         """Fetch records concurrently and in file order, decoding each as its bytes arrive."""
         spans = plan_spans(
             [(r.path, r.offset, r.end) for r in records],
@@ -343,7 +349,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         )
         records.sort(key=lambda r: (r.path, r.offset))
         fetched = fetch_in_order(
-            self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
+            self.location.fs, spans, window_bytes=self.window_bytes, threads=threads, retry=self.location.retry
         )
         feed_records(records, self._whole_spans(fetched), lambda i: _LoadDecoder(records[i], planner, self))
 

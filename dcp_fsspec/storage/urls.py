@@ -109,6 +109,11 @@ class Location:
     def is_local(self) -> bool:
         return self.backend.is_local
 
+    @property
+    def answers_locally(self) -> bool:
+        """See :class:`~.backends.base.Backend`: no round trip to hide behind threads."""
+        return self.backend.answers_locally
+
 
 def normalize_url(url: str | os.PathLike[str]) -> str:
     """Return ``url`` with a scheme kept as is, or a local path made absolute with ``~`` expanded.

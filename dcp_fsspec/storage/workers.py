@@ -31,17 +31,21 @@ class Workers:
         role: what the tasks do (``"read"``, ``"crc"``); it names the threads
             (``dcp-fsspec-{role}``). Tasks of one role must not wait for each other.
         threads: the pool's size: at most this many of the role's tasks run at once, across
-            every read that uses the same role and size at the same time.
+            every read that uses the same role and size at the same time. ``0``: no thread at
+            all; each task runs on the caller's thread as it is submitted (work too small for a
+            hand-off to pay), its result or error in the future returned.
     """
 
     def __init__(self, role: str, threads: int) -> None:
-        self._pool = _shared_pool(role, max(1, threads))
+        self._pool = _shared_pool(role, threads) if threads > 0 else None
         # The tasks not yet done; a done one leaves, so its result (a span's bytes) is freed as
         # soon as its caller lets go of it, however many tasks a long read submits.
         self._pending: set[Future[Any]] = set()
         self._pending_lock = threading.Lock()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        if self._pool is None:
+            return _run_here(fn, *args, **kwargs)
         future = self._pool.submit(fn, *args, **kwargs)
         with self._pending_lock:
             self._pending.add(future)
@@ -68,6 +72,15 @@ class Workers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _run_here(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except Exception as e:  # the caller sees it through the future, as from a pool
+        future.set_exception(e)
+    return future
 
 
 def _shared_pool(role: str, threads: int) -> ThreadPoolExecutor:

@@ -99,6 +99,9 @@ class Backend:
       folder is atomic (local disk, SFTP); object stores have neither.
     * ``shared_across_processes``: another process sees what this one writes (not ``memory://``).
     * ``is_local``: plain local files (``os`` calls, ``fsync``, in-place reads).
+    * ``answers_locally``: a request is answered on this machine (local disk, ``memory://``), in
+      microseconds: there is no round trip to hide, so small independent reads go one after
+      another on the calling thread (a hand-off to another thread costs more than the read).
     * ``conditional_writes``: the store settles concurrent pointer updates itself (S3's
       ``If-Match``); elsewhere :meth:`exclusive` serializes them.
     * ``exclusive_across_processes``: of writers in several processes, :meth:`exclusive` (or the
@@ -111,6 +114,7 @@ class Backend:
     real_folders: ClassVar[bool] = False
     shared_across_processes: ClassVar[bool] = True
     is_local: ClassVar[bool] = False
+    answers_locally: ClassVar[bool] = False
     conditional_writes: ClassVar[bool] = False
     exclusive_across_processes: ClassVar[bool] = False
 

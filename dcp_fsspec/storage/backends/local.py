@@ -38,6 +38,7 @@ class LocalBackend(Backend):
     name = "local disk"
     real_folders = True
     is_local = True
+    answers_locally = True
     exclusive_across_processes = True
 
     @classmethod

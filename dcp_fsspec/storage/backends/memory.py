@@ -16,6 +16,7 @@ from .base import Backend
 class MemoryBackend(Backend):
     name = "memory://"
     shared_across_processes = False
+    answers_locally = True
     exclusive_across_processes = True
 
     def new_upload(
