@@ -1,9 +1,12 @@
 """Where a save's client CPU goes: py-spy samples one benchmark worker, then the top functions.
 
 ``python -m benchmarks.profile [--phase save] [--impl dcp_fsspec] [--size-mib 1024] [--server moto]``
+``python -m benchmarks.profile --backend local [--local-dir DIR] --phase load`` (a cold load)
 
 Starts the S3 server as ``benchmarks.run`` does (moto in this process by default: its CPU is
-not in the profile), runs one ``benchmarks.worker`` under ``py-spy record`` (``pip install
+not in the profile), or with ``--backend local`` uses a folder under ``--local-dir`` (a
+temporary one by default; a load reads it with the page cache dropped, as ``benchmarks.run``'s
+cold local loads do), runs one ``benchmarks.worker`` under ``py-spy record`` (``pip install
 py-spy``; every thread, 100 samples/s, idle threads left out), and prints the functions that
 took the largest share of the samples: by *self* (the sampled frame itself, C code it called
 included: ``b"".join``'s copy counts to the line that joins) and by *total* (anywhere on the
@@ -13,15 +16,17 @@ stack). The raw samples stay in ``--out`` for flame graphs (``flamegraph.pl`` re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
-from .run import BUCKET, REPO, SERVERS, start_server
+from .run import BUCKET, REPO, SERVERS, drop_page_cache, start_server
 
 
 # Stacks that are the worker's own work, not the phase measured: building the state (randn),
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--s3-key", default="testing")
     p.add_argument("--s3-secret", default="testing")
     p.add_argument("--moto-complete", default="lean", help=argparse.SUPPRESS)
-    p.add_argument("--local-dir", default=None)
+    p.add_argument("--backend", choices=["s3", "local"], default="s3")
+    p.add_argument("--local-dir", default=None, help="with --backend local: where the checkpoint goes")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "profile"))
     args = p.parse_args(argv)
@@ -100,28 +106,35 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("py-spy is not installed: pip install py-spy")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server, _ = start_server(args, [args.size_mib], [])
-    try:
-        server.create_bucket(BUCKET)
-        url = f"s3://{BUCKET}/profile/{args.impl}"
+    with contextlib.ExitStack() as stack:
+        if args.backend == "local":
+            base = args.local_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-fsspec-profile-"))
+            url, options, env = os.path.join(base, "profile", args.impl), {}, {}
+            where = f"local {base}"
+        else:
+            server, _ = start_server(args, [args.size_mib], [])
+            stack.callback(server.stop)
+            server.create_bucket(BUCKET)
+            url, options, env = f"s3://{BUCKET}/profile/{args.impl}", server.storage_options(), server.environ()
+            where = f"server {args.s3_endpoint or args.server}"
         worker = [sys.executable, "-m", "benchmarks.worker", "save", "--size-mib", str(args.size_mib),
-                  "--impl", args.impl, "--backend", "s3", "--url", url,
-                  "--storage-options", json.dumps(server.storage_options())]  # fmt: skip
-        env = {**os.environ, **server.environ(), "PYTHONPATH": str(REPO)}
+                  "--impl", args.impl, "--backend", args.backend, "--url", url,
+                  "--storage-options", json.dumps(options)]  # fmt: skip
+        env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
         if args.phase == "load":  # the save first, unprofiled
             subprocess.run(worker, cwd=REPO, env=env, check=True, capture_output=True)
             worker[3] = "load"
-        raw = out / f"{args.impl}-{args.phase}-{args.size_mib}MiB.txt"
+            if args.backend == "local":
+                drop_page_cache(url)
+        raw = out / f"{args.impl}-{args.phase}-{args.backend}-{args.size_mib}MiB.txt"
         record = [py_spy, "record", "--format", "raw", "--rate", "100", "-o", str(raw), "--", *worker]
         done = subprocess.run(record, cwd=REPO, env=env, capture_output=True, text=True)
         print(*(ln for ln in done.stdout.splitlines() if ln.startswith('{"kind"')), sep="\n")
         if done.returncode != 0:
             raise SystemExit(f"py-spy record failed ({done.returncode}): {done.stderr[-2000:]}")
-    finally:
-        server.stop()
     samples, left_out, by_self, by_total = top_functions(raw.read_text(), args.top)
     print(f"\n{samples} samples (100/s, every thread not idle) of one {args.phase}, waits left out ({args.impl}, {args.size_mib} MiB, "
-          f"server {args.s3_endpoint or args.server}); {left_out} more left out (state building, imports); raw: {raw}\n")  # fmt: skip
+          f"{where}); {left_out} more left out (state building, imports); raw: {raw}\n")  # fmt: skip
     for title, rows in (("self", by_self), ("total", by_total)):
         print(f"| function | {title} % |\n|---|---:|")
         print("\n".join(f"| `{f}` | {100 * k / samples:.1f} |" for f, k in rows), "\n")
