@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage import names
 from tests.conftest import Backend
 
@@ -103,10 +104,9 @@ def test_a_ready_filesystem_can_be_passed_as_fs_instead_of_storage_options() -> 
     assert torch.equal(back["w"], state["w"])
 
 
-def test_local_saves_fsync_every_file_before_its_rename_and_then_the_folder(
-    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Guarantees, local disk: "temp name + fsync + rename, folder fsynced" (sync_files=True)."""
+def _record_fsyncs_and_renames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """From now until ``monkeypatch.undo()``: ``("fsync", path)`` and ``("replace", "src -> dst")``
+    for every ``os.fsync`` and ``os.replace``, in order."""
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -120,17 +120,63 @@ def test_local_saves_fsync_every_file_before_its_rename_and_then_the_folder(
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def _renames(events: list[tuple[str, str]]) -> list[tuple[int, str, str]]:
+    """(index in ``events``, temporary name, final name) of every rename."""
+    return [(i, *what.split(" -> ", 1)) for i, (kind, what) in enumerate(events) if kind == "replace"]  # type: ignore[misc]
+
+
+def test_local_saves_fsync_every_file_before_its_rename_and_then_the_folder(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guarantees, local disk: "temp name + fsync + rename, folder fsynced" (sync_files=True)."""
+    events = _record_fsyncs_and_renames(monkeypatch)
     dcp.save({"w": torch.ones(64), "b": torch.zeros(3)}, storage_writer=FsspecStorageWriter(local_backend.url), no_dist=True)
     monkeypatch.undo()
-    renames: list[tuple[int, str, str]] = []
-    for i, (kind, what) in enumerate(events):
-        if kind == "replace":
-            temp, target = what.split(" -> ", 1)
-            renames.append((i, temp, target))
+    renames = _renames(events)
     assert {os.path.basename(target) for _, _, target in renames} >= {"__0_0.distcp", names.METADATA_NAME}
     for i, temp, target in renames:
         assert ("fsync", temp) in events[:i], f"{temp} renamed to {target} before it was fsynced"
         assert ("fsync", os.path.dirname(target)) in events[i + 1 :], f"the folder of {target} was not fsynced after"
+    # .metadata commits a standalone checkpoint: the data file's name is durable before it is written.
+    data_rename = next(i for i, _, target in renames if target.endswith(".distcp"))
+    metadata_rename = next(i for i, _, target in renames if target.endswith(names.METADATA_NAME))
+    assert ("fsync", local_backend.url) in events[data_rename + 1 : metadata_rename]
+
+
+def test_a_checkpointer_save_is_durable_before_its_commit_record_with_one_fsync_per_key_folder(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guarantee row: 'a Checkpointer save's files survive a power loss once it is committed' (local).
+    Every file is fsynced
+    before its rename; every key's folder after all its renames and before the commit record;
+    the commit record's folder before the pointer moves; the root after it. A key's folder is
+    fsynced once per save (the commit record, not its .metadata, commits it), not once after its
+    data and again after its .metadata: each folder fsync is a journal commit of its own."""
+    keys = {"model": {"w": torch.ones(64)}, "optim": {"m": torch.zeros(3)}, "trainer": {"step": 3}}
+    with Checkpointer(local_backend.url) as ckpt:
+        ckpt.save(1, **keys)
+        events = _record_fsyncs_and_renames(monkeypatch)
+        ckpt.save(2, **keys)
+        monkeypatch.undo()
+    root, folder = local_backend.url, os.path.join(local_backend.url, "iter_000000002")
+    renames = _renames(events)
+    record = next(i for i, _, target in renames if target == os.path.join(folder, names.COMMIT_RECORD_NAME))
+    pointer = next(i for i, _, target in renames if target == os.path.join(root, "latest_checkpoint.txt"))
+    for i, temp, target in renames:
+        if os.path.basename(target) != commit.CLAIM_NAME:  # the claim matters among running saves only
+            assert ("fsync", temp) in events[:i], f"{temp} renamed to {target} before it was fsynced"
+    for key in keys:
+        key_folder = os.path.join(folder, key)
+        key_renames = [i for i, _, target in renames if os.path.dirname(target) == key_folder]
+        assert len(key_renames) >= 2, f"{key}: its data file and .metadata"
+        syncs = [i for i, event in enumerate(events) if event == ("fsync", key_folder)]
+        assert len(syncs) == 1, f"{key_folder} fsynced {len(syncs)} times in one save"
+        assert max(key_renames) < syncs[0] < record, f"{key_folder} not fsynced between its renames and the commit record"
+    assert ("fsync", folder) in events[record + 1 : pointer], "the commit record's rename not made durable before the pointer moved"
+    assert ("fsync", root) in events[pointer + 1 :], "the pointer's rename not made durable"
 
 
 def test_load_path_is_read_with_load_storage_options(s3_backend: Backend, tmp_path: Path) -> None:

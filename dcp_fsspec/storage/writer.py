@@ -92,6 +92,14 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             views of the tensors' memory, not copies).
         sync_files: fsync local files and folders (durability across power loss); object
             stores publish a file whole on completion and need no sync.
+        metadata_commits: ``.metadata`` is what makes the folder a checkpoint (torch's rule, and
+            any standalone DCP checkpoint's): with ``sync_files`` the folder is fsynced after
+            each rank's data files and again after ``.metadata``, so no power loss can keep a
+            ``.metadata`` without the files it names. ``False`` where the caller commits the
+            checkpoint later, in a record of its own (a :class:`~dcp_fsspec.Checkpointer`'s
+            keys): the files are still fsynced, the folder is not, and the caller fsyncs it
+            (``sync_folder``) before its commit: on local disk each folder fsync is a journal
+            commit of its own, and a save of several keys then pays one where it paid two a key.
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
             :class:`FsspecStorageReader` verifies (after undoing any transform).
         retry: how storage requests are retried on throttling, 5xx and dropped connections,
@@ -150,6 +158,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         multipart_threshold: int = 64 * MiB,
         max_inflight_bytes: int = 128 * MiB,
         sync_files: bool = True,
+        metadata_commits: bool = True,
         checksums: bool = True,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         save_id: str | None = None,
@@ -190,6 +199,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         self.multipart_threshold = multipart_threshold
         self.max_inflight_bytes = max_inflight_bytes
         self.sync_files = sync_files
+        self.metadata_commits = metadata_commits
         self.checksums = checksums
         self.compression = compression
         self.compression_level = compression_level
@@ -288,8 +298,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 results.extend(self._write_file(budget, name, items, planner))
         else:
             results = self._write_files_at_once(workers, budget, jobs, planner)
-        if self.sync_files:
-            backend.sync_folder(self.location.path)
+        if self.sync_files and self.metadata_commits:
+            backend.sync_folder(self.location.path)  # the data files' names, before .metadata's
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -327,7 +337,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 if not created:
                     existing = backend.read_versioned(path).data
                     if existing is None and not backend.conditional_writes:
-                        backend.write_small_atomic(path, data, fsync=self.sync_files)
+                        backend.write_small_atomic(path, data, fsync=self.sync_files,
+                                                   sync_folder=self.metadata_commits)
                     created = existing is None and not backend.conditional_writes or existing == data
         if not created:
             raise CheckpointExistsError(

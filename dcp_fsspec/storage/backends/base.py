@@ -201,9 +201,12 @@ class Backend:
         tune object stores; ``budget`` bounds the upload data in memory; ``fsync``: local disk."""
         return BufferedUpload(self.fs, path, block_size=max(part_size, MIN_PART_SIZE))
 
-    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:
+    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True) -> None:
         """Write a small file so readers see the old content or the new, never a mix (generic: one
-        ``pipe_file``, which object stores and ``memory://`` apply whole)."""
+        ``pipe_file``, which object stores and ``memory://`` apply whole).
+
+        ``fsync`` (local disk): the file, and its folder unless ``sync_folder`` is false (the
+        caller then fsyncs the folder itself, see :meth:`sync_folder`)."""
         self.call("pipe_file", path, data)
         self.invalidate(self.fs._parent(path))
 

@@ -53,12 +53,12 @@ class LocalBackend(Backend):
     ) -> FileUpload:
         return LocalUpload(self.fs, path, fsync=fsync)
 
-    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:
+    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True) -> None:
         folder = os.path.dirname(path)
         with storage_errors("write", path):
             os.makedirs(folder, exist_ok=True)
             publish_whole(LocalUpload(self.fs, path, fsync=fsync), [data])
-            if fsync:
+            if fsync and sync_folder:
                 fsync_dir(folder)
 
     def sync_folder(self, path: str) -> None:

@@ -29,7 +29,7 @@ class SftpBackend(Backend):
     ) -> FileUpload:
         return RenameUpload(self.fs, path)
 
-    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True) -> None:
+    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True) -> None:
         # asyncssh raises its own SFTPError types (not OSError) for some refusals, e.g. a file
         # standing where the folder should be.
         with storage_errors("write", self.url_of(path), also=(Exception,)):
