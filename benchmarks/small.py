@@ -11,8 +11,11 @@ small models checkpoint it, saved and loaded again and again in one process:
   ``dcp.save`` per key with ``FsspecWriter`` into the iteration's folder, then the pointer file
   written; a load reads the pointer and runs one ``dcp.load`` per key with ``FsspecReader``.
 
-The first save and load of each (connections, imports) are not counted; the table shows the
-medians of the rest: wall ms, CPU ms of this process (on moto that includes the server, which
+The implementations take turns, one save and one load each a round (a drift of the machine falls
+on all of them alike), and an implementation's background work (our retention's deletion
+thread) finishes off the clock before the next one runs, as a training step between two saves
+lets it. The first round (connections, imports) is not counted; the table shows the medians of
+the rest: wall ms, CPU ms of this process (on moto that includes the server, which
 runs in this process), and on moto the requests one save and one load sent (counted at the
 server). One JSON line per implementation and backend, then the table and the load average.
 
@@ -30,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +84,9 @@ class Ours:
     def load(self, target: dict[str, Any]) -> int:
         return self.ckpt.load(**target)
 
+    def settle(self) -> None:
+        self.ckpt.wait()  # retention's deletion thread
+
 
 class TorchWithPointer:
     label = "torch FsspecWriter/Reader + pointer"
@@ -104,48 +111,66 @@ class TorchWithPointer:
             dcp.load(value, storage_reader=FsspecReader(f"{self.url}/{name}/{key}", **self.so))
         return int(name.split("_")[1])
 
+    def settle(self) -> None:
+        pass  # nothing runs in the background
+
 
 IMPLS: dict[str, Callable[[str, dict[str, Any]], Any]] = {"dcp_fsspec": Ours, "torch": TorchWithPointer}
 
 
-def measure(impl: Any, repeats: int, counters_url: str | None) -> dict[str, Any]:
+def measure(impls: dict[str, Any], repeats: int, counters_url: str | None) -> dict[str, dict[str, Any]]:
+    """Save and load with each implementation in turn, round after round (the first round warms
+    up), and return each one's medians by name.
+
+    Interleaved, not one implementation's repeats and then the next's: a drift of the machine (a
+    disk whose flushes slow down for a minute, another process) falls on every implementation
+    alike, so the ratio holds where the absolute times do not. After each load the
+    implementation's background work (our retention's deletion thread) finishes before the next
+    one starts, off the clock, as a training step between two saves lets it finish.
+    """
     state = small_state()
-    save_ms, load_ms, save_cpu_ms, load_cpu_ms, save_requests, load_requests = [], [], [], [], [], []
-    for i in range(repeats + 1):  # the first of each warms up
-        before = fetch_counters(counters_url) if counters_url else None
-        c0, t0 = time.process_time(), time.perf_counter()
-        impl.save(i + 1, state)
-        c1, t1 = time.process_time(), time.perf_counter()
-        middle = fetch_counters(counters_url) if counters_url else None
-        target = _zeros_like(state)
-        c2, t2 = time.process_time(), time.perf_counter()
-        loaded = impl.load(target)
-        c3, t3 = time.process_time(), time.perf_counter()
-        after = fetch_counters(counters_url) if counters_url else None
-        same = all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state), strict=True))
-        if loaded != i + 1 or not same:
-            raise AssertionError(f"{impl.label} loaded iteration {loaded} wrongly (saved {i + 1})")
-        if i == 0:
-            continue
-        save_ms.append((t1 - t0) * 1e3)
-        load_ms.append((t3 - t2) * 1e3)
-        save_cpu_ms.append((c1 - c0) * 1e3)
-        load_cpu_ms.append((c3 - c2) * 1e3)
-        if before is not None and middle is not None and after is not None:
-            save_requests.append(totals(delta(before, middle))["requests"])
-            load_requests.append(totals(delta(middle, after))["requests"])
+    samples: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in impls}
+    for i in range(repeats + 1):
+        for name, impl in impls.items():
+            one = _save_and_load(impl, i + 1, state, counters_url)
+            if i > 0:
+                for what, value in one.items():
+                    samples[name][what].append(value)
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     return {
-        "save_ms": statistics.median(save_ms),
-        "load_ms": statistics.median(load_ms),
-        "save_cpu_ms": statistics.median(save_cpu_ms),
-        "load_cpu_ms": statistics.median(load_cpu_ms),
-        "save_requests": statistics.median(save_requests) if save_requests else None,
-        "load_requests": statistics.median(load_requests) if load_requests else None,
-        "state_bytes": nbytes,
-        "keys": len(state),
-        "repeats": repeats,
+        name: {
+            **{what: statistics.median(s[what]) for what in ("save_ms", "load_ms", "save_cpu_ms", "load_cpu_ms")},
+            **{what: statistics.median(s[what]) if s[what] else None for what in ("save_requests", "load_requests")},
+            "state_bytes": nbytes,
+            "keys": len(state),
+            "repeats": repeats,
+        }
+        for name, s in samples.items()
     }
+
+
+def _save_and_load(impl: Any, iteration: int, state: dict[str, Any], counters_url: str | None) -> dict[str, float]:
+    """One timed save of ``state`` as ``iteration`` and one timed load of it, checked bit-exact."""
+    before = fetch_counters(counters_url) if counters_url else None
+    c0, t0 = time.process_time(), time.perf_counter()
+    impl.save(iteration, state)
+    c1, t1 = time.process_time(), time.perf_counter()
+    middle = fetch_counters(counters_url) if counters_url else None
+    target = _zeros_like(state)
+    c2, t2 = time.process_time(), time.perf_counter()
+    loaded = impl.load(target)
+    c3, t3 = time.process_time(), time.perf_counter()
+    after = fetch_counters(counters_url) if counters_url else None
+    impl.settle()
+    same = all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state), strict=True))
+    if loaded != iteration or not same:
+        raise AssertionError(f"{impl.label} loaded iteration {loaded} wrongly (saved {iteration})")
+    one = {"save_ms": (t1 - t0) * 1e3, "load_ms": (t3 - t2) * 1e3,
+           "save_cpu_ms": (c1 - c0) * 1e3, "load_cpu_ms": (c3 - c2) * 1e3}  # fmt: skip
+    if before is not None and middle is not None and after is not None:
+        one["save_requests"] = totals(delta(before, middle))["requests"]
+        one["load_requests"] = totals(delta(middle, after))["requests"]
+    return one
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -193,20 +218,21 @@ def main(argv: list[str] | None = None) -> None:
             server.create_bucket(BUCKET)
         with tempfile.TemporaryDirectory(prefix="dcp-fsspec-small-", dir=args.local_dir) as local:
             for backend in backends:
+                impls = {}
                 for name in filter(None, args.impls.split(",")):
                     if backend == "s3":
                         assert server is not None
                         url, so = f"s3://{BUCKET}/{name}", server.storage_options()
                         if proxy is not None:
                             so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
-                        counters = server.counters_url if isinstance(server, CountingS3Server) else None
                     else:
-                        url, so, counters = f"{local}/{name}", {}, None
-                    impl = IMPLS[name](url, so)
-                    row = {"kind": "small", "backend": backend, "impl": name, "label": impl.label,
+                        url, so = f"{local}/{name}", {}
+                    impls[name] = IMPLS[name](url, so)
+                counters = server.counters_url if backend == "s3" and isinstance(server, CountingS3Server) else None
+                for name, result in measure(impls, args.repeats, counters).items():
+                    row = {"kind": "small", "backend": backend, "impl": name, "label": impls[name].label,
                            "server": args.s3_endpoint or args.server if backend == "s3" else None,
-                           "rtt_ms": args.rtt_ms if backend == "s3" else None,
-                           **measure(impl, args.repeats, counters)}  # fmt: skip
+                           "rtt_ms": args.rtt_ms if backend == "s3" else None, **result}  # fmt: skip
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
