@@ -1,6 +1,6 @@
 """Small, frequent checkpoints: the latency of one save and one load, not bandwidth.
 
-``python -m benchmarks.small [--repeats 10] [--server moto|seaweedfs|ceph] [--backends s3,local] [--rtt-ms 10]``
+``python -m benchmarks.small [--repeats 10] [--server moto|seaweedfs|ceph] [--backends s3,local] [--rtt-ms 10] [--local-dirs A,B]``
 
 A ~3 MiB state in four keys (model, optim, scheduler, trainer), as RL policies, adapters and
 small models checkpoint it, saved and loaded again and again in one process:
@@ -11,13 +11,19 @@ small models checkpoint it, saved and loaded again and again in one process:
   ``dcp.save`` per key with ``FsspecWriter`` into the iteration's folder, then the pointer file
   written; a load reads the pointer and runs one ``dcp.load`` per key with ``FsspecReader``.
 
-The implementations take turns, one save and one load each a round (a drift of the machine falls
-on all of them alike), and an implementation's background work (our retention's deletion
+The implementations take turns, one save and one load each a round, in an order drawn afresh
+each round (a drift of the machine falls on all of them alike, and neither always follows the
+other: on local disk a save's first fsync commits what the save before it left unsynced), and an implementation's background work (our retention's deletion
 thread) finishes off the clock before the next one runs, as a training step between two saves
 lets it. The first round (connections, imports) is not counted; the table shows the medians of
 the rest: wall ms, CPU ms of this process (on moto that includes the server, which
 runs in this process), and on moto the requests one save and one load sent (counted at the
 server). One JSON line per implementation and backend, then the table and the load average.
+
+``--local-dirs A,B`` puts each implementation's local folder under its own parent: give each a
+filesystem of its own (two loop-mounted ext4 images will do), so that what one save leaves
+unsynced is never committed to the journal by the other's fsync (on one filesystem the ratio of
+one tree moved between 0.63x and 1.5x with the order the two ran in).
 
 ``--rtt-ms N`` puts :class:`~.latency.LatencyProxy` between the clients and the S3 server: every
 request then costs a network's round trip, as it does across one, and a save's time shows its
@@ -27,8 +33,10 @@ round trips one after another rather than the server's CPU per request.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -124,15 +132,20 @@ def measure(impls: dict[str, Any], repeats: int, counters_url: str | None) -> di
 
     Interleaved, not one implementation's repeats and then the next's: a drift of the machine (a
     disk whose flushes slow down for a minute, another process) falls on every implementation
-    alike, so the ratio holds where the absolute times do not. After each load the
+    alike, so the ratio holds where the absolute times do not. In an order drawn afresh each
+    round: on local disk the first fsync of a save commits to ext4's journal what the save
+    before it left unsynced (torch's pointer file), so whoever comes second in a fixed order
+    pays for the other (1-2 ms of a 12 ms save, measured). After each load the
     implementation's background work (our retention's deletion thread) finishes before the next
     one starts, off the clock, as a training step between two saves lets it finish.
     """
     state = small_state()
     samples: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in impls}
+    order, rng = list(impls), random.Random(0)
     for i in range(repeats + 1):
-        for name, impl in impls.items():
-            one = _save_and_load(impl, i + 1, state, counters_url)
+        rng.shuffle(order)
+        for name in order:
+            one = _save_and_load(impls[name], i + 1, state, counters_url)
             if i > 0:
                 for what, value in one.items():
                     samples[name][what].append(value)
@@ -205,9 +218,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--rtt-ms", type=float, default=0.0,
                    help="a round trip this long added to every S3 request (a proxy in front of the server)")
+    p.add_argument("--local-dirs", default=None, metavar="DIR,DIR",
+                   help="local disk: one parent folder per implementation, in --impls order, each on a "
+                        "filesystem of its own (a journal of its own: one's unsynced metadata then never "
+                        "lands in the other's fsync); default: one temporary folder under --local-dir")
     add_server_arguments(p)
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
+    names = [n for n in args.impls.split(",") if n]
+    parents = args.local_dirs.split(",") if args.local_dirs else [args.local_dir] * len(names)
+    if len(parents) != len(names):
+        p.error(f"--local-dirs names {len(parents)} folders for {len(names)} implementations")
     server = None
     if "s3" in backends:
         server, _ = start_server(args, [1], [])
@@ -216,17 +237,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if server is not None:
             server.create_bucket(BUCKET)
-        with tempfile.TemporaryDirectory(prefix="dcp-fsspec-small-", dir=args.local_dir) as local:
+        with contextlib.ExitStack() as stack:
+            local = {name: stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-fsspec-small-", dir=parent))
+                     for name, parent in zip(names, parents)}  # fmt: skip
             for backend in backends:
                 impls = {}
-                for name in filter(None, args.impls.split(",")):
+                for name in names:
                     if backend == "s3":
                         assert server is not None
                         url, so = f"s3://{BUCKET}/{name}", server.storage_options()
                         if proxy is not None:
                             so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
                     else:
-                        url, so = f"{local}/{name}", {}
+                        url, so = f"{local[name]}/{name}", {}
                     impls[name] = IMPLS[name](url, so)
                 counters = server.counters_url if backend == "s3" and isinstance(server, CountingS3Server) else None
                 for name, result in measure(impls, args.repeats, counters).items():

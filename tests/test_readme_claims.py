@@ -150,11 +150,11 @@ def test_a_checkpointer_save_is_durable_before_its_commit_record_with_one_fsync_
     local_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Guarantee row: 'a Checkpointer save's files survive a power loss once it is committed' (local).
-    Every file is fsynced
-    before its rename; every key's folder after all its renames and before the commit record;
+
+    Every file is fsynced before its rename; every key's folder after all its renames and before the commit record;
     the commit record's folder before the pointer moves; the root after it. A key's folder is
     fsynced once per save (the commit record, not its .metadata, commits it), not once after its
-    data and again after its .metadata: each folder fsync is a journal commit of its own."""
+    data and again after its .metadata."""
     keys = {"model": {"w": torch.ones(64)}, "optim": {"m": torch.zeros(3)}, "trainer": {"step": 3}}
     with Checkpointer(local_backend.url) as ckpt:
         ckpt.save(1, **keys)

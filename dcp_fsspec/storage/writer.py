@@ -98,8 +98,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             ``.metadata`` without the files it names. ``False`` where the caller commits the
             checkpoint later, in a record of its own (a :class:`~dcp_fsspec.Checkpointer`'s
             keys): the files are still fsynced, the folder is not, and the caller fsyncs it
-            (``sync_folder``) before its commit: on local disk each folder fsync is a journal
-            commit of its own, and a save of several keys then pays one where it paid two a key.
+            (``sync_folder``) before its commit: a save of several keys then fsyncs each key's
+            folder once, not once per rank and again after ``.metadata``.
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
             :class:`FsspecStorageReader` verifies (after undoing any transform).
         retry: how storage requests are retried on throttling, 5xx and dropped connections,
