@@ -35,6 +35,7 @@ test: venv
 # writes its tables under benchmarks/results/. `python -m benchmarks.run --help` for the rest
 # (--server ceph|seaweedfs, --sizes 256M,1G,4G).
 bench: venv
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.run --ranks 2 --backends s3,local --no-async --out benchmarks/results/ranks2
 
