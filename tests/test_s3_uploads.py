@@ -125,6 +125,25 @@ def test_payload_signing_chosen_by_the_user_is_left_as_it_is(s3_backend: Backend
     assert fs.cat_file(s3_backend.sub("signed")) == data
 
 
+@pytest.mark.parametrize("chosen_in", ["config", "environment"])
+def test_checksums_only_when_required_by_the_user_leave_the_bodies_without_ours(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch, chosen_in: str
+) -> None:
+    """``request_checksum_calculation="when_required"`` is what users of S3-compatible stores set
+    when the store refuses checksum headers: ours are left off too."""
+    if chosen_in == "environment":
+        monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+        fs = _fs(s3_backend)
+    else:
+        fs = _fs(s3_backend, request_checksum_calculation="when_required")
+    seen = Requests(fs)
+    data = os.urandom(6 * MiB)
+    _upload(fs, s3_backend.sub("plain"), [data], part_size=5 * MiB, threshold=0)
+    assert fs.cat_file(s3_backend.sub("plain")) == data
+    assert len(seen.bodies()) == 2
+    assert all(CHECKSUM_HEADER not in headers for headers in seen.bodies())
+
+
 def test_over_https_bodies_go_as_they_are_with_our_checksum_not_botocores_chunked_trailer(s3_backend: Backend) -> None:
     """Left to itself, botocore sends an https body ``aws-chunked``: re-framed as it is read,
     with a CRC-32 trailer it computes on the way. Ours carry the CRC-32 the records' pass

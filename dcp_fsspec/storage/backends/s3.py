@@ -297,13 +297,18 @@ async def _checksummed_bodies(fs: Any) -> bool:
     Left to itself botocore makes a pass of its own over each byte: over ``http://`` it signs
     every body (a SHA-256 pass, ≈1.7 s/GB here, besides the CRC-32 it adds); over ``https://``
     it sends the body ``aws-chunked``, re-framed chunk by chunk with a CRC-32 trailer it
-    computes as it reads. Unless the user chose ``payload_signing_enabled`` (client config or
-    AWS config file), our bodies carry their S3 checksum header instead (the CRC-32 the
+    computes as it reads. Our bodies carry their S3 checksum header instead (the CRC-32 the
     records' pass computed already) and go unsigned as they are: the server still rejects a
-    damaged body, and no byte is read twice.
+    damaged body, and no byte is read twice. Unless the user chose otherwise (client config,
+    AWS config file or environment): ``payload_signing_enabled``, or
+    ``request_checksum_calculation="when_required"`` (the setting for S3-compatible stores
+    that refuse checksums they do not require), leave botocore's way as it is.
     """
     client = await fs.set_session()
-    if client.meta.config.s3 and client.meta.config.s3.get("payload_signing_enabled") is not None:
+    config = client.meta.config
+    if config.s3 and config.s3.get("payload_signing_enabled") is not None:
+        return False
+    if getattr(config, "request_checksum_calculation", None) == "when_required":
         return False
     for operation in ("PutObject", "UploadPart"):
         client.meta.events.register(
