@@ -13,10 +13,11 @@ small models checkpoint it, saved and loaded again and again in one process:
 
 The implementations take turns, one save and one load each a round, in an order drawn afresh
 each round (a drift of the machine falls on all of them alike, and neither always follows the
-other: on local disk a save's first fsync commits what the save before it left unsynced), and an implementation's background work (our retention's deletion
-thread) finishes off the clock before the next one runs, as a training step between two saves
-lets it. The first round (connections, imports) is not counted; the table shows the medians of
-the rest: wall ms, CPU ms of this process (on moto that includes the server, which
+other: on local disk a save's first fsync commits what the save before it left unsynced), and
+an implementation's background work (our retention's deletion thread) finishes off the clock
+before the next one runs, as a training step between two saves lets it. The first round
+(connections, imports) is not counted; the table shows the medians of the rest: wall ms, CPU
+ms of this process (on moto that includes the server, which
 runs in this process), and on moto the requests one save and one load sent (counted at the
 server). One JSON line per implementation and backend, then the table and the load average.
 

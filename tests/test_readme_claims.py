@@ -125,7 +125,12 @@ def _record_fsyncs_and_renames(monkeypatch: pytest.MonkeyPatch) -> list[tuple[st
 
 def _renames(events: list[tuple[str, str]]) -> list[tuple[int, str, str]]:
     """(index in ``events``, temporary name, final name) of every rename."""
-    return [(i, *what.split(" -> ", 1)) for i, (kind, what) in enumerate(events) if kind == "replace"]  # type: ignore[misc]
+    renames = []
+    for i, (kind, what) in enumerate(events):
+        if kind == "replace":
+            temp, target = what.split(" -> ", 1)
+            renames.append((i, temp, target))
+    return renames
 
 
 def test_local_saves_fsync_every_file_before_its_rename_and_then_the_folder(

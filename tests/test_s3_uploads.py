@@ -59,9 +59,13 @@ def _crc(data: bytes) -> str:
     return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
 
 
-def _fs(backend: Backend, **config: Any) -> Any:
+def _fs(backend: Backend, *, through: TlsFront | None = None, **config: Any) -> Any:
+    """A client of its own for ``backend``, with botocore ``config``; ``through`` a TLS front:
+    over ``https://``, its certificate verified."""
     options = {**backend.storage_options, "skip_instance_cache": True}
     options["config_kwargs"] = {**options.get("config_kwargs", {}), **config}
+    if through is not None:
+        options["client_kwargs"] = {"endpoint_url": through.endpoint_url, "verify": through.ca_file}
     return fsspec.filesystem("s3", **options)
 
 
@@ -149,9 +153,7 @@ def test_over_https_bodies_go_as_they_are_with_our_checksum_not_botocores_chunke
     with a CRC-32 trailer it computes on the way. Ours carry the CRC-32 the records' pass
     computed, as a header, and go unsigned and unframed: no byte is read twice."""
     with TlsFront(s3_backend.storage_options["client_kwargs"]["endpoint_url"]) as front:
-        options = {**s3_backend.storage_options, "skip_instance_cache": True}
-        options["client_kwargs"] = {"endpoint_url": front.endpoint_url, "verify": front.ca_file}
-        fs = fsspec.filesystem("s3", **options)
+        fs = _fs(s3_backend, through=front)
         seen = Requests(fs)
         small, large = os.urandom(3 * MiB), os.urandom(11 * MiB)
         _upload(fs, s3_backend.sub("small"), [small], part_size=5 * MiB, threshold=8 * MiB)
@@ -169,10 +171,7 @@ def test_over_https_bodies_go_as_they_are_with_our_checksum_not_botocores_chunke
 
 def test_over_https_payload_signing_chosen_by_the_user_is_left_as_it_is(s3_backend: Backend) -> None:
     with TlsFront(s3_backend.storage_options["client_kwargs"]["endpoint_url"]) as front:
-        options = {**s3_backend.storage_options, "skip_instance_cache": True}
-        options["client_kwargs"] = {"endpoint_url": front.endpoint_url, "verify": front.ca_file}
-        options["config_kwargs"] = {**options.get("config_kwargs", {}), "s3": {"payload_signing_enabled": True}}
-        fs = fsspec.filesystem("s3", **options)
+        fs = _fs(s3_backend, through=front, s3={"payload_signing_enabled": True})
         seen = Requests(fs)
         data = os.urandom(2 * MiB)
         _upload(fs, s3_backend.sub("signed"), [data], part_size=5 * MiB, threshold=8 * MiB)
