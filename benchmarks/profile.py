@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phase", default="save", choices=["save", "load"])
     p.add_argument("--impl", default="dcp_fsspec")
     p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--ranks", type=int, default=1, help="gloo ranks (py-spy follows each one)")
     p.add_argument("--server", choices=["moto", *SERVERS], default="moto")
     p.add_argument("--s3-endpoint", default=None)
     p.add_argument("--s3-key", default="testing")
@@ -119,15 +120,16 @@ def main(argv: list[str] | None = None) -> None:
             where = f"server {args.s3_endpoint or args.server}"
         worker = [sys.executable, "-m", "benchmarks.worker", "save", "--size-mib", str(args.size_mib),
                   "--impl", args.impl, "--backend", args.backend, "--url", url,
-                  "--storage-options", json.dumps(options)]  # fmt: skip
+                  "--storage-options", json.dumps(options), "--world-size", str(args.ranks)]  # fmt: skip
         env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
         if args.phase == "load":  # the save first, unprofiled
             subprocess.run(worker, cwd=REPO, env=env, check=True, capture_output=True)
             worker[3] = "load"
             if args.backend == "local":
                 drop_page_cache(url)
-        raw = out / f"{args.impl}-{args.phase}-{args.backend}-{args.size_mib}MiB.txt"
-        record = [py_spy, "record", "--format", "raw", "--rate", "100", "-o", str(raw), "--", *worker]
+        raw = out / f"{args.impl}-{args.phase}-{args.backend}-{args.size_mib}MiB-{args.ranks}r.txt"
+        follow = ["--subprocesses"] if args.ranks > 1 else []
+        record = [py_spy, "record", *follow, "--format", "raw", "--rate", "100", "-o", str(raw), "--", *worker]
         done = subprocess.run(record, cwd=REPO, env=env, capture_output=True, text=True)
         print(*(ln for ln in done.stdout.splitlines() if ln.startswith('{"kind"')), sep="\n")
         if done.returncode != 0:

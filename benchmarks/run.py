@@ -109,7 +109,7 @@ class Runner:
     # -- one implementation, one repeat --------------------------------------------------
 
     def run_impl(self, impl: str, backend: str, tags: dict[str, Any]) -> None:
-        common = {"impl": impl, "backend": backend, "world_size": self.args.world_size}
+        common = {"impl": impl, "backend": backend, "world_size": self.args.world_size, "warm": int(self.args.warm)}
         if backend == "memory":
             url = f"memory://bench/{tags['scenario']}/{impl}"
             self.worker("saveload", tags, url=url, **common)
@@ -270,6 +270,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of the whole object per concurrent request)")
     add_server_arguments(p)
     p.add_argument("--no-async", action="store_true", help="skip the Checkpointer async hook")
+    p.add_argument("--warm", action="store_true",
+                   help="each save and load after an untimed small one of the same implementation "
+                        "in its process: a training run's later saves, not its first")
     p.add_argument("--part-mib", type=int, default=16,
                    help="part / range size of the raw s3fs references")
     p.add_argument("--concurrency", type=int, default=8,
@@ -364,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
                  for n in sizes]  # fmt: skip
     if args.many_small > 0:
         scenarios.append({"scenario": "many-small", "size_mib": 0, "many_small": args.many_small})
+    if args.warm:
+        notes.append("--warm: every save and load is a later one in its process, after an untimed save (and "
+                     "load) of a small state with the same implementation; the raw references are as without it")
     for n in notes:
         print(f"note: {n}", file=sys.stderr, flush=True)
 

@@ -21,6 +21,7 @@ worker spawns that many gloo ranks, each saving or loading its own keys; rank 0 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -29,7 +30,7 @@ import resource
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -166,7 +167,43 @@ def _dcp_phases(
     barrier: Callable[[], None],
 ) -> list[dict]:
     entries = _entries(args, rank, world_size)
-    return [(_save if p == "save" else _load)(args, entries, barrier) for p in phases]
+    if not args.warm:
+        return [(_save if p == "save" else _load)(args, entries, barrier) for p in phases]
+    with _warmed_up(args, entries, phases, rank, barrier):
+        return [(_save if p == "save" else _load)(args, entries, barrier) for p in phases]
+
+
+@contextlib.contextmanager
+def _warmed_up(
+    args: argparse.Namespace, entries: list[st.Entry], phases: list[str], rank: int, barrier: Callable[[], None]
+) -> Iterator[None]:
+    """``--warm``: before the measured phase, the same implementation saves (and for a load,
+    loads) a small state in this process, untimed: the smallest tensor of each dtype. The
+    phase is then what every save of a training run after its first costs (modules imported,
+    clients built, connections open), where a fresh process measures the first one. The
+    warm-up's folder is removed afterwards."""
+    import torch.distributed.checkpoint as dcp
+
+    impl = IMPLS[args.impl]
+    so = json.loads(args.storage_options)
+    smallest: dict[str, st.Entry] = {}
+    for e in entries:
+        if e.is_tensor and (e.dtype not in smallest or e.nbytes < smallest[e.dtype].nbytes):
+            smallest[e.dtype] = e
+    picked = list(smallest.values())
+    url = args.url.rstrip("/") + "-warmup"
+    try:
+        dcp.save(st.build(picked), storage_writer=impl.writer(url, so))
+        if "load" in phases:
+            dcp.load(st.template(picked), storage_reader=impl.reader(url, so))
+        barrier()
+        yield
+    finally:
+        barrier()
+        if rank == 0:
+            fs, path = fsspec.core.url_to_fs(url, **so)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
 
 
 def _combine(samples: list[dict]) -> dict:
@@ -385,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--part-mib", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--async-mode", default="async_with_pinned_mem", help="disabled: sync save")
+    p.add_argument("--warm", type=int, choices=[0, 1], default=0, help="1: an untimed small save/load first")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     if args.phase in CEILINGS:
@@ -396,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
         samples = _run_ranks(args, phases)
     for s in samples:
         s.update(world_size=args.world_size, size_mib=args.size_mib, many_small=args.many_small)
+        if args.warm:
+            s["warm"] = True
         print(json.dumps(s), flush=True)
 
 
