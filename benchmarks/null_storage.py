@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, cast
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     SavePlan,
     SavePlanner,
-    WriteItemType,
 )
 from torch.distributed.checkpoint.storage import (
     StorageReader,
@@ -59,11 +59,10 @@ class NullWriter(StorageWriter):
         results = []
         for item in plan.items:
             data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                data = data.getvalue()
-            else:
-                data = data.detach()
-            self.kept[item.index] = data
+            if isinstance(data, torch.Tensor):
+                self.kept[item.index] = data.detach()
+            else:  # a BYTE_IO item's stream
+                self.kept[item.index] = cast(io.BytesIO, data).getvalue()
             results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=item.index))
         return _done(results)
 

@@ -33,8 +33,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 MiB = 1024 * 1024
@@ -76,7 +77,7 @@ def _obstore(endpoint: str, key: str, secret: str) -> Any:
     )
 
 
-async def _bounded(n: int, jobs: list[Callable[[], Any]]) -> list[Any]:
+async def _bounded(n: int, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
     gate = asyncio.Semaphore(n)
 
     async def one(job: Callable[[], Any]) -> Any:
@@ -111,7 +112,7 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
         path = f"{BUCKET}/{KEY}"
 
         async def all_ranges() -> int:
-            jobs = [lambda a=a, b=b: backend.read_range_into_async(path, a, view[a:b]) for a, b in ranges]
+            jobs = [partial(backend.read_range_into_async, path, a, view[a:b]) for a, b in ranges]
             return sum(await _bounded(n, jobs))
 
         return lambda: fsspec.asyn.sync(fs.loop, all_ranges)
@@ -124,7 +125,7 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
         if t == "obstore-async":
 
             async def plain() -> int:
-                jobs = [lambda a=a, b=b: obstore.get_range_async(store, KEY, start=a, end=b) for a, b in ranges]
+                jobs = [partial(obstore.get_range_async, store, KEY, start=a, end=b) for a, b in ranges]
                 return sum(len(x) for x in await _bounded(n, jobs))
 
             return lambda: asyncio.run(plain())
@@ -136,7 +137,7 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
                     view[a : a + len(got)] = memoryview(got)
                     return len(got)
 
-                return sum(await _bounded(n, [lambda a=a, b=b: one(a, b) for a, b in ranges]))
+                return sum(await _bounded(n, [partial(one, a, b) for a, b in ranges]))
 
             return lambda: asyncio.run(into())
         if t == "obstore-threads-into":
@@ -147,7 +148,7 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
                 view[a : a + len(got)] = memoryview(got)
                 return len(got)
 
-            return lambda: sum(pool.map(lambda r: one_sync(*r), ranges))
+            return lambda: sum(pool.map(one_sync, *zip(*ranges)))
         if t == "obstore-fsspec":
             from obstore.fsspec import FsspecStore
 
