@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--impl", default="dcp_fsspec")
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--ranks", type=int, default=1, help="gloo ranks (py-spy follows each one)")
+    p.add_argument("--gil", action="store_true",
+                   help="only samples of threads holding the GIL: Python's own CPU, without threads "
+                        "waiting for the GIL (which py-spy otherwise counts as busy) and without C "
+                        "code that released it (socket writes, CRCs, fsync)")
     p.add_argument("--server", choices=["moto", *SERVERS], default="moto")
     p.add_argument("--s3-endpoint", default=None)
     p.add_argument("--s3-key", default="testing")
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.backend == "local":
                 drop_page_cache(url)
         raw = out / f"{args.impl}-{args.phase}-{args.backend}-{args.size_mib}MiB-{args.ranks}r.txt"
-        follow = ["--subprocesses"] if args.ranks > 1 else []
+        follow = (["--subprocesses"] if args.ranks > 1 else []) + (["--gil"] if args.gil else [])
         record = [py_spy, "record", *follow, "--format", "raw", "--rate", "100", "-o", str(raw), "--", *worker]
         done = subprocess.run(record, cwd=REPO, env=env, capture_output=True, text=True)
         print(*(ln for ln in done.stdout.splitlines() if ln.startswith('{"kind"')), sep="\n")
