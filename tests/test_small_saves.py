@@ -329,3 +329,26 @@ def test_loads_reuse_their_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatc
             assert ckpt.load(**state) == 1
             assert torch.equal(state["model"]["w"], _small_state(1)["model"]["w"])
     assert 0 < len(started) < loads, started
+
+
+def test_a_load_parses_each_keys_metadata_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit's token check parses every key's ``.metadata``; the load's readers take the
+    parsed result rather than parsing the bytes again (on one rank, where rank 0's reads serve)."""
+    from dcp_fsspec.checkpoint import preflight
+    from dcp_fsspec.storage import decoding
+
+    parsed: list[str] = []
+    real = decoding.parse_metadata
+
+    def counting(raw: bytes, url: str, **kwargs: Any) -> Any:
+        parsed.append(url)
+        return real(raw, url, **kwargs)
+
+    with Checkpointer(str(tmp_path), {}) as ckpt:
+        ckpt.save(1, **_small_state(1))
+        monkeypatch.setattr(decoding, "parse_metadata", counting)  # the token check's, imported when called
+        monkeypatch.setattr(preflight, "parse_metadata", counting)  # the readers'
+        state = _small_state(0)
+        assert ckpt.load(**state) == 1
+    assert torch.equal(state["model"]["w"], _small_state(1)["model"]["w"])
+    assert sorted(parsed) == sorted(str(tmp_path / "iter_000000001" / key / ".metadata") for key in KEYS)

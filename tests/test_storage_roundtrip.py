@@ -12,6 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from fsspec.implementations.local import LocalFileSystem
+
 from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter
 from dcp_fsspec.storage import reader as reader_module
 from tests.conftest import Backend
@@ -126,3 +128,64 @@ def test_async_save_lands_a_loadable_checkpoint(
     future = getattr(response, "upload_completion", response)
     future.result(timeout=240)
     assert_state_equal(load(empty_like_state(state), backend), state)
+
+
+def test_the_backend_lists_and_reads_small_files_as_its_fsspec_filesystem_does(backend: Backend) -> None:
+    """``Backend.find`` and ``read_versioned`` answer as fsspec's ``find``/``cat_file`` would
+    (local disk answers with os calls of its own): every file with its size, folders with
+    ``withdirs``, nothing for a missing path, and ``None`` for a missing file."""
+    from dcp_fsspec.storage.urls import resolve
+
+    where = resolve(backend.url, backend.storage_options)
+    files = {"iter_1/.commit.json": b"{}", "iter_1/model/.metadata": b"m" * 7, "iter_1/model/__0_0.distcp": b"d" * 1000}
+    for name, data in files.items():
+        if where.backend.real_folders:
+            backend.fs.makedirs(backend.fs._parent(backend.sub(*name.split("/"))), exist_ok=True)
+        backend.fs.pipe_file(backend.sub(*name.split("/")), data)
+    folder = where.join("iter_1")
+    expected = {path: info["size"] for path, info in backend.fs.find(folder, detail=True).items()}
+    found = where.backend.find(folder)
+    assert {path: info["size"] for path, info in found.items()} == expected
+    assert sorted(found) == sorted(where.join(name) for name in files)
+    with_dirs = where.backend.find(where.path, withdirs=True)
+    assert set(found) < set(with_dirs)
+    if where.backend.real_folders:
+        assert with_dirs[where.join("iter_1", "model")]["type"] == "directory"
+    assert where.backend.find(where.join("nothing_here")) == {}
+    assert where.backend.read_versioned(where.join("iter_1", "model", ".metadata")).data == b"m" * 7
+    assert where.backend.read_versioned(where.join("iter_1", "absent")).data is None
+
+
+def test_local_listing_shows_links_without_following_them_and_raises_on_an_unreadable_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link in a checkpoint folder cannot lead the listing elsewhere, nor round in a loop; a
+    folder it cannot read is an error, never an empty folder (retention would act on it)."""
+    import os
+
+    from dcp_fsspec.errors import StorageError
+    from dcp_fsspec.storage.urls import resolve
+
+    (tmp_path / "run" / "iter_1" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "iter_1" / "model" / ".metadata").write_bytes(b"m")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret").write_bytes(b"s" * 10)
+    (tmp_path / "run" / "iter_1" / "elsewhere").symlink_to(tmp_path / "outside")
+    (tmp_path / "run" / "iter_1" / "loop").symlink_to(tmp_path / "run")
+    where = resolve(str(tmp_path / "run"))
+    found = where.backend.find(where.path)
+    assert not any("secret" in path for path in found)
+    assert found[where.join("iter_1", "elsewhere")]["type"] == "other"
+    assert found[where.join("iter_1", "loop")]["type"] == "other"
+    assert sorted(found) == sorted(LocalFileSystem().find(where.path))
+
+    real_scandir = os.scandir
+
+    def unreadable(path: Any) -> Any:
+        if str(path).endswith("model"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    with pytest.raises(StorageError, match="cannot list .*run"):
+        where.backend.find(where.path)

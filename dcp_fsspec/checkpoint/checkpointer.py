@@ -37,7 +37,7 @@ from ..storage.failures import unwrap_dcp
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
 from ..storage.trust import SafeLoadPlanner
-from ..storage.urls import redact_url, resolve
+from ..storage.urls import Location, redact_url, resolve
 from . import commit, layout, preflight, resume
 from . import state as state_mod
 from ._collectives import Collectives
@@ -198,8 +198,8 @@ class Checkpointer:
             )
         self._root = resolve(save_dirname, storage_options, retry=retry)
         self._storage_options = dict(storage_options or {})
-        self._load_storage_options = dict((storage_options if load_storage_options is None else load_storage_options) or {})
-        self._load_root = resolve(load_path, self._load_storage_options, retry=retry) if load_path is not None else None
+        load_options = dict((storage_options if load_storage_options is None else load_storage_options) or {})
+        self._load_root = resolve(load_path, load_options, retry=retry) if load_path is not None else None
         self._async_mode = async_mode
         self._retry = retry
         self._reader_settings = reader_settings or ReaderSettings()
@@ -444,19 +444,23 @@ class Checkpointer:
         plan = self._collectives.run_on_rank0(plan_on_rank0)
         if plan is None:
             return 0
-        storage_options = self._load_storage_options if plan.from_load_path else self._storage_options
+        source = self._load_root if plan.from_load_path else self._root
+        assert source is not None  # a plan from load_path was made from it
         tier = None if self._tiers is None or plan.from_load_path else DURABLE
-        resumed = self._load_plan(plan, storage_options, state, tier=tier)
+        resumed = self._load_plan(plan, source, state, tier=tier)
         if tier == DURABLE:
             assert self._tiers is not None
             self._tiers.forget_newer_than(resumed)
         return resumed
 
     def _load_plan(
-        self, plan: resume.ResumePlan, storage_options: dict[str, Any], state: dict[str, Any], *, tier: str | None,
+        self, plan: resume.ResumePlan, source: Location, state: dict[str, Any], *, tier: str | None,
         alone: bool = False,
     ) -> int:  # fmt: skip
         """Restore ``plan``'s keys into ``state``; return its iteration.
+
+        ``source``: where the plan was found (``save_dirname``, ``load_path`` or the local tier):
+        every key's reader uses its filesystem rather than building one from the key's URL.
 
         ``alone``: each rank reads a checkpoint of its own (a per-node local tier): DCP runs
         without collectives, every rank checks that its copy covers what it loads, and the
@@ -467,8 +471,8 @@ class Checkpointer:
                 logger.log(level, note)
         # The model first: optimizers are restored by the names of its parameters.
         reader_options = dict(
-            storage_options=storage_options, retry=self._retry, trust_checkpoint=self._trust_checkpoint,
-            **self._reader_settings.as_kwargs(),
+            fs=source.fs, retry=self._retry,
+            trust_checkpoint=self._trust_checkpoint, **self._reader_settings.as_kwargs(),
         )  # fmt: skip
         ordered = [(k, plan.keys[k]) for k in sorted(plan.keys, key=lambda k: k != MODEL_KEY)]
         start, nbytes = time.perf_counter(), 0
@@ -526,7 +530,7 @@ class Checkpointer:
         assert plan is not None
         per_node = self._tiers.per_node
         try:
-            resumed = self._load_plan(plan, self._save_settings.storage_options, state, tier=LOCAL, alone=per_node)
+            resumed = self._load_plan(plan, local, state, tier=LOCAL, alone=per_node)
         except CorruptCheckpointError as e:
             if self._collectives.rank == 0:
                 logger.warning("the local copy %s is damaged (%s); resuming from the durable tier %s instead",

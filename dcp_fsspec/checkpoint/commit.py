@@ -22,8 +22,8 @@ import logging
 import posixpath
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 from functools import partial
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
@@ -32,6 +32,9 @@ from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 from ..storage.urls import Location
 from . import layout
 from .at_once import at_once
+
+if TYPE_CHECKING:  # torch's: ls, prune and cp import this module without it
+    from torch.distributed.checkpoint.metadata import Metadata
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +161,7 @@ def key_is_committed(root: Location, iteration: int, key: str) -> bool:
 
 def _files_of(root: Location, iteration: int) -> dict[str, int]:
     """Every file under ``iteration``'s folder → its size: one recursive listing."""
-    folder = layout.iteration_path(root, iteration)
-    root.backend.invalidate(folder)
-    try:
-        found = root.backend.call("find", folder, detail=True)
-    except FileNotFoundError:
-        return {}
+    found = root.backend.find(layout.iteration_path(root, iteration))
     return {path: int(info.get("size") or 0) for path, info in found.items()}
 
 
@@ -191,10 +189,13 @@ class FolderRead:
         listed: every file under the folder (one recursive listing) → its size.
         metadata: each key asked about → the bytes of its ``.metadata``, ``None`` where it has
             none (read with a call that raises on failure: an error never reads as "missing").
+        parsed: each key whose ``.metadata`` the token check parsed → the result, so that a
+            load that goes on to read the key does not parse it again.
     """
 
     listed: dict[str, int]
     metadata: dict[str, bytes | None]
+    parsed: dict[str, Metadata] = field(default_factory=dict, compare=False, repr=False)
 
     def unfinished(self, keys: tuple[str, ...]) -> list[str]:
         """The ``keys`` that have no ``.metadata``, in order."""
@@ -304,11 +305,7 @@ def list_save_dirname(root: Location) -> Listing:
     Raises:
         StorageError: the backend failed.
     """
-    root.backend.invalidate(root.path)
-    try:
-        found = root.backend.call("find", root.path, withdirs=True, detail=True)
-    except FileNotFoundError:
-        found = {}
+    found = root.backend.find(root.path, withdirs=True)
     prefix = root.path.rstrip("/") + "/"
     bare: set[int] = set()
     read: set[int] = set()
@@ -627,7 +624,7 @@ def _first_key_problem(
         raw = folder.metadata[key]
         if raw is None:
             return f"{url} does not exist"
-        meta = parse_metadata(raw, url, trust_checkpoint=trust_checkpoint)
+        meta = folder.parsed[key] = parse_metadata(raw, url, trust_checkpoint=trust_checkpoint)
         stored = meta.storage_meta
         if stored is None or stored.save_id != save_id:
             return f"{url} was written by another save (save_id {getattr(stored, 'save_id', None)!r}, not {save_id!r})"

@@ -64,8 +64,8 @@ class _CheckedReader(FsspecStorageReader):
 
     # The .metadata read, and per data file the end of the last record checked there.
     _checked: tuple[Metadata, dict[str, tuple[int, str]]] | None = None
-    # .metadata's bytes where the resume rules read them already (KeyToLoad.metadata).
-    _given: bytes | None = None
+    # .metadata where the resume rules read it already, parsed or as bytes (KeyToLoad.metadata).
+    _given: Metadata | bytes | None = None
     # The key folder's files → sizes, where the resume rules listed them (KeyToLoad.file_sizes).
     _given_sizes: dict[str, int] | None = None
 
@@ -79,14 +79,18 @@ class _CheckedReader(FsspecStorageReader):
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _parse_given(self, raw: bytes) -> Metadata:
-        """``.metadata`` from the bytes the resume rules read, checked as a read of it is."""
-        try:
-            metadata = parse_metadata(raw, self.location.url_of(self.location.join(METADATA_NAME)),
-                                      trust_checkpoint=self.trust_checkpoint)  # fmt: skip
-        except DcpFsspecError as e:
-            self.metadata_failure = self.metadata_failure or e
-            raise
+    def _parse_given(self, given: Metadata | bytes) -> Metadata:
+        """``.metadata`` as the resume rules read it: parsed by their token check already, or
+        its bytes, parsed here and checked as a read of it is."""
+        if isinstance(given, Metadata):
+            metadata = given
+        else:
+            try:
+                metadata = parse_metadata(given, self.location.url_of(self.location.join(METADATA_NAME)),
+                                          trust_checkpoint=self.trust_checkpoint)  # fmt: skip
+            except DcpFsspecError as e:
+                self.metadata_failure = self.metadata_failure or e
+                raise
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

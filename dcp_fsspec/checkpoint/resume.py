@@ -20,6 +20,8 @@ import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from ..errors import CheckpointNotFoundError
 from ..storage.names import METADATA_NAME
 from ..storage.reader import FsspecStorageReader
@@ -48,7 +50,8 @@ class Found:
         keys: each finished key found → its DCP checkpoint's URL (a pointer's: those its commit
             record lists; a folder's: those asked about that have ``.metadata``).
         entries: a single checkpoint's entry names, from its ``.metadata``.
-        metadata: each key → its ``.metadata``'s bytes, as the token check read them (a pointer's).
+        metadata: each key → its ``.metadata`` as the token check read it (a pointer's):
+            parsed, or its bytes.
         file_sizes: each key → the files in its folder → their sizes, as the same round trip
             listed them (a pointer's).
     """
@@ -59,7 +62,7 @@ class Found:
     iteration: int | None = None
     keys: dict[str, str] = field(default_factory=dict)
     entries: tuple[str, ...] = ()
-    metadata: dict[str, bytes] = field(default_factory=dict, repr=False)
+    metadata: dict[str, Metadata | bytes] = field(default_factory=dict, repr=False)
     file_sizes: dict[str, dict[str, int]] = field(default_factory=dict, repr=False)
 
 
@@ -100,8 +103,9 @@ class KeyToLoad:
         url: the DCP checkpoint.
         nested_under: the checkpoint holds ``{nested_under: state_dict}`` (its entries are named
             ``model.…``), as ``dcp.save({"model": state})`` writes; ``None``: the state dict itself.
-        metadata: its ``.metadata``'s bytes where the resume rules read them already (the load
-            parses them instead of reading them again); ``None``: the load reads them.
+        metadata: its ``.metadata`` where the resume rules read it already: as their token
+            check parsed it, or its bytes (the load parses them instead of reading them again);
+            ``None``: the load reads it.
         file_sizes: the files in its folder → their sizes, where the resume rules listed them
             already (the load checks its data files against them rather than listing again);
             ``None``: the load lists them.
@@ -109,7 +113,7 @@ class KeyToLoad:
 
     url: str
     nested_under: str | None = None
-    metadata: bytes | None = field(default=None, repr=False)
+    metadata: Metadata | bytes | None = field(default=None, repr=False)
     file_sizes: dict[str, int] | None = field(default=None, repr=False)
 
 
@@ -202,7 +206,7 @@ def _named_by_pointer(root: Location, trust_checkpoint: bool) -> Found | None:
 def _committed(root: Location, iteration: int, *, named_by: str, trust_checkpoint: bool) -> Found:
     record, read = commit.require_loadable(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint)
     keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
-    metadata = {k: raw for k, raw in read.metadata.items() if raw is not None}
+    metadata = {k: read.parsed.get(k, raw) for k, raw in read.metadata.items() if raw is not None}
     sizes = {k: read.sizes_in(layout.key_path(root, iteration, k)) for k in record.keys}
     folder = root.url_of(layout.iteration_path(root, iteration))
     return Found(POINTER, root.url, folder, iteration, keys, metadata=metadata, file_sizes=sizes)

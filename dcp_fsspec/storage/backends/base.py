@@ -173,6 +173,20 @@ class Backend:
         """Forget cached listings of ``path`` (s3fs caches them; other ranks may have written)."""
         self.fs.invalidate_cache(path)
 
+    def find(self, path: str, *, withdirs: bool = False) -> dict[str, dict[str, Any]]:
+        """Every file under ``path`` → its info (``size``, ``type``), in one recursive listing
+        (one request per 1,000 files on S3), read fresh; with ``withdirs`` every folder too,
+        ``path`` included. ``{}`` where ``path`` does not exist.
+
+        Generic: fsspec's ``find``, which skips folders it fails to read: a caller that acts on
+        an absence confirms it with a call that raises on failure.
+        """
+        self.invalidate(path)
+        try:
+            return dict(self.call("find", path, withdirs=withdirs, detail=True))
+        except FileNotFoundError:
+            return {}
+
     def folder_exists(self, path: str) -> bool:
         """Whether the folder ``path`` exists (on object stores: whether anything is stored under
         it). A backend failure raises StorageError: it is not an answer."""

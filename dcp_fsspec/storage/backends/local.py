@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import fsspec
@@ -23,7 +25,7 @@ from ...errors import StorageError
 from .. import names
 from ..failures import storage_errors
 from ..uploads import ByteBudget, FileUpload, publish_whole
-from .base import Backend, InPlaceFiles, RangeReader
+from .base import Backend, InPlaceFiles, RangeReader, Versioned
 
 try:
     import fcntl
@@ -63,6 +65,22 @@ class LocalBackend(Backend):
 
     def sync_folder(self, path: str) -> None:
         fsync_dir(path)
+
+    # fsspec's local find and cat_file stat every entry again through info() and build a file
+    # object per read: a small Checkpointer save spent ~3 ms (of ~23) in them, a load ~0.5 ms.
+
+    def find(self, path: str, *, withdirs: bool = False) -> dict[str, dict[str, Any]]:
+        url = self.url_of(path)
+        with storage_errors("list", url):
+            return self.retry.call(partial(_find, path, withdirs=withdirs), url=url)
+
+    def read_versioned(self, path: str) -> Versioned:
+        url = self.url_of(path)
+        with storage_errors("read", url):
+            try:
+                return Versioned(self.retry.call(partial(_read_whole, path), url=url))
+            except FileNotFoundError:
+                return Versioned(None)
 
     @contextmanager
     def exclusive(self, folder: str) -> Iterator[None]:
@@ -198,6 +216,50 @@ class LocalFiles(InPlaceFiles):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _find(path: str, *, withdirs: bool) -> dict[str, dict[str, Any]]:
+    """fsspec's local ``find(path, withdirs=…, detail=True)`` from one ``scandir`` per folder.
+
+    As fsspec's, symbolic links are listed (type ``"other"``, the link's own size), never
+    followed, so a link cannot lead the walk out of ``path`` or round in a loop. Unlike it, a
+    folder that cannot be read raises rather than being skipped; one deleted during the walk
+    (retention's thread) is skipped, as absent.
+    """
+    try:
+        top = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return {}
+    if not stat.S_ISDIR(top.st_mode):
+        return {path: _info(path, top)}
+    found = {path: _info(path, top)} if withdirs else {}
+    folders = [path]
+    while folders:
+        folder = folders.pop()
+        prefix = folder.rstrip("/") + "/"
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    child = prefix + entry.name
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(child)
+                        if withdirs:
+                            found[child] = _info(child, entry.stat(follow_symlinks=False))
+                    else:
+                        found[child] = _info(child, entry.stat(follow_symlinks=False))
+        except FileNotFoundError:
+            continue
+    return dict(sorted(found.items()))
+
+
+def _info(path: str, st: os.stat_result) -> dict[str, Any]:
+    kind = "directory" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
+    return {"name": path, "size": st.st_size, "type": kind}
+
+
+def _read_whole(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def fsync_dir(path: str) -> None:
