@@ -352,3 +352,28 @@ def test_a_load_parses_each_keys_metadata_once(tmp_path: Any, monkeypatch: pytes
         assert ckpt.load(**state) == 1
     assert torch.equal(state["model"]["w"], _small_state(1)["model"]["w"])
     assert sorted(parsed) == sorted(str(tmp_path / "iter_000000001" / key / ".metadata") for key in KEYS)
+
+
+def test_a_load_plans_each_key_once_and_restores_its_top_level_values(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preflight's plan of a key is the plan ``dcp.load`` runs: DCP's planning (flattening
+    the state dict, matching it against ``.metadata``) happens once a key, not twice. Values at
+    a key's top level (``step``, ``last_epoch``) still come back: ``dcp.load`` hands its planner
+    a copy of the top level, and takes them from there."""
+    from torch.distributed.checkpoint import default_planner
+
+    planned: list[int] = []
+    real = default_planner.create_default_local_load_plan
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        planned.append(1)
+        return real(*args, **kwargs)
+
+    with Checkpointer(str(tmp_path), {}) as ckpt:
+        ckpt.save(7, **_small_state(7))
+        monkeypatch.setattr(default_planner, "create_default_local_load_plan", counting)
+        state = _small_state(0)
+        assert ckpt.load(**state) == 7
+    assert len(planned) == len(KEYS)
+    saved = _small_state(7)
+    assert state["optim"]["step"] == state["scheduler"]["last_epoch"] == state["trainer"]["step"] == 7
+    assert torch.equal(state["optim"]["m"], saved["optim"]["m"]) and torch.equal(state["trainer"]["rng"], saved["trainer"]["rng"])

@@ -36,7 +36,6 @@ from ..storage.collector import collector_paused
 from ..storage.failures import unwrap_dcp
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
-from ..storage.trust import SafeLoadPlanner
 from ..storage.urls import Location, redact_url, resolve
 from . import commit, layout, preflight, resume
 from . import state as state_mod
@@ -588,7 +587,7 @@ class Checkpointer:
             dcp.load(
                 checked.target,
                 storage_reader=checked.reader,
-                planner=self._new_planner(),
+                planner=checked.planner,
                 process_group=None if alone else self._collectives.group,
                 no_dist=alone or not self._collectives.distributed,
             )
@@ -603,8 +602,8 @@ class Checkpointer:
         elif error is not None:
             raise error
 
-    def _new_planner(self) -> SafeLoadPlanner:
-        return SafeLoadPlanner(allow_partial_load=not self._resume_options.strict_resume, trust_checkpoint=self._trust_checkpoint)
+    def _new_planner(self) -> preflight.CheckedPlanner:
+        return preflight.CheckedPlanner(allow_partial_load=not self._resume_options.strict_resume, trust_checkpoint=self._trust_checkpoint)
 
     def _with_fallback_advice(self, error: CorruptCheckpointError, iteration: int) -> CorruptCheckpointError:
         """``error``, saying which older committed iteration ``load(iteration=…)`` can resume instead."""

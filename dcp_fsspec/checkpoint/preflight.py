@@ -13,8 +13,9 @@ What still fails mid-way is what only the bytes themselves show: a checksum mism
 damaged inside a file of the right size. The load's error then says which keys may be partly
 restored (:func:`partly_loaded`).
 
-The load reuses what the check read: the same readers, whose ``.metadata`` is not read again and
-whose files are not listed again, so the check costs one listing per key and rank, and nothing
+The load reuses what the check read and planned: the same readers, whose ``.metadata`` is not
+read again and whose files are not listed again, and the same planners, which do not flatten
+and plan the state dict again, so the check costs one listing per key and rank, and nothing
 else, over a load without it.
 """
 
@@ -36,10 +37,51 @@ from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecE
 from ..storage.decoding import parse_metadata
 from ..storage.names import METADATA_NAME
 from ..storage.reader import FsspecStorageReader
+from ..storage.trust import SafeLoadPlanner
 from . import state as state_mod
 from ._collectives import Collectives
 from .at_once import at_once
 from .resume import KeyToLoad
+
+
+class CheckedPlanner(SafeLoadPlanner):
+    """The load planner a key is checked with and then loaded with.
+
+    ``dcp.load`` sets its planner up and plans again what the check planned: the state dict it
+    is given (a copy of its top level, same values) against the same ``.metadata``. Where that
+    is so, this planner keeps the check's flattened state dict and plan and only points its
+    top level at the copy (where ``load_bytes`` puts top-level values and ``dcp.load`` takes
+    them back from); anything else is set up and planned afresh.
+    """
+
+    _checked: tuple[dict[str, Any], Metadata | None, bool, LoadPlan] | None = None
+    _planned: LoadPlan | None = None
+
+    def remember(self, plan: LoadPlan) -> None:
+        """Keep ``plan``, just made from the current set-up, for the load's set-up of the same."""
+        self._checked = (self.original_state_dict, self.metadata, self.is_coordinator, plan)
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        checked, self._checked, self._planned = self._checked, None, None
+        if checked is not None:
+            checked_state_dict, checked_metadata, checked_coordinator, plan = checked
+            if (metadata is checked_metadata and is_coordinator == checked_coordinator
+                    and _same_top_level(state_dict, checked_state_dict)):  # fmt: skip
+                self.original_state_dict = state_dict
+                self._planned = plan
+                return
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        planned, self._planned = self._planned, None
+        return planned if planned is not None else super().create_local_plan()
+
+
+def _same_top_level(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects under the same keys (a shallow copy)."""
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
 
 
 @dataclass(frozen=True)
@@ -51,11 +93,13 @@ class CheckedKey:
             :func:`~.state.restore` puts back into the live object once ``dcp.load`` filled it.
         target: what ``dcp.load`` fills: ``state_dict``, or ``{nested_under: state_dict}``.
         reader: the reader to load with; it already holds the key's ``.metadata`` and checked files.
+        planner: the planner to load with; it already holds the check's plan of ``target``.
     """
 
     state_dict: dict[str, Any]
     target: dict[str, Any]
     reader: _CheckedReader
+    planner: CheckedPlanner
 
 
 class _CheckedReader(FsspecStorageReader):
@@ -105,7 +149,7 @@ class _CheckedReader(FsspecStorageReader):
             return plan
         return super().prepare_local_plan(plan)
 
-    def check(self, target: dict[str, Any], planner: LoadPlanner, is_coordinator: bool, *, covered: bool = False) -> None:
+    def check(self, target: dict[str, Any], planner: CheckedPlanner, is_coordinator: bool, *, covered: bool = False) -> None:
         """Plan the load of ``target`` as ``dcp.load`` does, and check the files the plan reads.
 
         ``covered``: also check that the plan fills every element of every entry it loads (a
@@ -131,6 +175,7 @@ class _CheckedReader(FsspecStorageReader):
             )
         self.prepare_local_plan(plan)
         self._checked = (metadata, self._needed_ends(plan))
+        planner.remember(plan)
 
 
 def _uncovered(planner: LoadPlanner, plan: LoadPlan, metadata: Metadata) -> str | None:
@@ -160,7 +205,7 @@ def check_keys(
     *,
     model: Any,
     reader_options: dict[str, Any],
-    new_planner: Callable[[], LoadPlanner],
+    new_planner: Callable[[], CheckedPlanner],
     collectives: Collectives,
     alone: bool = False,
 ) -> dict[str, CheckedKey]:
@@ -171,7 +216,7 @@ def check_keys(
         values: the live objects given to ``load``, by key.
         model: the value given as ``model=`` (optimizers are loaded by its parameter names).
         reader_options: keywords for each key's :class:`~dcp_fsspec.storage.reader.FsspecStorageReader`.
-        new_planner: makes a load planner like the one the load uses.
+        new_planner: makes a key's load planner (each :class:`CheckedKey` keeps its own).
         collectives: the ranks that agree.
         alone: each rank loads a checkpoint of its own (a per-node local tier): each plans as
             the coordinator, and its copy must cover every entry it loads in full.
@@ -194,9 +239,9 @@ def check_keys(
             target = state_dict if where.nested_under is None else {where.nested_under: state_dict}
             reader = _CheckedReader(where.url, **reader_options)
             reader._given, reader._given_sizes = where.metadata, where.file_sizes
-            checked[key] = CheckedKey(state_dict, target, reader)
+            checked[key] = CheckedKey(state_dict, target, reader, new_planner())
         checks = [
-            partial(c.reader.check, c.target, new_planner(), alone or collectives.rank == 0, covered=alone)
+            partial(c.reader.check, c.target, c.planner, alone or collectives.rank == 0, covered=alone)
             for c in checked.values()
         ]
         # The checks read each key's .metadata and list its folder: on one rank, every key's at
