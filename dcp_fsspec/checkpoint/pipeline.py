@@ -221,7 +221,7 @@ class SavePipeline:
         url = self._root.url_of(layout.key_path(self._root, iteration, key))
         writer = FsspecStorageWriter(
             url,
-            storage_options=self.settings.storage_options,
+            fs=self._root.fs,  # the pipeline's own: not one built from the URL again per key
             retry=self.settings.retry,
             save_id=save_id,
             unique_file_names=unique_file_names,
