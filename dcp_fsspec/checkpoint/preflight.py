@@ -106,8 +106,8 @@ class _CheckedReader(FsspecStorageReader):
     """A reader that hands DCP the ``.metadata`` the preflight read, and skips checking the
     files of a plan the preflight already checked."""
 
-    # The .metadata read, and per data file the end of the last record checked there.
-    _checked: tuple[Metadata, dict[str, tuple[int, str]]] | None = None
+    # The .metadata read, per data file the end of the last record checked there, and the plan.
+    _checked: tuple[Metadata, dict[str, tuple[int, str]], LoadPlan] | None = None
     # .metadata where the resume rules read it already, parsed or as bytes (KeyToLoad.metadata).
     _given: Metadata | bytes | None = None
     # The key folder's files → sizes, where the resume rules listed them (KeyToLoad.file_sizes).
@@ -145,7 +145,8 @@ class _CheckedReader(FsspecStorageReader):
         return super()._listed_sizes(folders)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        if self._checked is not None and self._needed_ends(plan) == self._checked[1]:
+        # The check's own plan (its planner hands it to dcp.load), or one that reads the same.
+        if self._checked is not None and (plan is self._checked[2] or self._needed_ends(plan) == self._checked[1]):
             return plan
         return super().prepare_local_plan(plan)
 
@@ -174,7 +175,7 @@ class _CheckedReader(FsspecStorageReader):
                 f"the checkpoint at {self.location.url} does not hold all this rank loads: {problem}; nothing was loaded"
             )
         self.prepare_local_plan(plan)
-        self._checked = (metadata, self._needed_ends(plan))
+        self._checked = (metadata, self._needed_ends(plan), plan)
         planner.remember(plan)
 
 
