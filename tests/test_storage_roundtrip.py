@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,11 +140,11 @@ def test_the_backend_lists_and_reads_small_files_as_its_fsspec_filesystem_does(b
     where = resolve(backend.url, backend.storage_options)
     files = {"iter_1/.commit.json": b"{}", "iter_1/model/.metadata": b"m" * 7, "iter_1/model/__0_0.distcp": b"d" * 1000}
     for name, data in files.items():
-        if where.backend.real_folders:
-            backend.fs.makedirs(backend.fs._parent(backend.sub(*name.split("/"))), exist_ok=True)
-        backend.fs.pipe_file(backend.sub(*name.split("/")), data)
+        path = where.join(*name.split("/"))
+        where.backend.make_folder(posixpath.dirname(path))
+        where.fs.pipe_file(path, data)
     folder = where.join("iter_1")
-    expected = {path: info["size"] for path, info in backend.fs.find(folder, detail=True).items()}
+    expected = {path: info["size"] for path, info in where.fs.find(folder, detail=True).items()}
     found = where.backend.find(folder)
     assert {path: info["size"] for path, info in found.items()} == expected
     assert sorted(found) == sorted(where.join(name) for name in files)
@@ -172,12 +173,23 @@ def test_local_listing_shows_links_without_following_them_and_raises_on_an_unrea
     (tmp_path / "outside" / "secret").write_bytes(b"s" * 10)
     (tmp_path / "run" / "iter_1" / "elsewhere").symlink_to(tmp_path / "outside")
     (tmp_path / "run" / "iter_1" / "loop").symlink_to(tmp_path / "run")
+    (tmp_path / "run" / "iter_1" / "model" / "data").write_bytes(b"d" * 3)
+    (tmp_path / "run" / "iter_1" / "model" / "linked").symlink_to(tmp_path / "run" / "iter_1" / "model" / "data")
     where = resolve(str(tmp_path / "run"))
     found = where.backend.find(where.path)
     assert not any("secret" in path for path in found)
     assert found[where.join("iter_1", "elsewhere")]["type"] == "other"
     assert found[where.join("iter_1", "loop")]["type"] == "other"
-    assert sorted(found) == sorted(LocalFileSystem().find(where.path))
+    fsspec_found = LocalFileSystem().find(where.path, detail=True)
+    assert {p: i["size"] for p, i in found.items()} == {p: i["size"] for p, i in fsspec_found.items()}
+    assert found[where.join("iter_1", "model", "linked")]["size"] == 3  # the target's, as fsspec says
+
+    # save_dirname itself may be a link to a folder on another disk: it is walked.
+    (tmp_path / "ckpt").symlink_to(tmp_path / "run")
+    linked = resolve(str(tmp_path / "ckpt"))
+    assert sorted(p.split("/ckpt/", 1)[1] for p in linked.backend.find(linked.path)) == sorted(
+        p.split("/run/", 1)[1] for p in found
+    )
 
     real_scandir = os.scandir
 
@@ -189,3 +201,40 @@ def test_local_listing_shows_links_without_following_them_and_raises_on_an_unrea
     monkeypatch.setattr(os, "scandir", unreadable)
     with pytest.raises(StorageError, match="cannot list .*run"):
         where.backend.find(where.path)
+
+
+def test_local_listing_leaves_out_only_what_disappears_during_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention's thread deletes old iterations while a save lists ``save_dirname``: an entry
+    gone between the folder's read and its stat is left out, and nothing else with it."""
+    import os
+
+    from dcp_fsspec.storage.urls import resolve
+
+    for i in range(1, 4):
+        (tmp_path / "run" / f"iter_{i}").mkdir(parents=True)
+        (tmp_path / "run" / f"iter_{i}" / ".commit.json").write_bytes(b"{}")
+    real_scandir = os.scandir
+
+    class Listed(list):  # what scandir read, usable as scandir's iterator is (with, for)
+        def __enter__(self) -> Listed:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    gone: list[str] = []
+
+    def racing(path: Any) -> Any:
+        entries = Listed(real_scandir(path))
+        if str(path).endswith("run"):
+            gone.append(entries[0].name)  # the first listed: the others come after it
+            (tmp_path / "run" / gone[0] / ".commit.json").unlink()
+            (tmp_path / "run" / gone[0]).rmdir()  # listed, then deleted before its stat
+        return entries
+
+    monkeypatch.setattr(os, "scandir", racing)
+    where = resolve(str(tmp_path / "run"))
+    found = where.backend.find(where.path, withdirs=True)
+    kept = sorted({"iter_1", "iter_2", "iter_3"} - set(gone))
+    assert len(kept) == 2
+    assert sorted(p.rsplit("/run", 1)[1] for p in found) == ["", *(f"/{i}{end}" for i in kept for end in ("", "/.commit.json"))]

@@ -221,13 +221,15 @@ class LocalFiles(InPlaceFiles):
 def _find(path: str, *, withdirs: bool) -> dict[str, dict[str, Any]]:
     """fsspec's local ``find(path, withdirs=…, detail=True)`` from one ``scandir`` per folder.
 
-    As fsspec's, symbolic links are listed (type ``"other"``, the link's own size), never
-    followed, so a link cannot lead the walk out of ``path`` or round in a loop. Unlike it, a
-    folder that cannot be read raises rather than being skipped; one deleted during the walk
-    (retention's thread) is skipped, as absent.
+    As fsspec's: ``path`` itself may be a link to a folder (a ``save_dirname`` on another disk);
+    below it, symbolic links are listed (type ``"other"``, their target's size, 0 if it has
+    none) and never followed, so a link cannot lead the walk out of ``path`` or round in a
+    loop. Unlike fsspec's, a folder that cannot be read raises rather than being skipped. What
+    disappears during the walk (retention's thread deleting an iteration, a temporary file
+    renamed) is left out, and nothing else with it.
     """
     try:
-        top = os.stat(path, follow_symlinks=False)
+        top = os.stat(path)
     except FileNotFoundError:
         return {}
     if not stat.S_ISDIR(top.st_mode):
@@ -238,23 +240,35 @@ def _find(path: str, *, withdirs: bool) -> dict[str, dict[str, Any]]:
         folder = folders.pop()
         prefix = folder.rstrip("/") + "/"
         try:
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    child = prefix + entry.name
-                    if entry.is_dir(follow_symlinks=False):
-                        folders.append(child)
-                        if withdirs:
-                            found[child] = _info(child, entry.stat(follow_symlinks=False))
-                    else:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # deleted (or replaced) since its parent was read
+        for entry in entries:
+            child = prefix + entry.name
+            try:
+                if entry.is_symlink():
+                    found[child] = {"name": child, "size": _target_size(child), "type": "other"}
+                elif entry.is_dir(follow_symlinks=False):
+                    folders.append(child)
+                    if withdirs:
                         found[child] = _info(child, entry.stat(follow_symlinks=False))
-        except FileNotFoundError:
-            continue
+                else:
+                    found[child] = _info(child, entry.stat(follow_symlinks=False))
+            except FileNotFoundError:
+                continue  # deleted since the folder was read
     return dict(sorted(found.items()))
 
 
 def _info(path: str, st: os.stat_result) -> dict[str, Any]:
     kind = "directory" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
     return {"name": path, "size": st.st_size, "type": kind}
+
+
+def _target_size(link: str) -> int:
+    try:
+        return os.stat(link).st_size
+    except OSError:  # dangling, or a loop of links
+        return 0
 
 
 def _read_whole(path: str) -> bytes:
