@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -78,7 +79,7 @@ class LocalBackend(Backend):
         url = self.url_of(path)
         with storage_errors("read", url):
             try:
-                return Versioned(self.retry.call(partial(_read_whole, path), url=url))
+                return Versioned(self.retry.call(Path(path).read_bytes, url=url))
             except FileNotFoundError:
                 return Versioned(None)
 
@@ -269,11 +270,6 @@ def _target_size(link: str) -> int:
         return os.stat(link).st_size
     except OSError:  # dangling, or a loop of links
         return 0
-
-
-def _read_whole(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def fsync_dir(path: str) -> None:
