@@ -8,6 +8,7 @@ promises something names a backend, and some test's docstring must name that row
 from __future__ import annotations
 
 import ast
+import errno
 import os
 import re
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, StorageError
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage import names
 from tests.conftest import Backend
@@ -156,10 +157,12 @@ def test_a_checkpointer_save_is_durable_before_its_commit_record_with_one_fsync_
 ) -> None:
     """Guarantee row: 'a Checkpointer save's files survive a power loss once it is committed' (local).
 
-    Every file is fsynced before its rename; every key's folder after all its renames and before the commit record;
-    the commit record's folder before the pointer moves; the root after it. A key's folder is
-    fsynced once per save (the commit record, not its .metadata, commits it), not once after its
-    data and again after its .metadata."""
+    Every key's file is renamed into place at once and fsynced (on a thread of its own) before
+    its key's folder; every key's folder after all its renames and before the commit record; the
+    commit record and the pointer are fsynced before their renames; the commit record's folder
+    before the pointer moves; the root after it. A key's folder is fsynced once per save (the
+    commit record, not its .metadata, commits it), not once after its data and again after its
+    .metadata."""
     keys = {"model": {"w": torch.ones(64)}, "optim": {"m": torch.zeros(3)}, "trainer": {"step": 3}}
     with Checkpointer(local_backend.url) as ckpt:
         ckpt.save(1, **keys)
@@ -171,17 +174,63 @@ def test_a_checkpointer_save_is_durable_before_its_commit_record_with_one_fsync_
     record = next(i for i, _, target in renames if target == os.path.join(folder, names.COMMIT_RECORD_NAME))
     pointer = next(i for i, _, target in renames if target == os.path.join(root, "latest_checkpoint.txt"))
     for i, temp, target in renames:
-        if os.path.basename(target) != commit.CLAIM_NAME:  # the claim matters among running saves only
+        if target in (os.path.join(folder, names.COMMIT_RECORD_NAME), os.path.join(root, "latest_checkpoint.txt")):
             assert ("fsync", temp) in events[:i], f"{temp} renamed to {target} before it was fsynced"
     for key in keys:
         key_folder = os.path.join(folder, key)
-        key_renames = [i for i, _, target in renames if os.path.dirname(target) == key_folder]
+        key_renames = [(i, target) for i, _, target in renames if os.path.dirname(target) == key_folder]
         assert len(key_renames) >= 2, f"{key}: its data file and .metadata"
         syncs = [i for i, event in enumerate(events) if event == ("fsync", key_folder)]
         assert len(syncs) == 1, f"{key_folder} fsynced {len(syncs)} times in one save"
-        assert max(key_renames) < syncs[0] < record, f"{key_folder} not fsynced between its renames and the commit record"
+        assert max(i for i, _ in key_renames) < syncs[0] < record, f"{key_folder} not fsynced between its renames and the commit record"
+        for i, target in key_renames:
+            assert ("fsync", target) in events[i + 1 : syncs[0]], f"{target} not fsynced before its folder"
     assert ("fsync", folder) in events[record + 1 : pointer], "the commit record's rename not made durable before the pointer moved"
     assert ("fsync", root) in events[pointer + 1 :], "the pointer's rename not made durable"
+
+
+def test_a_key_file_whose_fsync_fails_fails_the_save_naming_it_and_the_pointer_stays(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Checkpointer's key files are fsynced off the writing thread, while the next key is
+    written; a failed fsync there still fails the save, naming the file, before its commit
+    record: the pointer stays on the last checkpoint, every file is closed, and the iteration
+    saves again."""
+    keys = {"model": {"w": torch.ones(64)}, "optim": {"m": torch.zeros(3)}, "trainer": {"step": 3}}
+    real_fsync, failed = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if f"{os.sep}iter_000000002{os.sep}optim{os.sep}" in path and path.endswith(".distcp"):
+            failed.append(path)
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    def open_files_of(iteration: str) -> list[str]:
+        paths = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue  # the listing's own descriptor, closed since
+        return [p for p in paths if f"{os.sep}{iteration}{os.sep}" in p]
+
+    folder = os.path.join(local_backend.url, "iter_000000002")
+    with Checkpointer(local_backend.url) as ckpt:
+        ckpt.save(1, **keys)
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(StorageError) as raised:
+            ckpt.save(2, **keys)
+        monkeypatch.undo()
+        assert len(failed) == 1 and failed[0] in str(raised.value) and "fsync" in str(raised.value)
+        assert not os.path.exists(os.path.join(folder, names.COMMIT_RECORD_NAME))
+        assert Path(local_backend.url, "latest_checkpoint.txt").read_text().strip() == "iter_000000001"
+        assert open_files_of("iter_000000002") == []
+        ckpt.save(2, **keys)
+    target = {"w": torch.zeros(64)}
+    with Checkpointer(local_backend.url) as ckpt:
+        assert ckpt.load(model=target) == 2
+    assert torch.equal(target["w"], torch.ones(64))
 
 
 def test_load_path_is_read_with_load_storage_options(s3_backend: Backend, tmp_path: Path) -> None:

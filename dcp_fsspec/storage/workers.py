@@ -1,5 +1,6 @@
-"""Threads kept between loads: a small load takes a few milliseconds, and starting its threads
-anew each time was a third of them (three pools per key, measured on a 4-key local load).
+"""Threads kept between loads (and a local save's fsyncs, :mod:`.file_syncs`): a small load
+takes a few milliseconds, and starting its threads anew each time was a third of them (three
+pools per key, measured on a 4-key local load).
 
 A :class:`Workers` is one read's share of a process-wide pool: what it submits runs on the
 pool's threads, and :meth:`Workers.close` cancels what has not started and waits for what has —

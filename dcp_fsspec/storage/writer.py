@@ -36,6 +36,7 @@ from . import names
 from .collector import collector_paused
 from .records import encode_tensor, frame_tensor
 from .failures import storage_errors
+from .file_syncs import FileSyncs
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .backends import Versioned
 from .settings import merge_storage_kwargs
@@ -61,8 +62,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     :meth:`prepare_local_plan` (every rank) → :meth:`prepare_global_plan` (coordinator) →
     :meth:`write_data` (every rank) → :meth:`finish` (coordinator).
 
-    Guarantees: data files are complete or absent (local: temp file, fsync, rename; object
-    stores: one PUT or one multipart upload, published whole); ``.metadata`` is written only in
+    Guarantees: data files are complete or absent (local: temp file, fsync, rename — with
+    ``file_syncs``, rename and then fsync, before the caller's commit; object stores: one PUT or
+    one multipart upload, published whole); ``.metadata`` is written only in
     :meth:`finish`, after every rank's data is written, and atomically; when ``overwrite`` is
     true an existing ``.metadata`` is removed *before* new data is written, so a save that dies
     half-way leaves no checkpoint rather than a mixed one. ``.metadata`` is only ever created,
@@ -100,6 +102,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             keys): the files are still fsynced, the folder is not, and the caller fsyncs it
             (``sync_folder``) before its commit: a save of several keys then fsyncs each key's
             folder once, not once per rank and again after ``.metadata``.
+        file_syncs: only with ``metadata_commits=False``: the local files' fsyncs go to these
+            threads (the backend's :meth:`~.backends.base.Backend.file_syncs`), which the caller
+            waits for before its folder fsyncs and its commit; the writer returns without
+            waiting, so the next key's planning overlaps the disk's flushes.
         checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
             :class:`FsspecStorageReader` verifies (after undoing any transform).
         retry: how storage requests are retried on throttling, 5xx and dropped connections,
@@ -159,6 +165,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         max_inflight_bytes: int = 128 * MiB,
         sync_files: bool = True,
         metadata_commits: bool = True,
+        file_syncs: FileSyncs | None = None,
         checksums: bool = True,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         save_id: str | None = None,
@@ -184,6 +191,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             files_per_rank = thread_count
         if files_per_rank < 1:
             raise ValueError(f"files_per_rank (thread_count) must be at least 1, got {files_per_rank}")
+        if file_syncs is not None and metadata_commits:
+            raise ValueError("file_syncs needs metadata_commits=False: the caller commits once they are done")
         if serialization_format != SerializationFormat.TORCH_SAVE:
             raise ValueError(
                 f"serialization_format={serialization_format} is not written by FsspecStorageWriter (only "
@@ -200,6 +209,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         self.max_inflight_bytes = max_inflight_bytes
         self.sync_files = sync_files
         self.metadata_commits = metadata_commits
+        self.file_syncs = file_syncs
         self.checksums = checksums
         self.compression = compression
         self.compression_level = compression_level
@@ -338,7 +348,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                     existing = backend.read_versioned(path).data
                     if existing is None and not backend.conditional_writes:
                         backend.write_small_atomic(path, data, fsync=self.sync_files,
-                                                   sync_folder=self.metadata_commits)
+                                                   sync_folder=self.metadata_commits, syncs=self.file_syncs)
                     created = existing is None and not backend.conditional_writes or existing == data
         if not created:
             raise CheckpointExistsError(
@@ -372,6 +382,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 budget=budget,
                 fsync=self.sync_files,
                 multipart_threshold=self.multipart_threshold,
+                syncs=self.file_syncs,
             )
         results = []
         try:

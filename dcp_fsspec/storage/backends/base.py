@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import fsspec
 
 from ...errors import DcpFsspecError, StorageError
+from ..file_syncs import FileSyncs
 from ..retry import RetryPolicy
 from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 
@@ -206,26 +207,38 @@ class Backend:
             self.call("makedirs", path, exist_ok=True)
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
+        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        syncs: FileSyncs | None = None,
     ) -> FileUpload:
         """A :class:`FileUpload` that publishes ``path`` whole on commit (generic: fsspec's buffered
         file, which object stores publish on close; it relies on the driver's retries).
 
         ``part_size`` and ``multipart_threshold`` (a file up to this size goes in one request)
-        tune object stores; ``budget`` bounds the upload data in memory; ``fsync``: local disk."""
+        tune object stores; ``budget`` bounds the upload data in memory; ``fsync``: local disk,
+        where ``syncs`` (from :meth:`file_syncs`) takes the fsync off the commit: see there."""
         return BufferedUpload(self.fs, path, block_size=max(part_size, MIN_PART_SIZE))
 
-    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True) -> None:
+    def write_small_atomic(
+        self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True, syncs: FileSyncs | None = None
+    ) -> None:
         """Write a small file so readers see the old content or the new, never a mix (generic: one
         ``pipe_file``, which object stores and ``memory://`` apply whole).
 
         ``fsync`` (local disk): the file, and its folder unless ``sync_folder`` is false (the
-        caller then fsyncs the folder itself, see :meth:`sync_folder`)."""
+        caller then fsyncs the folder itself, see :meth:`sync_folder`); ``syncs`` as in
+        :meth:`new_upload`."""
         self.call("pipe_file", path, data)
         self.invalidate(self.fs._parent(path))
 
     def sync_folder(self, path: str) -> None:
         """Make the renames in ``path`` durable where that is a separate step (local disk)."""
+
+    def file_syncs(self, threads: int) -> FileSyncs | None:
+        """Where files are fsynced (local disk): a :class:`~..file_syncs.FileSyncs` for one
+        save, whose uploads then rename each file into place at once and fsync it on one of
+        ``threads`` threads; the caller waits for it before anything names the files. ``None``
+        elsewhere (a file is in the store once its upload commits)."""
+        return None
 
     def abort_pending_uploads(self, folder: str) -> None:
         """Abort uploads a killed save left under ``folder`` where the store keeps them (S3)."""

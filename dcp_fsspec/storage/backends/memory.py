@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import fsspec
 from fsspec.implementations.memory import MemoryFile
 
+from ..file_syncs import FileSyncs
 from ..uploads import ByteBudget, FileUpload
 from .base import Backend
 
@@ -20,7 +21,8 @@ class MemoryBackend(Backend):
     exclusive_across_processes = True
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
+        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        syncs: FileSyncs | None = None,
     ) -> FileUpload:
         return MemoryUpload(self.fs, path)
 

@@ -34,6 +34,7 @@ import fsspec.asyn
 from ...errors import DcpFsspecError, StorageError
 from ..retry import NO_RETRY, RetryPolicy, causes, http_status
 from ..crc import COMBINE_ABOVE, crc32, crc32_combine
+from ..file_syncs import FileSyncs
 from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from .base import Backend, Versioned
 
@@ -105,7 +106,8 @@ class S3Backend(Backend):
         return bool(listing.get("Contents") or listing.get("CommonPrefixes"))
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
+        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        syncs: FileSyncs | None = None,
     ) -> FileUpload:
         return S3MultipartUpload(
             self.fs, path, part_size=part_size, multipart_threshold=multipart_threshold, budget=budget, retry=self.retry

@@ -16,6 +16,7 @@ import fsspec
 
 from .. import names
 from ..failures import storage_errors
+from ..file_syncs import FileSyncs
 from ..uploads import ByteBudget, FileUpload, publish_whole
 from .base import Backend, RangeReader
 
@@ -25,11 +26,14 @@ class SftpBackend(Backend):
     real_folders = True
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0
+        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        syncs: FileSyncs | None = None,
     ) -> FileUpload:
         return RenameUpload(self.fs, path)
 
-    def write_small_atomic(self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True) -> None:
+    def write_small_atomic(
+        self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True, syncs: FileSyncs | None = None
+    ) -> None:
         # asyncssh raises its own SFTPError types (not OSError) for some refusals, e.g. a file
         # standing where the folder should be.
         with storage_errors("write", self.url_of(path), also=(Exception,)):
