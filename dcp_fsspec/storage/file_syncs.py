@@ -50,7 +50,10 @@ class FileSyncs:
         errors = [(url, done.exception()) for url, done in pending]  # waits for every one
         for url, error in errors:
             if error is not None and raise_errors:
-                raise StorageError(f"cannot write {url}: its fsync failed: {error}") from error
+                raise StorageError(
+                    f"cannot write {url}: its fsync failed ({error}), so the disk never confirmed it; "
+                    "check the disk and its free space, then save again"
+                ) from error
 
 
 def _sync_and_close(file: BinaryIO) -> None:
