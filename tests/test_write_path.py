@@ -64,3 +64,51 @@ def test_collector_is_left_alone_off_the_main_thread_and_when_the_caller_disable
         assert not gc.isenabled()  # not switched on behind the caller's back
     finally:
         gc.enable()
+
+
+def test_saves_and_loads_run_with_the_collector_paused_and_switch_it_back_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What README says: the writer's ``write_data`` and the reader's ``read_data`` pause the
+    collector in a plain ``dcp.save`` / ``dcp.load``; a Checkpointer pauses it for its whole save
+    and load, DCP's planning included; after each (a failed one too) it is on again."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageReader, FsspecStorageWriter
+    from dcp_fsspec.storage import writer as writer_module
+
+    seen: dict[str, list[bool]] = {}
+
+    def spy(owner: object, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def recording(*args: object, **kwargs: object) -> object:
+            seen.setdefault(label, []).append(gc.isenabled())
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, recording)
+
+    spy(writer_module, "_split_into_files", "inside write_data")  # called only by write_data
+    spy(FsspecStorageReader, "_records_for", "inside read_data")  # called only by read_data
+    spy(FsspecStorageWriter, "prepare_local_plan", "writer planning")  # not paused by the writer
+    spy(FsspecStorageReader, "prepare_local_plan", "reader planning")
+
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    dcp.save(state, storage_writer=FsspecStorageWriter(str(tmp_path / "plain")))
+    dcp.load(state, storage_reader=FsspecStorageReader(str(tmp_path / "plain")))
+    assert gc.isenabled()
+    assert seen == {"writer planning": [True], "inside write_data": [False],
+                    "reader planning": [True], "inside read_data": [False]}  # fmt: skip
+
+    seen.clear()
+    with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+        ckpt.save(1, model=state)
+        assert gc.isenabled()
+        ckpt.load(model=state)
+        assert gc.isenabled()
+        with pytest.raises(CheckpointExistsError):
+            ckpt.save(1, model=state)
+        assert gc.isenabled()
+    assert seen["writer planning"][0] is False and seen["reader planning"][0] is False
+    assert not any(seen["inside write_data"]) and not any(seen["inside read_data"])
