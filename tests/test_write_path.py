@@ -112,3 +112,32 @@ def test_saves_and_loads_run_with_the_collector_paused_and_switch_it_back_on(
         assert gc.isenabled()
     assert seen["writer planning"][0] is False and seen["reader planning"][0] is False
     assert not any(seen["inside write_data"]) and not any(seen["inside read_data"])
+
+
+def test_an_integration_s_blocking_dcp_call_pauses_the_collector_through_planning_and_restores_it_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``integrations._files.blocking`` (our torchtitan and Lightning checkpointers' synchronous
+    ``dcp.save``/``dcp.load``): DCP's planning runs paused, which the writer's own pause does not
+    reach, and a failed save switches the collector back on and raises our error."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_fsspec import CheckpointExistsError, FsspecStorageWriter
+    from dcp_fsspec.integrations._files import blocking
+
+    seen: list[bool] = []
+    real = FsspecStorageWriter.prepare_local_plan
+
+    def recording(self: FsspecStorageWriter, plan: object) -> object:
+        seen.append(gc.isenabled())
+        return real(self, plan)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FsspecStorageWriter, "prepare_local_plan", recording)
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.ones(10)}
+    blocking(lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url)), f"saving {url}")
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(CheckpointExistsError):
+        blocking(lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url, overwrite=False)), f"saving {url}")
+    assert gc.isenabled()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointNotFoundError, MissingDriverError
+from ..storage.collector import collector_paused
 from ..storage.failures import storage_errors, unwrap_dcp
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.uploads import ByteBudget, publish_whole
@@ -103,3 +104,15 @@ def unwrapped(call: Callable[[], Any], action: str, *, reader: FsspecStorageRead
     except CheckpointException as e:
         failure = reader.metadata_failure if reader is not None else None
         raise unwrap_dcp(e, action, mismatch=reader is not None, metadata_failure=failure) from e
+
+
+def blocking(call: Callable[[], Any], action: str, *, reader: FsspecStorageReader | None = None) -> Any:
+    """A synchronous ``dcp.save``/``dcp.load``, as :func:`unwrapped`, with the cyclic garbage
+    collector paused for the whole call on the main thread (:mod:`dcp_fsspec.storage.collector`).
+
+    The writer's and reader's own pauses do not cover DCP's planning or the broadcast of its
+    metadata, whose objects live until the call returns; on several ranks they set off a full
+    collection on the coordinator at every save. A framework's save or load is one call we make,
+    so the pause can span it and still end when it fails."""
+    with collector_paused():
+        return unwrapped(call, action, reader=reader)

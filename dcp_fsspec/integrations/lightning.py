@@ -25,7 +25,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ._files import child, is_dcp_checkpoint, locate, read_file, remove, require, unwrapped, write_file
+from ._files import blocking, child, is_dcp_checkpoint, locate, read_file, remove, require, unwrapped, write_file
 
 require("lightning.pytorch", "lightning", "dcp_fsspec.integrations.lightning")
 
@@ -403,7 +403,7 @@ class _ShardedStorage:
             url, self.storage_options, overwrite=True, retry=self.retry, **self.writer_settings.as_kwargs()
         )
         if self.async_mode == ASYNC_DISABLED:
-            unwrapped(lambda: dcp.save(shards, storage_writer=writer), f"saving {where.url}")
+            blocking(lambda: dcp.save(shards, storage_writer=writer), f"saving {where.url}")
             return
         if self._save_group is None:
             # The background thread's collectives need a group of their own: on the default
@@ -449,7 +449,7 @@ class _ShardedStorage:
             **self.reader_settings.as_kwargs(),
         )  # fmt: skip
         planner = SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=self.trust_checkpoint)
-        unwrapped(
+        blocking(
             lambda: dcp.load(shards, storage_reader=reader, planner=planner), f"loading {where.url}", reader=reader
         )
         model.load_state_dict(shards[model_key], strict=strict)

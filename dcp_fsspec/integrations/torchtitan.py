@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import child, exists, is_dcp_checkpoint, locate, remove, require, unwrapped
+from ._files import blocking, child, exists, is_dcp_checkpoint, locate, remove, require, unwrapped
 
 require("torchtitan.components.checkpointer", "torchtitan", "dcp_fsspec.integrations.torchtitan")
 
@@ -148,7 +148,7 @@ class FsspecCheckpointManager(CheckpointManager):
         response: Future[Any] | AsyncSaveResponse | None = None
         self._saving = checkpoint_id
         if async_mode == AsyncMode.DISABLED:
-            unwrapped(lambda: dcp.save(state_dict, storage_writer=writer), f"saving {redact_url(checkpoint_id)}")
+            blocking(lambda: dcp.save(state_dict, storage_writer=writer), f"saving {redact_url(checkpoint_id)}")
         else:
             pinned = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
             response = dcp.async_save(
@@ -171,7 +171,7 @@ class FsspecCheckpointManager(CheckpointManager):
             **self.reader_settings.as_kwargs(),
         )  # fmt: skip
         planner = SafeLoadPlanner(trust_checkpoint=self.trust_checkpoint)
-        unwrapped(
+        blocking(
             lambda: dcp.load(state_dict, storage_reader=reader, planner=planner),
             f"loading {redact_url(checkpoint_id)}",
             reader=reader,

@@ -211,6 +211,35 @@ def test_a_model_whose_state_dict_is_made_afresh_resumes_bit_identical(local_bac
     assert_equal(uninterrupted.state(), resumed.state())
 
 
+def test_synchronous_saves_and_loads_plan_with_the_collector_paused(
+    local_backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manager's ``dcp.save``/``dcp.load`` run whole with the collector paused (README, "The
+    garbage collector"): DCP's planning too, which the writer's and reader's own pauses miss; it
+    is on again afterwards. (torchtitan's trainer turns it off itself: then it stays off.)"""
+    import gc
+
+    from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
+
+    seen: list[tuple[str, bool]] = []
+    for cls in (FsspecStorageWriter, FsspecStorageReader):
+        real = cls.prepare_local_plan
+
+        def recording(self: Any, plan: Any, _real: Any = real) -> Any:
+            seen.append((type(self).__name__, gc.isenabled()))
+            return _real(self, plan)
+
+        monkeypatch.setattr(cls, "prepare_local_plan", recording)
+    config = _config(local_backend.url, {}, interval=2)
+    first = Run(config, str(tmp_path))
+    first.train(2)
+    first.manager.close()
+    resumed = Run(config, str(tmp_path), seed=1)
+    assert resumed.manager.load()
+    resumed.manager.close()
+    assert seen == [("FsspecStorageWriter", False), ("FsspecStorageReader", False)]
+    assert gc.isenabled()
+
 def test_resuming_skips_a_step_without_metadata_and_a_missing_step_names_its_url(local_backend: Backend, tmp_path: Path) -> None:
     """A step folder whose .metadata never landed (a save cut short) is not resumed from;
     asking for a step that was never saved is an error naming its URL."""
