@@ -75,13 +75,39 @@ def test_a_fresh_start_over_a_folder_of_other_files_is_a_warning(
     assert any("notes.txt" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
-def test_a_fresh_start_where_nothing_is_is_only_logged_at_info(
-    local_backend: Backend, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_a_fresh_start_where_nothing_is_is_one_warning_naming_the_url(
+    local_backend: Backend, caplog: pytest.LogCaptureFixture, where: str
 ) -> None:
+    if where == "empty":
+        Path(local_backend.url).mkdir(parents=True)
     with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(local_backend.url) as ckpt:
         assert ckpt.load(trainer=_state(0.0)) == 0
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any("training from scratch" in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and local_backend.url in warnings[0] and "training from scratch" in warnings[0]
+
+
+def test_a_mistyped_s3_save_dirname_starts_fresh_with_a_warning_naming_it(
+    s3_backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = s3_backend.sub("killrn")
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec"), Checkpointer(url, s3_backend.storage_options) as ckpt:
+        assert ckpt.load(trainer=_state(0.0)) == 0
+    assert [r.getMessage() for r in caplog.records if url in r.getMessage() and "from scratch" in r.getMessage()]
+
+
+def test_resume_required_refuses_a_fresh_start_naming_the_url(local_backend: Backend) -> None:
+    with Checkpointer(local_backend.url, resume="required") as ckpt:
+        with pytest.raises(CheckpointNotFoundError, match="nothing to resume") as raised:
+            ckpt.load(trainer=_state(0.0))
+        assert local_backend.url in str(raised.value) and "typo" in str(raised.value)
+        ckpt.save(5, trainer=_state(5.0))
+        assert ckpt.load(trainer=_state(0.0)) == 5
+
+
+def test_resume_rejects_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="resume='must'"):
+        Checkpointer("unused", resume="must")
 
 
 # -- an older iteration --------------------------------------------------------------------------
@@ -106,6 +132,7 @@ def test_load_of_an_iteration_that_is_not_committed_names_the_url_and_the_commit
             ckpt.load(iteration=15, trainer=_state(0.0))
     message = str(raised.value)
     assert "iter_000000015" in message and local_backend.url in message and "iter_000000010" in message
+    assert "load(iteration=N)" in message and "rewrite" not in message
 
 
 def test_a_damaged_latest_checkpoint_says_which_older_iteration_to_load_instead(local_backend: Backend) -> None:
@@ -201,3 +228,25 @@ def test_async_commits_and_retention_deletions_are_logged_in_the_training_proces
     messages = [r.getMessage() for r in caplog.records]
     assert any("committed" in m and "iter_000000002" in m and "background save process" in m for m in messages)
     assert any("deleted" in m and "iter_000000001" in m and "background save process" in m for m in messages)
+
+
+# -- noise ---------------------------------------------------------------------------------------
+
+
+def test_a_single_process_save_and_load_print_no_torch_notice(tmp_path: Path) -> None:
+    done = _script(tmp_path, f"""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter
+
+        with Checkpointer({str(tmp_path / "run")!r}) as ckpt:
+            ckpt.save(1, trainer={{"w": torch.ones(4)}})
+            ckpt.load(trainer={{"w": torch.zeros(4)}})
+        dcp.save({{"w": torch.ones(4)}}, storage_writer=FsspecStorageWriter({str(tmp_path / "plain")!r}))
+        dcp.load({{"w": torch.zeros(4)}}, storage_reader=FsspecStorageReader({str(tmp_path / "plain")!r}))
+        import warnings
+        warnings.warn("other warnings still show")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "torch.distributed is disabled" not in done.stderr
+    assert "other warnings still show" in done.stderr

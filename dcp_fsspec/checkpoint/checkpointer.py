@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..errors import (
     BackgroundSaveError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidURLError,
 )
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 ASYNC_DISABLED = "disabled"
 ASYNC_PINNED = "async_with_pinned_mem"
 ASYNC_MODES = (ASYNC_DISABLED, ASYNC_PINNED)
+RESUME_MODES = ("auto", "required")
 OPTIMIZER_KEY = "optim"
 
 
@@ -137,9 +139,13 @@ class Checkpointer:
             :class:`~dcp_fsspec.errors.DrainError` while the durable tier is behind.
         on_drain_end: called with a ``drain_end`` :class:`CheckpointEvent` (in the drain thread,
             on rank 0) after each drain, its ``error`` set if it failed.
+        resume: what :meth:`load` does when there is nothing to resume (no pointer under
+            ``save_dirname``, no ``load_path``). ``"auto"``: train from scratch, logged at WARNING
+            with the URL. ``"required"``: raise :class:`~dcp_fsspec.errors.CheckpointNotFoundError`
+            naming it (a job that must continue a run, never restart it).
 
     Raises:
-        ValueError: an unknown ``async_mode`` or ``drain``, ``keep_last_n`` or
+        ValueError: an unknown ``async_mode``, ``drain`` or ``resume``, ``keep_last_n`` or
             ``keep_last_n_local`` below 1, or both ``load_training_state`` and
             ``only_load_scheduler_state``; an unknown ``compression``, or a
             ``compression_level`` without one.
@@ -178,7 +184,10 @@ class Checkpointer:
         keep_last_n_local: int = 1,
         drain: str = DRAIN_EVERY,
         on_drain_end: Callback | None = None,
+        resume: str = "auto",
     ) -> None:
+        if resume not in RESUME_MODES:
+            raise ValueError(f"resume={resume!r} is not supported; choose one of {list(RESUME_MODES)}")
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
         if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1):
@@ -205,6 +214,7 @@ class Checkpointer:
         self._trust_checkpoint = trust_checkpoint
         self._resume_options = ResumeOptions(load_training_state, only_load_scheduler_state, strict_resume)
         self._load_optimizer = load_optimizer
+        self._resume = resume
         self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
         self._collectives = Collectives(process_group)
         self._callbacks = {
@@ -431,13 +441,8 @@ class Checkpointer:
                 iteration=iteration, trust_checkpoint=self._trust_checkpoint,
             )  # fmt: skip
             plan = resume.plan_resume(facts, wanted, options)
-            if plan is None and facts.leftovers:
-                logger.warning(
-                    "nothing to resume under %s: it holds %s; training from scratch. If you meant "
-                    "another save_dirname, fix it; to start over here, empty the folder", self.url, facts.leftovers,
-                )  # fmt: skip
-            elif plan is None:
-                logger.info("no checkpoint under %s and no load_path: training from scratch", self.url)
+            if plan is None:
+                self._start_fresh(facts.leftovers)
             return plan if plan is None or not self._collectives.distributed else plan.without_metadata()
 
         plan = self._collectives.run_on_rank0(plan_on_rank0)
@@ -451,6 +456,23 @@ class Checkpointer:
             assert self._tiers is not None
             self._tiers.forget_newer_than(resumed)
         return resumed
+
+    def _start_fresh(self, leftovers: str | None) -> None:
+        """Say that nothing was resumed, at WARNING; raise instead with ``resume="required"``."""
+        if leftovers:
+            found = f"it holds {leftovers}"
+            advice = "if you meant another save_dirname, fix it; to start over here, empty the folder"
+        else:
+            found = "it is empty or does not exist, and there is no load_path"
+            advice = "if you meant to resume, check save_dirname for a typo"
+        if self._resume == "required":
+            raise CheckpointNotFoundError(
+                f"nothing to resume under {self.url}: {found}; {advice} (resume='required' refuses to train from scratch)"
+            )
+        logger.warning(
+            "nothing to resume under %s: %s; training from scratch at iteration 0. %s "
+            "(resume='required' makes this an error)", self.url, found, advice[0].upper() + advice[1:],
+        )  # fmt: skip
 
     def _load_plan(
         self, plan: resume.ResumePlan, source: Location, state: dict[str, Any], *, tier: str | None,
