@@ -702,8 +702,10 @@ def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
     assert all(e.nbytes == 4000 and e.iteration == 3 and e.keys == ("trainer",) for e in events)
     assert events[1].seconds > 0 and events[1].gbps > 0 and events[1].url.endswith("iter_000000003")
     lines = [r.getMessage() for r in caplog.records if r.name == "dcp_fsspec.checkpoint"]
-    assert any(m.startswith("saved ") and "iter_000000003" in m and "GB/s" in m for m in lines)
-    assert any(m.startswith("loaded ") and "GB/s" in m for m in lines)
+    # 4000 bytes in units that show them, never "0.0 MiB ... 0.000 GB/s".
+    assert any(m.startswith("saved ") and "iter_000000003" in m and "(trainer; 3.9 KiB)" in m for m in lines)
+    assert any(m.startswith("loaded ") and "3.9 KiB" in m and "/s" in m for m in lines)
+    assert not any("0.0 MiB" in m or "0.000 GB/s" in m for m in lines)
 
 
 def test_an_asynchronous_save_reports_its_end_once_it_is_committed(local_backend: Backend) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..storage.units import human_bytes, human_rate
+
 logger = logging.getLogger("dcp_fsspec.checkpoint")
 
 
@@ -71,8 +73,14 @@ def report(event: CheckpointEvent, callback: Callback | None) -> None:
         verb = {"save_end": "saved", "drain_end": "drained"}.get(event.kind, "loaded")
         tier = "" if event.tier is None else f" [{event.tier} tier]"
         logger.info(
-            "%s %s%s (%s; %.1f MiB) in %.2f s, %.3f GB/s",
-            verb, event.url, tier, ", ".join(event.keys), event.nbytes / 2**20, event.seconds, event.gbps,
+            "%s %s%s (%s; %s) in %s, %s",
+            verb, event.url, tier, ", ".join(event.keys), human_bytes(event.nbytes), _duration(event.seconds),
+            human_rate(event.nbytes, event.seconds),
         )  # fmt: skip
     if callback is not None:
         callback(event)
+
+
+def _duration(seconds: float) -> str:
+    """``0.0042`` → ``"4.2 ms"``, ``12.5`` → ``"12.50 s"``."""
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"

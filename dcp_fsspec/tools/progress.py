@@ -13,17 +13,10 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from ..storage.units import human_bytes, human_rate
+
 _WIDTH = 30
 _REDRAW_SECONDS = 0.5
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` → ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class Progress:
@@ -91,7 +84,7 @@ class Progress:
         self._drawn, self._drawn_at = percent, now
         filled = percent * _WIDTH // 100
         elapsed = now - self._started
-        rate = f"{human_bytes(self.done / elapsed)}/s" if elapsed > 0 else "-"
+        rate = human_rate(self.done, elapsed)
         self.stream.write(
             f"\r{self.label} [{'#' * filled}{'.' * (_WIDTH - filled)}] {percent:3d}%  "
             f"{human_bytes(self.done)} / {human_bytes(self.total)}  {rate}\x1b[K"  # clear what a longer line left
