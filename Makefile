@@ -56,3 +56,19 @@ mutation: $(VENV)/.mutation
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The documentation site (docs/, mkdocs.yml) into site/, in a venv of its own with the pinned
+# `docs` extra. --strict: a broken link or a docstring reference that does not resolve fails.
+# The charts it shows are committed; `python -m benchmarks.plot --check` fails when they no
+# longer match benchmarks/results/latest.json.
+DOCS_VENV ?= .venv-docs
+.PHONY: docs
+$(DOCS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(DOCS_VENV)/bin/python -m pip install -q -e ".[docs]"
+	touch $@
+
+docs: $(DOCS_VENV)/.installed
+	$(DOCS_VENV)/bin/python -m benchmarks.plot --check
+	$(DOCS_VENV)/bin/python -m mkdocs build --strict
