@@ -183,10 +183,9 @@ def load_state_dict(
         StorageError: the backend failed.
     """
     limit = memory_size() if max_bytes == MACHINE_MEMORY else max_bytes
-    location = resolve(url, storage_options)
-    target = targets.classify(location)
+    target = targets.classify(resolve(url, storage_options))
     if target.kind == "checkpoint":
-        return _load_one(location, progress, trust_checkpoint, limit)
+        return _load_one(target.location, progress, trust_checkpoint, limit)
     run, iteration = targets.iteration_to_read(target, "convert")
     _, keys = targets.iteration_keys(run, iteration)
     return {key: _load_one(targets.key_location(run, iteration, key), progress, trust_checkpoint, limit) for key in keys}

@@ -98,8 +98,8 @@ def describe(
         CorruptCheckpointError: a ``.metadata`` cannot be read.
         StorageError: the backend failed.
     """
-    location = resolve(url, storage_options)
-    target = targets.classify(location)
+    target = targets.classify(resolve(url, storage_options))
+    location = target.location  # a file of a checkpoint names its folder
     if target.kind == "checkpoint":
         return CheckpointSummary(location.url, target.kind, None, [summarize(location, None, trust_checkpoint)])
     run, iteration = targets.iteration_to_read(target, "inspect")

@@ -80,13 +80,10 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
         CheckpointNotFoundError: ``url`` is not a save_dirname (no pointer, no iteration folders).
         StorageError: the backend failed.
     """
-    root = resolve(url, storage_options)
-    target = targets.classify(root)
+    target = targets.classify(resolve(url, storage_options))
+    root = target.location
     if target.kind != "run":
-        raise CheckpointNotFoundError(
-            f"{root.url} is a {'DCP checkpoint' if target.kind == 'checkpoint' else 'single iteration folder'}, "
-            "not a save_dirname; ls lists the iterations of a save_dirname (use inspect for one checkpoint)"
-        )
+        raise CheckpointNotFoundError(_not_a_run(target))
     listing = RunListing(url=root.url, latest=None)
     try:
         listing.latest = commit.read_pointer(root)
@@ -98,6 +95,23 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
     for iteration in listed.folders:
         listing.iterations.append(_describe(root, listed, iteration, listing.latest))
     return listing
+
+
+def _not_a_run(target: targets.Target) -> str:
+    """Why ``ls`` cannot list ``target``, and the commands that can."""
+    url = target.location.url
+    what = "a DCP checkpoint" if target.kind == "checkpoint" else "an iteration folder"
+    advice = f"`dcp-fsspec inspect {url}` shows what it holds"
+    run = target.run or _run_of_key(target.location)
+    if run is not None:
+        advice += f"; `dcp-fsspec ls {run.url}` lists its run's iterations"
+    return f"{url} is {what}, not a save_dirname: {advice}"
+
+
+def _run_of_key(checkpoint: Location) -> Location | None:
+    """The save_dirname of a checkpoint that is a key of an iteration folder, else None."""
+    folder = targets.parent_of(checkpoint)
+    return targets.parent_of(folder) if layout.parse_iteration(folder.path) is not None else None
 
 
 def _describe(root: Location, listed: commit.Listing, iteration: int, latest: int | None) -> IterationInfo:

@@ -61,8 +61,9 @@ def prune(
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}")
-    root = resolve(url, storage_options)
-    if targets.classify(root).kind != "run":
+    target = targets.classify(resolve(url, storage_options))
+    root = target.location  # the pointer's URL names its save_dirname
+    if target.kind != "run":
         raise CheckpointNotFoundError(f"{root.url} is not a save_dirname (a folder of iter_* folders); nothing to prune")
     latest = commit.read_pointer(root)
     # The Checkpointer's own retention plan: one listing, whatever the number of folders.

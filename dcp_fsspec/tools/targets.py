@@ -3,29 +3,38 @@
 Every tool takes any of the three, so the decision is made once, here, from one listing of the
 URL: a folder holding DCP's ``.metadata`` is a checkpoint; a folder named like an iteration
 (``iter_000000005``) is an iteration folder of a Checkpointer; a folder holding
-``latest_checkpoint.txt`` or iteration folders is a ``save_dirname`` (a "run"). Anything else
-is a :class:`CheckpointNotFoundError` naming the URL.
+``latest_checkpoint.txt`` or iteration folders is a ``save_dirname`` (a "run"). A file of
+ours (``.metadata``, a data file, ``.commit.json``, the pointer) names the folder that holds
+it. Anything else is a :class:`CheckpointNotFoundError` naming the URL.
 """
 
 from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ..checkpoint import commit, layout
 from ..errors import CheckpointNotFoundError
 from ..storage.failures import storage_errors
-from ..storage.names import METADATA_NAME, POINTER_NAME
+from ..storage.names import COMMIT_RECORD_NAME, DATA_SUFFIX, METADATA_NAME, POINTER_NAME
 from ..storage.urls import Location
 
 Kind = Literal["checkpoint", "iteration", "run"]
+
+# The files a URL may name in place of the folder that holds them.
+_FOLDER_FILES = (METADATA_NAME, COMMIT_RECORD_NAME, POINTER_NAME)
+_WHAT_TO_GIVE = (
+    f"give a DCP checkpoint folder (with .metadata), an iteration folder ({layout.format_iteration(5)}) "
+    "or a Checkpointer's save_dirname"
+)
 
 
 @dataclass(frozen=True)
 class Target:
     """A URL and what it names.
 
+    ``location`` is the folder the tools read: the URL's, or for a file of ours its folder's.
     For an iteration folder, ``run`` is its parent (the ``save_dirname``) and ``iteration`` its
     number, which is how :mod:`dcp_fsspec.checkpoint.commit` addresses it.
     """
@@ -43,19 +52,15 @@ def parent_of(location: Location) -> Location:
 
 
 def classify(location: Location) -> Target:
-    """Decide what ``location`` names, from one listing.
+    """Decide what ``location`` names, from one listing (two for a file of a checkpoint).
 
     Raises:
         CheckpointNotFoundError: it is none of the three (or does not exist).
-        StorageError: the listing failed.
+        StorageError: the listing failed, or the URL's bucket does not exist.
     """
-    fs = location.fs
-    fs.invalidate_cache(location.path)
-    try:
-        with storage_errors("list", location.url):
-            entries = fs.ls(location.path, detail=True)
-    except FileNotFoundError:
-        entries = []
+    entries = _listing(location)
+    if _is_the_file(location, entries):
+        return _folder_of(location)
     names = {posixpath.basename(e["name"].rstrip("/")): e.get("type") for e in entries}
     if METADATA_NAME in names:
         return Target("checkpoint", location)
@@ -74,10 +79,39 @@ def classify(location: Location) -> Target:
             f"give one of them, e.g. {location.url.rstrip('/')}/{layout.rank_folder_name(ranks[0])}"
         )
     what = "is empty or does not exist" if not names else "holds no .metadata, iteration folders or pointer"
-    raise CheckpointNotFoundError(
-        f"{location.url} {what}: give a DCP checkpoint folder (with .metadata), an iteration "
-        f"folder ({layout.format_iteration(5)}) or a Checkpointer's save_dirname"
+    raise CheckpointNotFoundError(f"{location.url} {what}: {_WHAT_TO_GIVE}")
+
+
+def _listing(location: Location) -> list[dict[str, Any]]:
+    """The entries of ``location`` (the file itself, for a file); none where nothing is there.
+
+    Raises:
+        StorageError: the listing failed, or the URL's bucket does not exist.
+    """
+    location.fs.invalidate_cache(location.path)
+    try:
+        with storage_errors("list", location.url):
+            return list(location.fs.ls(location.path, detail=True))
+    except FileNotFoundError as e:
+        location.backend.raise_if_no_container(e, location.url)
+        return []
+
+
+def _is_the_file(location: Location, entries: list[dict[str, Any]]) -> bool:
+    """Whether the listing is ``location`` itself, a file (fsspec lists a file as itself)."""
+    return (
+        len(entries) == 1
+        and entries[0].get("type") == "file"
+        and entries[0]["name"].rstrip("/") == location.path.rstrip("/")
     )
+
+
+def _folder_of(file: Location) -> Target:
+    """What the folder holding ``file`` names, when ``file`` is one of a checkpoint's own."""
+    name = posixpath.basename(file.path)
+    if name in _FOLDER_FILES or name.endswith(DATA_SUFFIX):
+        return classify(parent_of(file))
+    raise CheckpointNotFoundError(f"{file.url} is a file, not a checkpoint's folder: {_WHAT_TO_GIVE}")
 
 
 def iteration_keys(run: Location, iteration: int) -> tuple[commit.CommitRecord | None, list[str]]:

@@ -96,9 +96,9 @@ def copy_checkpoint(
         StorageError: reading or writing failed; the destination is left uncommitted.
     """
     start = time.perf_counter()
-    source = resolve(src, storage_options)
     dest = resolve(dst, dst_storage_options)
-    target = targets.classify(source)
+    target = targets.classify(resolve(src, storage_options))
+    source = target.location
     result = CopyResult(source.url, dest.url, target.kind)
     files = _files_to_copy(source, target, result.skipped)
     check_inside(source, files)

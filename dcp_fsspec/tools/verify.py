@@ -60,8 +60,8 @@ def verify(
         StorageError: the backend failed while listing or reading.
         InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
     """
-    location = resolve(url, storage_options)
-    target = targets.classify(location)
+    target = targets.classify(resolve(url, storage_options))
+    location = target.location
     report = VerifyReport(url=location.url, kind=target.kind)
 
     def one_checkpoint(key: Location) -> VerifyReport:
