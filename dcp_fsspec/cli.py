@@ -150,7 +150,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.run(args))
     except Exception as e:  # noqa: BLE001 - every error is reported, by type (see _cli.failure_for)
-        failure = _cli.failure_for(e, _urls(args), storage_options_given=_storage_options_given(args))
+        urls = _urls(args)
+        failure = _cli.failure_for(
+            e, urls, storage_options_given=_storage_options_given(args),
+            options_advice=_cli.source_only_options(args, urls),
+        )  # fmt: skip
         _cli.report_failure(args.command, failure, e, as_json=args.json, debug=args.debug or args.verbose)
         return failure.exit_code
 

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from dcp_fsspec import StorageError, cli
+from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.tools import _cli
 from dcp_fsspec.tools.listing import list_run
 from tests.conftest import Backend
+from tests.test_cli_errors import no_credentials  # noqa: F401 - the fixture, shared
 from tests.test_verify import _run
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -107,6 +109,23 @@ def test_a_file_that_is_not_a_checkpoints_own_is_refused_as_a_file_naming_it(
 
 
 # -- S3: where the options went, and a bucket that does not exist --------------------------------
+
+
+@pytest.mark.usefixtures("no_credentials")
+def test_cp_to_s3_given_only_storage_options_says_to_pass_them_as_dst_storage_options(
+    capsys: pytest.CaptureFixture[str], s3_server: LocalS3Server, local_backend: Backend
+) -> None:
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    s3_server.create_bucket(bucket)
+    _run(local_backend, [1])
+    dst = f"s3://{bucket}/copy"
+    options = s3_server.storage_options()
+    doc = _error(capsys, "cp", local_backend.url, dst, "--storage-options", json.dumps(options))
+    assert doc["kind"] == "credentials" and doc["exit_code"] == _cli.EXIT_STORAGE
+    message = str(doc["error"])
+    assert f"--storage-options went to the source {local_backend.url} only" in message
+    assert f"pass the options for {dst} as --dst-storage-options" in message
+    assert options["secret"] not in message
 
 
 def test_ls_of_a_bucket_that_does_not_exist_says_so_naming_the_url(

@@ -37,7 +37,7 @@ from ..errors import (
 from ..storage.backends import DRIVER_PACKAGES
 from ..storage.driver_errors import credentials_advice, is_unreachable
 from ..storage.retry import causes
-from ..storage.urls import normalize_url, redact_text, redact_url, scheme_of
+from ..storage.urls import redact_text, redact_url, scheme_of
 from .progress import human_bytes
 
 EXIT_OK = 0
@@ -83,7 +83,10 @@ class Failure:
         return {"error": self.message, "kind": self.kind, "url": self.url, "exit_code": self.exit_code}
 
 
-def failure_for(error: BaseException, urls: Sequence[str] = (), *, storage_options_given: bool = False) -> Failure:
+def failure_for(
+    error: BaseException, urls: Sequence[str] = (), *, storage_options_given: bool = False,
+    options_advice: str | None = None,
+) -> Failure:  # fmt: skip
     """How to report ``error``, raised by a command given ``urls``.
 
     Args:
@@ -91,25 +94,34 @@ def failure_for(error: BaseException, urls: Sequence[str] = (), *, storage_optio
         urls: the command's URLs, in the order given (named in messages that lack one).
         storage_options_given: whether the user passed storage options; only then can a
             ``TypeError`` from a driver mean a wrong option name.
+        options_advice: what to do about storage options that went to the source alone (see
+            :func:`source_only_options`); it takes the place of the usual advice on a failure
+            to reach or use the storage.
     """
-    failure = _failure_for(error, [redact_url(u) for u in urls], storage_options_given=storage_options_given)
+    failure = _failure_for(
+        error, [redact_url(u) for u in urls], storage_options_given=storage_options_given, options_advice=options_advice
+    )
     # A driver's own error may quote the URL it was given, or parts of it, password included.
     return Failure(failure.kind, failure.exit_code, redact_text(failure.message, urls), failure.url)
 
 
-def _failure_for(error: BaseException, urls: Sequence[str], *, storage_options_given: bool) -> Failure:
+def _failure_for(
+    error: BaseException, urls: Sequence[str], *, storage_options_given: bool, options_advice: str | None
+) -> Failure:
     url = urls[0] if urls else None
     where = " → ".join(urls) if urls else "the URL"
     for cause in causes(error):
         advice = credentials_advice(cause)
         if advice is not None:
+            advice = options_advice or advice
             return Failure("credentials", EXIT_STORAGE, f"no credentials to access {where} ({cause}); {advice}", url)
         if is_unreachable(cause):
+            advice = options_advice or (
+                "check the address (endpoint_url in --storage-options), the network, and that the server is up"
+            )
             return Failure(
                 "unreachable", EXIT_STORAGE,
-                f"cannot reach the storage of {where} ({type(cause).__name__}: {cause}); check the address "
-                "(endpoint_url in --storage-options), the network, and that the server is up",
-                url,
+                f"cannot reach the storage of {where} ({type(cause).__name__}: {cause}); {advice}", url,
             )  # fmt: skip
     if isinstance(error, MissingDriverError):
         return Failure("missing_package", EXIT_MISSING_PACKAGE, str(error), url)
@@ -117,12 +129,13 @@ def _failure_for(error: BaseException, urls: Sequence[str], *, storage_options_g
         return Failure("usage", EXIT_USAGE, str(error), url)
     if isinstance(error, CheckpointNotFoundError):
         return Failure("not_found", EXIT_NOT_FOUND, str(error), url)
+    also = f"; {options_advice}" if options_advice else ""
     if isinstance(error, StorageError):
-        return Failure("storage", EXIT_STORAGE, str(error), url)
+        return Failure("storage", EXIT_STORAGE, f"{error}{also}", url)
     if isinstance(error, DcpFsspecError):
         return Failure("problem", EXIT_PROBLEM, str(error), url)
     if isinstance(error, OSError):  # a driver's own, not wrapped: it may not name the URL
-        return Failure("storage", EXIT_STORAGE, f"{where}: {type(error).__name__}: {error}", url)
+        return Failure("storage", EXIT_STORAGE, f"{where}: {type(error).__name__}: {error}{also}", url)
     if isinstance(error, TypeError) and storage_options_given and not _raised_in_package(error):
         package = DRIVER_PACKAGES.get(scheme_of(url or ""), "the fsspec driver")
         return Failure(
@@ -215,9 +228,26 @@ def destination_options(args: argparse.Namespace, src: str, dst: str) -> dict[st
     """``--dst-storage-options``, else the source's options when both URLs share a scheme."""
     if getattr(args, "dst_storage_options", None) is not None:
         return storage_options(args.dst_storage_options, "--dst-storage-options")
-    if scheme_of(normalize_url(src)) == scheme_of(normalize_url(dst)):
+    if scheme_of(src) == scheme_of(dst):
         return storage_options(args.storage_options)
     return {}
+
+
+def source_only_options(args: argparse.Namespace, urls: Sequence[str]) -> str | None:
+    """What to do when ``--storage-options`` went to the source alone, else None.
+
+    That happens to a command that writes elsewhere (``urls`` is its source and destination)
+    given ``--storage-options`` but no ``--dst-storage-options``, for URLs of two schemes.
+    """
+    if not hasattr(args, "dst_storage_options") or len(urls) != 2:
+        return None
+    src, dst = (redact_url(u) for u in urls)
+    if args.dst_storage_options is not None or args.storage_options is None or scheme_of(src) == scheme_of(dst):
+        return None
+    return (
+        f"--storage-options went to the source {src} only, as the two URLs' schemes differ: "
+        f"pass the options for {dst} as --dst-storage-options"
+    )
 
 
 def both_storage_options(args: argparse.Namespace, src: str, dst: str) -> tuple[dict[str, Any], dict[str, Any]]:
