@@ -13,8 +13,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import StorageError, cli
+from dcp_fsspec import FsspecStorageWriter, StorageError, cli, verify
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.tools import _cli
 from dcp_fsspec.tools.listing import list_run
@@ -137,3 +139,33 @@ def test_ls_of_a_bucket_that_does_not_exist_says_so_naming_the_url(
     assert str(doc["error"]).startswith(f"cannot use {url}: its bucket does not exist")
     with pytest.raises(StorageError, match=f"cannot use {url}: its bucket does not exist"):
         list_run(url, s3_backend.storage_options)
+
+
+# -- verify: what the items without a checksum are -----------------------------------------------
+
+
+def test_verify_says_the_items_without_a_checksum_are_non_tensor_entries(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend
+) -> None:
+    _run(memory_backend, [1])
+    report = verify(memory_backend.url)
+    assert report.objects == report.unchecked > 0
+    code, out, err = _cli_run(capsys, "verify", memory_backend.url)
+    assert code == 0, err
+    assert (
+        f"{report.unchecked} without a checksum ({report.objects} non-tensor entries: pickled values, "
+        "which DCP stores without one)"
+    ) in out
+
+
+def test_verify_counts_tensors_saved_without_a_checksum_apart_from_non_tensor_entries(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend
+) -> None:
+    state = {"w": torch.ones(3), "b": torch.ones(2), "step": 7}
+    dcp.save(state, storage_writer=FsspecStorageWriter(memory_backend.url, checksums=False), no_dist=True)
+    code, out, err = _cli_run(capsys, "verify", memory_backend.url)
+    assert code == 0, err
+    assert (
+        "3 without a checksum (1 non-tensor entries: pickled values, which DCP stores without one; "
+        "2 tensors stored without one: empty, or saved with checksums=False)"
+    ) in out

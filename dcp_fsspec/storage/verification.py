@@ -95,6 +95,7 @@ class VerifyReport:
         tensors_checked: tensor records whose CRC-32 was compared.
         unchecked: records present but without a checksum to compare (pickled objects,
             tensors saved without one).
+        objects: of those, the pickled (non-tensor) entries, which never have one.
         bytes_read: bytes of data files downloaded.
         problems: everything found wrong; empty when the checkpoint is sound.
         notes: things worth knowing that are not damage (e.g. uncommitted folders skipped).
@@ -106,6 +107,7 @@ class VerifyReport:
     items: int = 0
     tensors_checked: int = 0
     unchecked: int = 0
+    objects: int = 0
     bytes_read: int = 0
     problems: list[VerifyProblem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -121,6 +123,7 @@ class VerifyReport:
         self.items += other.items
         self.tensors_checked += other.tensors_checked
         self.unchecked += other.unchecked
+        self.objects += other.objects
         self.bytes_read += other.bytes_read
         self.problems += other.problems
         self.notes += other.notes
@@ -279,6 +282,7 @@ class _Checkpoint:
             tensor_meta = metadata.state_dict_metadata.get(index.fqn)
             if not isinstance(tensor_meta, TensorStorageMetadata):
                 self.report.unchecked += 1  # a pickled object: nothing to compare
+                self.report.objects += 1
                 continue
             chunk = next((c for c in tensor_meta.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
             key = (path, info.offset, info.length)

@@ -159,9 +159,18 @@ def main(args: argparse.Namespace) -> int:
     counted = f"{keys} checkpoint" if report.kind == "checkpoint" else f"{saved} checkpoint(s) ({keys} keys)"
     summary = (
         f"{counted}, {report.items} items, {report.tensors_checked} tensors "
-        f"checked against their CRC-32, {report.unchecked} without a checksum, {human_bytes(report.bytes_read)} read"
+        f"checked against their CRC-32, {_without_checksum(report)}, {human_bytes(report.bytes_read)} read"
     )
     lines = [f"note: {note}" for note in report.notes] + [f"PROBLEM {problem}" for problem in report.problems]
     lines.append(f"{'OK' if report.ok else f'{len(report.problems)} PROBLEM(S) in'} {report.url}: {summary}")
     _cli.report(args, report.to_dict(), lines)
     return _cli.EXIT_OK if report.ok else _cli.EXIT_PROBLEM
+
+
+def _without_checksum(report: VerifyReport) -> str:
+    """How many items had no checksum to compare, and what they are."""
+    tensors = report.unchecked - report.objects
+    kinds = [f"{report.objects} non-tensor entries: pickled values, which DCP stores without one"] if report.objects else []
+    if tensors:
+        kinds.append(f"{tensors} tensors stored without one: empty, or saved with checksums=False")
+    return f"{report.unchecked} without a checksum" + (f" ({'; '.join(kinds)})" if kinds else "")
