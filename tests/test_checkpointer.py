@@ -509,20 +509,20 @@ def test_a_save_returns_before_retention_deleted_the_old_files_and_the_next_save
 
     purging, release, prepared = threading.Event(), threading.Event(), threading.Event()
     order: list[str] = []
-    real_remove, real_prepare = commit.remove_iteration_files, SavePipeline._prepare
+    real_remove, real_prepare = commit.remove_iterations, SavePipeline._prepare
 
-    def held_remove(root: Any, iteration: int) -> None:
+    def held_remove(root: Any, iterations: list[int]) -> None:
         purging.set()
         assert release.wait(30)
-        real_remove(root, iteration)
-        order.append(f"deleted {iteration}")
+        real_remove(root, iterations)
+        order.extend(f"deleted {iteration}" for iteration in iterations)
 
     def noted_prepare(self: SavePipeline, iteration: int, save_id: str) -> Any:
         order.append(f"prepare {iteration}")
         prepared.set()
         return real_prepare(self, iteration, save_id)
 
-    monkeypatch.setattr(commit, "remove_iteration_files", held_remove)
+    monkeypatch.setattr(commit, "remove_iterations", held_remove)
     monkeypatch.setattr(SavePipeline, "_prepare", noted_prepare)
     old = tmp_path / "iter_000000001"
     with Checkpointer(str(tmp_path), keep_last_n=1) as ckpt:

@@ -187,14 +187,14 @@ def test_a_failed_deletion_is_logged_skipped_and_the_rest_still_deleted(
     root: Location, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _save(root, 1, 2, 3)
-    real_discard = commit.discard_iteration
+    real_remove = commit.remove_iterations
 
-    def discard(where: Location, iteration: int) -> None:
-        if iteration == 1:
+    def remove(where: Location, iterations: list[int]) -> None:
+        if 1 in iterations:  # the bulk delete fails, then iteration 1 alone
             raise PermissionError(13, "Permission denied")
-        real_discard(where, iteration)
+        real_remove(where, iterations)
 
-    monkeypatch.setattr(commit, "discard_iteration", discard)
+    monkeypatch.setattr(commit, "remove_iterations", remove)
     with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.retention"):
         assert retention.apply_retention(root, 1) == [2]
     assert layout.list_iterations(root) == [1, 3]

@@ -94,7 +94,7 @@ def test_retention_decides_over_thousands_of_junk_folders_below_the_pointer_with
     # Deleting costs requests per folder, once (the next save finds nothing left); what must not
     # grow with the number of folders is deciding what to keep. So deletions are only recorded.
     doomed: list[int] = []
-    monkeypatch.setattr(commit, "discard_iteration", lambda root, iteration: doomed.append(iteration))
+    monkeypatch.setattr(retention, "discard", lambda root, iterations, recorded: doomed.extend(iterations) or {})
     root = resolve(s3_backend.url, s3_backend.storage_options)
     requests.clear()
     assert retention.apply_retention(root, 2) == list(range(1, 1 + JUNK_FOLDERS))

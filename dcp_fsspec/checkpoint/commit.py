@@ -21,7 +21,7 @@ import json
 import logging
 import posixpath
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from functools import partial
@@ -690,6 +690,9 @@ def take_over_iteration(
     backend = root.backend
     folder = layout.iteration_path(root, iteration)
     path = posixpath.join(folder, COMMIT_RECORD_NAME)
+    # A link standing for the folder (or its record) leads elsewhere, perhaps into another run:
+    # the link goes, and this save writes a folder of its own.
+    backend.remove_link(path, root.path)
     with backend.exclusive(root.path):
         read = backend.read_versioned(path)
         current = _parse_record(root, path, read.data)
@@ -711,12 +714,8 @@ def take_over_iteration(
             "committed. Give each run its own save_dirname"
         )
     backend.invalidate(folder)
-    for entry in backend.call("ls", folder, detail=False):
-        if entry.rstrip("/") != path:
-            try:
-                backend.call("rm", entry, recursive=True)
-            except FileNotFoundError:
-                pass  # its writer removed it first
+    entries = [entry for entry in backend.call("ls", folder, detail=False) if entry.rstrip("/") != path]
+    backend.remove_trees(entries, within=root.path)
     backend.abort_pending_uploads(folder)
     backend.invalidate(folder)
 
@@ -737,44 +736,47 @@ def _published(root: Location, iteration: int) -> bool:
 
 
 def discard_iteration(root: Location, iteration: int) -> None:
-    """Delete ``iteration``'s folder, uncommitting it first.
+    """Delete ``iteration``'s folder, uncommitting it first (:func:`discard_iterations`)."""
+    discard_iterations(root, [iteration])
+
+
+def discard_iterations(root: Location, iterations: Sequence[int], *, recorded: Sequence[int] | None = None) -> None:
+    """Delete the folders of ``iterations``, uncommitting them all first.
+
+    Args:
+        recorded: those that may hold a commit record (default: all); the others are
+            uncommitted already (the caller's listing showed no record in them).
 
     Raises:
-        StorageError: the backend failed; the folder may be half deleted, but it is no longer
-            committed, so retention retries it at the next save.
+        StorageError: the backend failed; the folders may be half deleted, but none is
+            committed once its files go, so retention retries them at the next save.
     """
-    uncommit_iteration(root, iteration)
-    remove_iteration_files(root, iteration)
+    uncommit_iterations(root, iterations if recorded is None else recorded)
+    remove_iterations(root, iterations)
 
 
-def uncommit_iteration(root: Location, iteration: int) -> None:
-    """Delete ``iteration``'s commit record: from then on no load, listing or resume takes it
-    for a checkpoint, and retention deletes what is left of it at a later save.
+def uncommit_iterations(root: Location, iterations: Sequence[int]) -> None:
+    """Delete the commit records of ``iterations``, in bulk: from then on no load, listing or
+    resume takes them for checkpoints, and retention deletes what is left at a later save.
 
     Raises:
-        StorageError: the backend failed; the iteration may still be committed.
+        StorageError: the backend failed; some may still be committed.
     """
-    _remove(root, posixpath.join(layout.iteration_path(root, iteration), COMMIT_RECORD_NAME))
+    if iterations:
+        records = [posixpath.join(layout.iteration_path(root, i), COMMIT_RECORD_NAME) for i in iterations]
+        root.backend.remove_files(records, within=root.path)
 
 
-def remove_iteration_files(root: Location, iteration: int) -> None:
-    """Delete every file under ``iteration``'s folder, and its unfinished multipart uploads, at
-    once; call it on an uncommitted iteration (:func:`uncommit_iteration`).
+def remove_iterations(root: Location, iterations: Sequence[int]) -> None:
+    """Delete every file under the folders of ``iterations``, and their unfinished uploads, in
+    bulk; call it on uncommitted iterations (:func:`uncommit_iterations`). A symbolic link is
+    removed itself, never followed.
 
     Raises:
-        StorageError: the backend failed; the folder may be half deleted.
+        StorageError: the backend failed; the folders may be half deleted.
     """
-    folder = layout.iteration_path(root, iteration)
-    at_once([partial(_remove, root, folder, recursive=True), partial(root.backend.abort_pending_uploads, folder)],
-            one_by_one=root.answers_locally)  # fmt: skip
-    root.backend.invalidate(folder)
-
-
-def _remove(root: Location, path: str, **kwargs: Any) -> None:
-    try:
-        root.backend.call("rm", path, **kwargs)
-    except FileNotFoundError:
-        pass  # already gone
+    if iterations:
+        root.backend.remove_trees([layout.iteration_path(root, i) for i in iterations], within=root.path)
 
 
 def read_pointer(root: Location) -> int | None:

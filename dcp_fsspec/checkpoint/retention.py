@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 from ..errors import DcpFsspecError
 from ..storage.urls import Location
@@ -58,7 +59,7 @@ def plan_from_storage(
     protected: Collection[int] = (),
     survey: Survey | None = None,
     committed_now: int | None = None,
-) -> tuple[list[int], list[int]]:
+) -> Plan:
     """Every iteration folder under ``root``, and :func:`plan_deletions`' plan for them.
 
     One listing says which folders exist and which show a commit record; only the newest N
@@ -89,7 +90,24 @@ def plan_from_storage(
                           one_by_one=root.answers_locally)  # fmt: skip
         known.update((i, record is not None) for i, record in zip(unknown, records, strict=True))
         committed += [iteration for iteration in batch if known[iteration]]
-    return iterations, plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
+    delete = plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
+    # A folder the listing shows without a record needs no uncommitting: a failed save's leftovers.
+    recorded = [i for i in delete if i in listing.records or i not in listing.read]
+    return Plan(iterations, delete, recorded)
+
+
+class Plan(NamedTuple):
+    """What :func:`plan_from_storage` found and decided.
+
+    Attributes:
+        iterations: every iteration folder, ascending.
+        delete: the iterations to delete (:func:`plan_deletions`).
+        recorded: those of ``delete`` that may hold a commit record (the others are uncommitted).
+    """
+
+    iterations: list[int]
+    delete: list[int]
+    recorded: list[int]
 
 
 @dataclass
@@ -149,7 +167,7 @@ def apply_retention(
     survey: Survey | None = None,
     committed_now: int | None = None,
 ) -> list[int]:
-    """Delete what :func:`plan_deletions` says; failures are logged, never raised.
+    """Delete what :func:`plan_deletions` says, in bulk; failures are logged, never raised.
 
     Args:
         root: the ``save_dirname`` location.
@@ -157,33 +175,39 @@ def apply_retention(
         protected: iterations never to delete (those being written).
         latest: the iteration the pointer names, when the caller just moved it (saves a read);
             ``None``: read the pointer.
-        purge: where the files go: the old iterations are uncommitted here (their commit
-            records deleted, so no load or listing takes them for checkpoints once this
-            returns) and their files deleted on ``purge``'s thread, while training goes on.
-            ``None``: here.
+        purge: where the files go. The old iterations' commit records are deleted here (up to
+            :data:`UNCOMMIT_IN_SAVE` of them: one bulk request), so no load or listing takes them
+            for checkpoints once this returns. Everything else, the leftovers of failed saves
+            included, is deleted on ``purge``'s thread, while training goes on. ``None``: here.
         survey, committed_now: what the caller read already (see :func:`plan_from_storage`).
 
     Returns:
-        The iterations deleted (with ``purge``: uncommitted, their files on their way). One that
-        failed to delete is retried at the next call.
+        The iterations deleted (with ``purge``: on their way). One that failed to delete is
+        retried at the next call.
     """
     try:
         if latest is None:
             latest = commit.read_pointer(root)
         plan = plan_from_storage(
             root, keep_last_n, latest=latest, protected=protected, survey=survey, committed_now=committed_now
-        )[1]
+        )
     except (OSError, DcpFsspecError) as e:
         logger.warning("retention skipped under %s (retried at the next save): %s", root.url, e)
         return []
     if purge is None:
-        deleted = [i for i in plan if _deleted(root, commit.discard_iteration, i)]
-        _report(root, deleted, keep_last_n)
-        return deleted
-    uncommitted = [i for i in plan if _deleted(root, commit.uncommit_iteration, i)]
-    if uncommitted:
-        purge.start(partial(_remove_files, root, uncommitted, keep_last_n))
-    return uncommitted
+        return _delete(root, plan.delete, plan.recorded, keep_last_n)
+    # Bounded work in the save: one bulk delete of records, whatever the number of leftovers.
+    now, later = plan.recorded[:UNCOMMIT_IN_SAVE], plan.recorded[UNCOMMIT_IN_SAVE:]
+    failed = set(now) - set(_uncommit(root, now))
+    going = [i for i in plan.delete if i not in failed]
+    if going:
+        purge.start(partial(_delete, root, going, later, keep_last_n))
+    return going
+
+
+# The most commit records a save deletes itself (S3's DeleteObjects takes 1,000 keys a request);
+# the rest are deleted first thing on the purge thread.
+UNCOMMIT_IN_SAVE = 1000
 
 
 class BackgroundPurge:
@@ -200,7 +224,7 @@ class BackgroundPurge:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
 
-    def start(self, remove: Callable[[], None]) -> None:
+    def start(self, remove: Callable[[], object]) -> None:
         """Run ``remove`` on a new thread, once the previous batch is done."""
         self.wait()
         self._thread = threading.Thread(target=_logged(remove), name="dcp-fsspec-purge")
@@ -213,7 +237,7 @@ class BackgroundPurge:
             thread.join()
 
 
-def _logged(remove: Callable[[], None]) -> Callable[[], None]:
+def _logged(remove: Callable[[], object]) -> Callable[[], None]:
     def run() -> None:
         try:
             remove()
@@ -223,19 +247,56 @@ def _logged(remove: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def _remove_files(root: Location, iterations: list[int], keep_last_n: int) -> None:
-    _report(root, [i for i in iterations if _deleted(root, commit.remove_iteration_files, i)], keep_last_n)
+def _delete(root: Location, iterations: list[int], recorded: list[int], keep_last_n: int) -> list[int]:
+    failed = discard(root, iterations, recorded)
+    _warn(root, failed)
+    deleted = [i for i in iterations if i not in failed]
+    _report(root, deleted, keep_last_n)
+    return deleted
 
 
-def _deleted(root: Location, delete: Callable[[Location, int], None], iteration: int) -> bool:
+def discard(root: Location, iterations: list[int], recorded: list[int]) -> dict[int, Exception]:
+    """Delete the folders of ``iterations`` in bulk, uncommitting ``recorded`` (those that may
+    hold a commit record) first; a folder whose record stays is left whole.
+
+    Returns:
+        The iterations that failed → why (each tried alone once the bulk request failed).
+    """
+    failed: dict[int, Exception] = {}
+    _in_bulk(root, commit.uncommit_iterations, recorded, failed)
+    _in_bulk(root, commit.remove_iterations, [i for i in iterations if i not in failed], failed)
+    return failed
+
+
+def _uncommit(root: Location, iterations: list[int]) -> list[int]:
+    """Delete the records of ``iterations`` in bulk (failures logged): those deleted."""
+    failed: dict[int, Exception] = {}
+    done = _in_bulk(root, commit.uncommit_iterations, iterations, failed)
+    _warn(root, failed)
+    return done
+
+
+def _warn(root: Location, failed: dict[int, Exception]) -> None:
+    for iteration, error in failed.items():
+        logger.warning("could not delete %s under %s (retried at the next save): %s",
+                       layout.format_iteration(iteration), root.url, error)  # fmt: skip
+
+
+def _in_bulk(
+    root: Location, delete: Callable[[Location, list[int]], None], iterations: list[int], failed: dict[int, Exception]
+) -> list[int]:
+    """``delete`` the ``iterations`` in bulk; if that fails, one at a time, each failure into
+    ``failed``: the iterations done."""
+    if not iterations:
+        return []
     try:
-        delete(root, iteration)
+        delete(root, iterations)
+        return iterations
     except (OSError, DcpFsspecError) as e:
-        logger.warning(
-            "could not delete %s under %s (retried at the next save): %s", layout.format_iteration(iteration), root.url, e
-        )
-        return False
-    return True
+        if len(iterations) == 1:
+            failed[iterations[0]] = e
+            return []
+    return [i for i in iterations if _in_bulk(root, delete, [i], failed)]
 
 
 def _report(root: Location, deleted: list[int], keep_last_n: int) -> None:

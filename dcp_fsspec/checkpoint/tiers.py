@@ -270,8 +270,7 @@ class TwoTiers:
                 layout.format_iteration(latest), layout.format_iteration(iteration), self.local.url,
             )  # fmt: skip
             self.local.backend.call("rm", self.local.join(POINTER_NAME))
-            for newer in (i for i in layout.list_iterations(self.local) if i > iteration):
-                commit.discard_iteration(self.local, newer)
+            commit.discard_iterations(self.local, [i for i in layout.list_iterations(self.local) if i > iteration])
         except (OSError, DcpFsspecError) as e:
             logger.warning("could not drop the local iterations after %s under %s: %s", layout.format_iteration(iteration),
                            self.local.url, e)  # fmt: skip

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..checkpoint import commit, layout, retention
-from ..errors import CheckpointNotFoundError, DcpFsspecError, StorageError, UsageError
+from ..errors import CheckpointNotFoundError, StorageError, UsageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import resolve
 from . import _cli, targets
@@ -67,18 +67,15 @@ def prune(
         raise CheckpointNotFoundError(f"{root.url} is not a save_dirname (a folder of iter_* folders); nothing to prune")
     latest = commit.read_pointer(root)
     # The Checkpointer's own retention plan: one listing, whatever the number of folders.
-    iterations, plan = retention.plan_from_storage(root, keep, latest=latest)
-    result = PruneResult(root.url, keep, latest, dry_run, kept=[i for i in iterations if i not in plan])
-    for iteration in plan:
-        if dry_run:
-            result.deleted.append(iteration)
-            continue
-        try:
-            commit.discard_iteration(root, iteration)
-        except (OSError, DcpFsspecError) as e:
-            result.failed[iteration] = str(e)
-            continue
-        result.deleted.append(iteration)
+    plan = retention.plan_from_storage(root, keep, latest=latest)
+    result = PruneResult(root.url, keep, latest, dry_run, kept=[i for i in plan.iterations if i not in plan.delete])
+    if dry_run:
+        result.deleted = plan.delete
+        return result
+    # In bulk (S3: 1,000 keys a request); a link among the folders is removed, never followed.
+    result.failed = {i: str(e) for i, e in retention.discard(root, plan.delete, plan.recorded).items()}
+    result.deleted = [i for i in plan.delete if i not in result.failed]
+    for iteration in result.deleted:
         logger.info("deleted %s", root.url_of(layout.iteration_path(root, iteration)))
     return result
 

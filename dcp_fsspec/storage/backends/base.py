@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import posixpath
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -242,6 +242,63 @@ class Backend:
 
     def abort_pending_uploads(self, folder: str) -> None:
         """Abort uploads a killed save left under ``folder`` where the store keeps them (S3)."""
+
+    # --- deleting ---------------------------------------------------------------------------
+
+    def remove_link(self, path: str, within: str) -> str | None:
+        """Remove the symbolic link that stands on ``path`` below ``within``, if one does: the
+        link itself, never its target. Returns where it led; ``None`` where there is no link
+        (generic: stores without links).
+
+        Every delete, rename or write under a folder the caller owns (``within``) calls it
+        first: a link there may lead into another run's checkpoint.
+        """
+        return None
+
+    def remove_files(self, paths: Sequence[str], *, within: str) -> None:
+        """Delete the files ``paths`` (all under ``within``) in as few requests as the store
+        allows; those already absent are fine. A link on the way is removed, not followed
+        (:meth:`remove_link`).
+
+        Generic: one ``rm`` of the whole list (drivers that have a bulk delete use it), then
+        one by one if some were absent.
+
+        Raises:
+            StorageError: the backend failed; some of ``paths`` may be deleted.
+        """
+        paths = [p for p in paths if self.remove_link(p, within) is None]
+        if paths:
+            try:
+                self.retry.run(self.fs, "rm", list(paths), url=self.url_of(within))
+            except FileNotFoundError:
+                for path in paths:
+                    self._rm_if_present(path)
+            except DcpFsspecError:
+                raise
+            except OSError as e:
+                raise StorageError(f"cannot delete {len(paths)} file(s) under {self.url_of(within)}: {e}") from e
+        self.invalidate(within)
+
+    def remove_trees(self, paths: Sequence[str], *, within: str) -> None:
+        """Delete each of ``paths`` (all under ``within``) with everything under it, and the
+        unfinished uploads under it where the store keeps them; those already absent are fine.
+        A link on the way, or anywhere under a path, is removed itself, never followed.
+
+        Generic: one recursive ``rm`` a path.
+
+        Raises:
+            StorageError: the backend failed; some of ``paths`` may be half deleted.
+        """
+        for path in paths:
+            if self.remove_link(path, within) is None:
+                self._rm_if_present(path, recursive=True)
+        self.invalidate(within)
+
+    def _rm_if_present(self, path: str, *, recursive: bool = False) -> None:
+        try:
+            self.call("rm", path, recursive=recursive)
+        except FileNotFoundError:
+            pass  # already gone
 
     # --- the pointer's compare-and-swap -----------------------------------------------------
 

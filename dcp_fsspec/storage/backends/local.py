@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -125,6 +126,38 @@ class LocalBackend(Backend):
                 except FileNotFoundError:
                     pass
         return True
+
+    def remove_link(self, path: str, within: str) -> str | None:
+        link = _first_link(path, within)
+        if link is None:
+            return None
+        target = os.path.realpath(link)
+        with storage_errors("delete", self.url_of(link)):
+            try:
+                os.unlink(link)
+            except FileNotFoundError:
+                return target  # another process removed it first
+        logger.warning(
+            "removed the symbolic link %s (to %s) rather than anything it leads to: dcp_fsspec never "
+            "deletes or writes through a link under %s; the link's target is left as it was",
+            self.url_of(link), target, self.url_of(within),
+        )  # fmt: skip
+        return target
+
+    def remove_files(self, paths: Sequence[str], *, within: str) -> None:
+        for path in paths:
+            if self.remove_link(path, within) is None:
+                with storage_errors("delete", self.url_of(path)):
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass  # already gone
+
+    def remove_trees(self, paths: Sequence[str], *, within: str) -> None:
+        for path in paths:
+            if self.remove_link(path, within) is None:
+                with storage_errors("delete", self.url_of(path)):
+                    _remove_tree(path)
 
     def link_out_of(self, path: str, folder: str) -> str | None:
         real, root = os.path.realpath(path), os.path.realpath(folder)
@@ -278,6 +311,32 @@ def _find(path: str, *, withdirs: bool) -> dict[str, dict[str, Any]]:
             except FileNotFoundError:
                 continue  # deleted since the folder was read
     return dict(sorted(found.items()))
+
+
+def _first_link(path: str, within: str) -> str | None:
+    """The first symbolic link on ``path`` below ``within`` (``path`` itself included), or None.
+    ``within`` itself may be a link (a ``save_dirname`` on another disk)."""
+    relative = os.path.relpath(path, within)
+    if relative == os.curdir or relative.startswith(os.pardir):
+        return None
+    current = within
+    for part in relative.split(os.sep):
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            return current
+    return None
+
+
+def _remove_tree(path: str) -> None:
+    """Delete ``path`` and everything under it; a link under it is removed, never followed
+    (``shutil.rmtree`` unlinks links inside, and refuses a link on top: checked first)."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass  # already gone (or going: another deleter; what is left is retried at the next save)
 
 
 def _info(path: str, st: os.stat_result) -> dict[str, Any]:

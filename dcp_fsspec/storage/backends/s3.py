@@ -24,10 +24,10 @@ import itertools
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec.asyn
 
@@ -39,6 +39,7 @@ from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from .base import Backend, Versioned
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Buckets known to exist, per filesystem: every key of every save has a backend of its own, and
 # one HEAD of the bucket per key was a round trip of each small save for nothing.
@@ -47,6 +48,12 @@ _BUCKETS_SEEN: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDiction
 _HOOKED_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
 # A body at least this long is sent with ``Expect: 100-continue``: only after the server's go-ahead.
 EXPECT_CONTINUE_FROM = 16 * 1024 * 1024
+# S3's DeleteObjects takes at most this many keys a request.
+DELETE_BATCH = 1000
+# A removal of more paths than this lists their common folder once, rather than each of them.
+LIST_EACH_UP_TO = 8
+# Listings and deletions of a removal in flight at once.
+REQUESTS_AT_ONCE = 16
 # Filesystems whose server compares If-Match with the bare ETag (see replace_if_unchanged).
 _BARE_ETAG_SERVERS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -194,15 +201,91 @@ class S3Backend(Backend):
         Best effort: without the permission to list them, a bucket lifecycle rule
         (``AbortIncompleteMultipartUpload``) is what cleans them up.
         """
-        bucket, prefix, _ = self.fs.split_path(folder.rstrip("/") + "/")
-        url = self.url_of(folder)
+        self._run(lambda: self._abort_uploads(folder, [folder]), folder, "delete")
+
+    def remove_files(self, paths: Sequence[str], *, within: str) -> None:
+        """DeleteObjects: 1,000 keys a request, a few requests at once (no listing)."""
+        self._run(lambda: self._delete_keys([self.fs.split_path(p)[1] for p in paths], within), within, "delete")
+
+    def remove_trees(self, paths: Sequence[str], *, within: str) -> None:
+        """A listing of each path (several at once), or for many paths one of ``within``;
+        DeleteObjects as in :meth:`remove_files`; one listing of the unfinished uploads under
+        ``within`` for all of them."""
+
+        async def remove() -> None:
+            keys = [self.fs.split_path(p)[1] for p in paths]  # a path may be a file itself
+            if len(paths) > LIST_EACH_UP_TO:
+                under = tuple(key.rstrip("/") + "/" for key in keys)
+                keys += [key for key in await self._list_keys(within) if key.startswith(under)]
+            else:
+                for listed in await _bounded([self._list_keys(p) for p in paths]):
+                    keys += listed
+            await self._delete_keys(keys, within)
+            await self._abort_uploads(within, paths)
+
+        self._run(remove, within, "delete")
+        self.invalidate(within)
+
+    def _run(self, make: Callable[[], Any], path: str, verb: str) -> Any:
+        """``make()``'s coroutine on the filesystem's loop; a failure is a StorageError naming ``path``."""
+        url = self.url_of(path)
         try:
-            listing = self.retry.run(self.fs, "call_s3", "list_multipart_uploads", Bucket=bucket, Prefix=prefix, url=url)
-            for upload in listing.get("Uploads", []):
-                key, upload_id = upload["Key"], upload["UploadId"]
-                self.retry.run(self.fs, "call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, url=url)
+            return fsspec.asyn.sync(self.fs.loop, make)
+        except FileNotFoundError as e:
+            self.raise_if_no_container(e, url)
+            raise StorageError(f"cannot {verb} under {url}: {e}") from e
+        except DcpFsspecError:
+            raise
+        except OSError as e:
+            raise StorageError(f"cannot {verb} under {url}: {e}") from e
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        return await self.retry.call_async(lambda: self.fs._call_s3(method, **kwargs), url=self.url_of(path))
+
+    async def _list_keys(self, folder: str) -> list[str]:
+        """Every key under ``folder``, one request per 1,000, fresh (no cache)."""
+        bucket, prefix, _ = self.fs.split_path(folder.rstrip("/") + "/")
+        keys: list[str] = []
+        token: dict[str, str] = {}
+        while True:
+            page = await self._request("list_objects_v2", folder, Bucket=bucket, Prefix=prefix, **token)
+            keys += [item["Key"] for item in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return keys
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    async def _delete_keys(self, keys: Sequence[str], within: str) -> None:
+        """Delete ``keys`` of ``within``'s bucket; a key the server refused raises, naming it."""
+        bucket = self.fs.split_path(within)[0]
+        unique = sorted(set(keys))
+        batches = [unique[i : i + DELETE_BATCH] for i in range(0, len(unique), DELETE_BATCH)]
+
+        async def delete(batch: list[str]) -> None:
+            objects = {"Objects": [{"Key": key} for key in batch], "Quiet": True}
+            answer = await self._request("delete_objects", within, Bucket=bucket, Delete=objects)
+            errors = answer.get("Errors") or []
+            if errors:  # s3fs's own bulk rm drops these silently
+                first = errors[0]
+                url = self.url_of(f"{bucket}/{first.get('Key')}")
+                raise StorageError(
+                    f"cannot delete {url}: {first.get('Code')} {first.get('Message')} ({len(errors)} key(s) "
+                    "refused); check that the credentials may delete there"
+                )
+
+        await _bounded([delete(batch) for batch in batches])
+
+    async def _abort_uploads(self, within: str, folders: Sequence[str]) -> None:
+        """Abort the unfinished multipart uploads under any of ``folders`` (best effort, logged)."""
+        bucket, prefix, _ = self.fs.split_path(within.rstrip("/") + "/")
+        under = tuple(self.fs.split_path(f.rstrip("/") + "/")[1] for f in folders)
+        try:
+            listing = await self._request("list_multipart_uploads", within, Bucket=bucket, Prefix=prefix)
+            await _bounded([
+                self._request("abort_multipart_upload", within, Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
+                for u in listing.get("Uploads", []) if u["Key"].startswith(under)
+            ])  # fmt: skip
         except (OSError, DcpFsspecError) as e:
-            logger.warning("could not abort the unfinished uploads under %s: %s", url, e)
+            logger.warning("could not abort the unfinished uploads under %s: %s", self.url_of(within), e)
 
     async def read_range_async(self, path: str, start: int, end: int) -> bytes | bytearray:
         out = bytearray(end - start)
@@ -231,6 +314,17 @@ class S3Backend(Backend):
         finally:
             body.close()
         return got
+
+
+async def _bounded(coros: Sequence[Coroutine[Any, Any, T]], limit: int = REQUESTS_AT_ONCE) -> list[T]:
+    """Await ``coros``, at most ``limit`` at once, in order; the first failure raises."""
+    gate = asyncio.Semaphore(limit)
+
+    async def gated(coro: Coroutine[Any, Any, T]) -> T:
+        async with gate:
+            return await coro
+
+    return list(await asyncio.gather(*(gated(c) for c in coros)))
 
 
 def _refused_by_condition(error: BaseException) -> bool:

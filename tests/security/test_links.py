@@ -1,0 +1,100 @@
+"""A symbolic link in a folder we own is removed itself, never followed: its target is another
+run's, or nobody's business of ours.
+
+Each test links a folder of ours to a committed iteration of another run, then runs one path
+that deletes (prune, a save's retention, a take-over). The other run
+must stay committed, byte for byte, and the link must be gone, with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_fsspec import Checkpointer, cli
+from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.storage.urls import resolve
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+SEVEN = "iter_000000007"
+
+
+def _run(where: Path, *iterations: int, **options: object) -> None:
+    with Checkpointer(str(where), **options) as ckpt:  # type: ignore[arg-type]
+        for iteration in iterations:
+            ckpt.save(iteration, model={"w": torch.full((4,), float(iteration))})
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def other(tmp_path: Path) -> Path:
+    """Another run's save_dirname, with iteration 7 committed."""
+    _run(tmp_path / "other", 7)
+    return tmp_path / "other"
+
+
+def _assert_untouched(other: Path, before: dict[str, bytes]) -> None:
+    assert _files(other / SEVEN) == before
+    assert commit.committed_iterations(resolve(str(other))) == [7]
+
+
+def _assert_link_removed(link: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert not link.is_symlink()
+    assert any(str(link) in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_prune_removes_a_link_to_another_runs_iteration_and_leaves_that_iteration_committed(
+    tmp_path: Path, other: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    _run(run, 8, 9)
+    (run / SEVEN).symlink_to(other / SEVEN)
+    before = _files(other / SEVEN)
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["prune", str(run), "--keep", "1"]) == 0
+    _assert_untouched(other, before)
+    _assert_link_removed(run / SEVEN, caplog)
+    assert not os.path.lexists(run / SEVEN)
+    assert commit.committed_iterations(resolve(str(run))) == [9]
+
+
+def test_a_saves_retention_removes_a_link_to_another_runs_iteration_and_leaves_that_iteration_committed(
+    tmp_path: Path, other: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    _run(run, 6, 8)
+    (run / SEVEN).symlink_to(other / SEVEN)
+    # A link deeper in, where a key folder was: removed with its iteration, never followed.
+    (run / "iter_000000006" / "model").rename(tmp_path / "moved")
+    (run / "iter_000000006" / "model").symlink_to(other / SEVEN / "model")
+    before = _files(other / SEVEN)
+    with caplog.at_level(logging.WARNING):
+        _run(run, 9, keep_last_n=1)
+    assert not os.path.lexists(run / "iter_000000006")
+    _assert_untouched(other, before)
+    _assert_link_removed(run / SEVEN, caplog)
+    assert not os.path.lexists(run / SEVEN)
+    assert commit.committed_iterations(resolve(str(run))) == [9]
+
+
+def test_a_save_over_a_linked_iteration_folder_writes_a_folder_of_its_own_and_leaves_the_target(
+    tmp_path: Path, other: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    _run(run, 5)
+    (run / SEVEN).symlink_to(other / SEVEN)
+    before = _files(other / SEVEN)
+    with caplog.at_level(logging.WARNING):
+        _run(run, 7)  # committed there, but newer than this run's pointer: taken over
+    _assert_untouched(other, before)
+    _assert_link_removed(run / SEVEN, caplog)
+    assert (run / SEVEN).is_dir()
+    assert commit.committed_iterations(resolve(str(run))) == [5, 7]
