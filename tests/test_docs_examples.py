@@ -1,0 +1,150 @@
+"""Every Python code block of README.md and docs/ runs as a user would paste it.
+
+Each ```python block runs as a script of its own, in a fresh process and an empty folder. A block
+with ``title="name.py"`` is a script file: it is written under that name and run with the
+``torchrun`` command of the next ```bash block that names it (2 gloo ranks, twice: a run, then a
+resumed one). An HTML comment on the line before a block marks it: ``<!-- not run: why -->``
+skips it (the reason shows in the report), ``<!-- slow: why -->`` runs it only with the slow
+cases. A block that imports a framework which is not installed is skipped, naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)(?P<attrs>[^\n]*)\n(?P<body>.*?)^```$", re.S | re.M)
+MARK = re.compile(r"<!--\s*(?P<kind>not run|slow):\s*(?P<why>.+?)\s*-->\s*$")
+TITLE = re.compile(r'title="(?P<name>[^"]+\.py)"')
+IMPORT = re.compile(r"^\s*(?:from|import)\s+(?P<module>[\w.]+)", re.M)
+TIMEOUT, SLOW_TIMEOUT = 120, 600
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced Python block, where it is, and how it is marked."""
+
+    file: str
+    line: int
+    code: str
+    mark: str  # "run", "slow" or "not run"
+    why: str
+    script: str  # the file name of a titled block, else ""
+    command: str  # the torchrun line that runs a titled block
+
+    @property
+    def id(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def collect(path: Path, root: Path = ROOT) -> list[Block]:
+    """The Python blocks of one Markdown file, named relative to ``root``."""
+    text = path.read_text()
+    fences = list(FENCE.finditer(text))
+    blocks = []
+    for i, fence in enumerate(fences):
+        if fence["lang"] not in ("python", "py"):
+            continue
+        line = text.count("\n", 0, fence.start()) + 1
+        before = text[: fence.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marked = MARK.search(before)
+        mark, why = (marked["kind"], marked["why"]) if marked else ("run", "")
+        titled = TITLE.search(fence["attrs"])
+        script = titled["name"] if titled else ""
+        command = ""
+        if script:
+            later = (f["body"] for f in fences[i + 1 :] if f["lang"] in ("bash", "sh", "console"))
+            command = next((c for body in later for c in body.splitlines() if "torchrun" in c and script in c), "")
+            mark = "slow" if mark == "run" else mark
+        relative = str(path.relative_to(root))
+        blocks.append(Block(relative, line, fence["body"], mark, why, script, command))
+    return blocks
+
+
+BLOCKS = [block for page in _pages() for block in collect(page)]
+
+
+def _missing_module(code: str) -> str | None:
+    """The first top-level module the code imports that is not installed."""
+    for match in IMPORT.finditer(code):
+        top = match["module"].split(".")[0]
+        if importlib.util.find_spec(top) is None:
+            return top
+    return None
+
+
+def _run(args: list[str], cwd: Path, timeout: int, block: Block) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{block.id}: did not finish in {timeout} s: {e.stdout!r} {e.stderr!r}")
+    assert done.returncode == 0, f"{block.id} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _params() -> list[object]:
+    params: list[object] = []
+    for block in BLOCKS:
+        marks: list[pytest.MarkDecorator] = []
+        if block.mark == "not run":
+            marks.append(pytest.mark.skip(reason=f"not run: {block.why}"))
+        elif block.mark == "slow":
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(block, id=block.id, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("block", _params())
+def test_the_code_block_runs_as_pasted(block: Block, tmp_path: Path) -> None:
+    """The block runs without error in an empty folder; a titled script runs under torchrun."""
+    missing = _missing_module(block.code)
+    if missing:
+        pytest.skip(f"{block.id} needs {missing}, which is not installed")
+    timeout = SLOW_TIMEOUT if block.mark == "slow" else TIMEOUT
+    if not block.script:
+        (tmp_path / "block.py").write_text(block.code)
+        _run([sys.executable, "block.py"], tmp_path, timeout, block)
+        return
+    assert block.command, f"{block.id}: no ```bash block after it runs `torchrun ... {block.script}`"
+    (tmp_path / block.script).write_text(block.code)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *block.command.split("torchrun", 1)[1].split("#")[0].split()]
+    first = _run(torchrun, tmp_path, timeout, block)
+    again = _run(torchrun, tmp_path, timeout, block)
+    assert "resumed at 0" in first and "resumed at 0" not in again, f"{block.id}: the second run did not resume:\n{again}"
+
+
+def test_the_collector_finds_every_kind_of_block() -> None:
+    """The pages hold runnable blocks, a torchrun script, and only marked blocks are left out."""
+    kinds = {mark: sum(b.mark == mark for b in BLOCKS) for mark in ("run", "slow", "not run")}
+    assert kinds["run"] >= 5, kinds
+    assert any(b.script and b.command for b in BLOCKS), "no torchrun example found"
+    assert all(b.why for b in BLOCKS if b.mark == "not run"), "a block left out without a reason"
+
+
+def test_a_block_marked_not_run_is_told_apart_from_one_that_runs(tmp_path: Path) -> None:
+    """The collector reads the mark on the line before a fence, and only there."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- not run: needs a cluster -->\n```python\nraise SystemExit(1)\n```\n\n"
+        "text\n\n```python\nprint('ok')\n```\n"
+        '```python title="job.py"\nprint(1)\n```\n```bash\ntorchrun --nproc-per-node 2 job.py\n```\n'
+    )
+    blocks = collect(page, root=tmp_path)
+    assert [(b.mark, b.why, b.script) for b in blocks] == [
+        ("not run", "needs a cluster", ""), ("run", "", ""), ("slow", "", "job.py"),
+    ]  # fmt: skip
+    assert blocks[2].command == "torchrun --nproc-per-node 2 job.py"
+
