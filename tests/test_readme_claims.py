@@ -1,6 +1,6 @@
-"""README claims that had no test of their own: each test names the claim it checks.
+"""Documented claims that had no test of their own: each test names the claim it checks.
 
-The first test is the rule that keeps the guarantees table honest: every cell of it that
+The first test is the rule that keeps the guarantees table (docs/guarantees.md) honest: every cell of it that
 promises something names a backend, and some test's docstring must name that row and backend as
 ``Guarantee row: '<the row's first cell>' (<backend>, ...)``.
 """
@@ -32,14 +32,17 @@ _COLUMNS = (("local",), ("S3",), ("GCS", "Azure"), ("memory",), ("SFTP",))
 _NAMED = re.compile(r"Guarantee row: '(?P<row>.+?)' \((?P<backends>[^)]*)\)")
 
 
-def guarantee_cells(readme: str) -> set[tuple[str, str]]:
-    """(row, backend) for each cell of the README's guarantees table that promises something.
+GUARANTEES = ROOT / "docs" / "guarantees.md"
+
+
+def guarantee_cells(page: str) -> set[tuple[str, str]]:
+    """(row, backend) for each cell of the guarantees page's table that promises something.
 
     A cell promises something unless it starts with "–" (does not apply) or "not guaranteed", or
     says "not tested" (the table then says itself what no test checks).
     The row is its first cell without backticks.
     """
-    section = readme.split("\n## Guarantees\n", 1)[1]
+    section = page.split("# Guarantees\n", 1)[1]
     lines = section.strip().split("\n\n", 1)[0].splitlines()
     header, _, *rows = lines
     assert len(header.strip("|").split("|")) == len(_COLUMNS) + 1, f"the table's columns changed: {header}"
@@ -72,8 +75,8 @@ KNOWN_UNTESTED: set[tuple[str, str]] = set()
 
 
 def test_every_promise_of_the_guarantees_table_is_named_by_a_test() -> None:
-    """Each (row, backend) the README's guarantees table promises has a test that says it checks it."""
-    promised = guarantee_cells((ROOT / "README.md").read_text())
+    """Each (row, backend) the guarantees table promises has a test that says it checks it."""
+    promised = guarantee_cells(GUARANTEES.read_text())
     assert len(promised) > 40  # the parser found the table
     named = named_guarantees(ROOT / "tests")
     assert not named - promised, f"docstrings name rows or backends the table does not have: {sorted(named - promised)}"
@@ -86,11 +89,11 @@ def test_every_promise_of_the_guarantees_table_is_named_by_a_test() -> None:
 
 def test_a_docstring_naming_a_row_the_table_does_not_have_is_caught() -> None:
     """The rule's own check: a misspelt row or backend would not count as naming a promise."""
-    readme = (ROOT / "README.md").read_text()
+    page = GUARANTEES.read_text()
     row = "bit flips in tensor data detected on load"
-    assert (row, "SFTP") in guarantee_cells(readme)
-    assert ("ranged reads of the data files", "Azure") in guarantee_cells(readme)
-    broken = readme.replace("| bit flips in tensor data detected on load | CRC-32 per tensor |", "| bit flips | – |")
+    assert (row, "SFTP") in guarantee_cells(page)
+    assert ("ranged reads of the data files", "Azure") in guarantee_cells(page)
+    broken = page.replace("| bit flips in tensor data detected on load | CRC-32 per tensor |", "| bit flips | – |")
     assert (row, "local") not in guarantee_cells(broken)
 
 
