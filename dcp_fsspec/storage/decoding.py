@@ -57,13 +57,21 @@ _MAX_HEADER = MiB
 # --- .metadata -----------------------------------------------------------------------------------
 
 
-def read_metadata(location: Location, rank: int | None = None, *, trust_checkpoint: bool = False) -> Metadata:
+def metadata_url(location: Location, rank: int | None = None) -> str:
+    """The URL of the ``.metadata`` (or ``__{rank}.metadata``) of the checkpoint at ``location``."""
+    return location.url_of(location.join(metadata_name(rank)))
+
+
+def read_metadata(
+    location: Location, rank: int | None = None, *, trust_checkpoint: bool = False, extents: bool = True
+) -> Metadata:
     """Read, unpickle and check the ``.metadata`` of the DCP checkpoint at ``location``.
 
     Args:
         location: the checkpoint folder.
         rank: read ``__{rank}.metadata`` instead (saves made without collectives).
         trust_checkpoint: unpickle any class it names (see :func:`parse_metadata`).
+        extents: check each record's offset and length too (see :func:`check_metadata`).
 
     Raises:
         CheckpointNotFoundError: there is no ``.metadata``: no committed checkpoint here.
@@ -72,7 +80,7 @@ def read_metadata(location: Location, rank: int | None = None, *, trust_checkpoi
         StorageError: the backend failed.
     """
     path = location.join(metadata_name(rank))
-    url = location.url_of(path)
+    url = metadata_url(location, rank)
     try:
         with storage_errors("read", repr(url)):
             raw = location.retry.run(location.fs, "cat_file", path, url=url)
@@ -83,10 +91,10 @@ def read_metadata(location: Location, rank: int | None = None, *, trust_checkpoi
             else f"{url!r} does not exist (the save never finished, or the URL is wrong)"
         )
         raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
-    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint)
+    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint, extents=extents)
 
 
-def parse_metadata(raw: bytes, url: str, *, trust_checkpoint: bool = False) -> Metadata:
+def parse_metadata(raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True) -> Metadata:
     """Unpickle ``.metadata``'s bytes, read from ``url`` (named in errors), and check what they say.
 
     Unless ``trust_checkpoint``, only the classes DCP metadata consists of are unpickled
@@ -101,22 +109,24 @@ def parse_metadata(raw: bytes, url: str, *, trust_checkpoint: bool = False) -> M
     metadata = unpickle_metadata(raw, url, trust_checkpoint=trust_checkpoint)
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url!r} does not hold DCP metadata (found {type(metadata).__name__})")
-    check_metadata(metadata, url)
+    check_metadata(metadata, url, extents=extents)
     return metadata
 
 
-def check_metadata(metadata: Metadata, url: str) -> None:
+def check_metadata(metadata: Metadata, url: str, *, extents: bool = True) -> None:
     """Check that ``metadata`` (from ``url``) is shaped as DCP writes it, so that nothing reading it
     fails later with a misleading error, reads outside the checkpoint folder, or reads nothing.
+
+    Args:
+        extents: check that each record lies at an offset >= 0 and has a length > 0. Without
+            it, :func:`extent_error` checks that later.
 
     Raises:
         CorruptCheckpointError: naming the entry and what is wrong with it.
     """
 
     def bad(entry: object, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{url!r} is corrupt: entry {entry!r} {what}; restore it or load another checkpoint"
-        )
+        return _corrupt(url, entry, what)
 
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
@@ -148,15 +158,37 @@ def check_metadata(metadata: Metadata, url: str) -> None:
             if problem is not None:
                 raise bad(fqn, f"names the data file {path!r}, which is outside the checkpoint folder: {problem}")
             checked_paths.add(path)
-        if not _is_int(info.offset) or info.offset < 0:
-            raise bad(fqn, f"is stored at offset {info.offset!r} of {path!r}; an offset must be an int >= 0")
-        if not _is_int(info.length) or info.length <= 0:
-            raise bad(fqn, f"is stored as {info.length!r} bytes of {path!r}; a record is at least 1 byte")
+        problem = _extent_problem(info) if extents else None
+        if problem is not None:
+            raise bad(fqn, problem)
         descriptors = info.transform_descriptors
         if descriptors is not None and (
             not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)
         ):
             raise bad(fqn, f"has transform descriptors {descriptors!r}, not a list of strings")
+
+
+def extent_error(metadata: Metadata, url: str) -> CorruptCheckpointError | None:
+    """The error for the first record of ``metadata`` (from ``url``, checked by
+    :func:`check_metadata` without ``extents``) at a negative offset or of no length, else None."""
+    for index, info in (metadata.storage_data or {}).items():
+        problem = _extent_problem(info)
+        if problem is not None:
+            return _corrupt(url, index.fqn, problem)
+    return None
+
+
+def _extent_problem(info: _StorageInfo) -> str | None:
+    """What is wrong with where a record lies, or None."""
+    if not _is_int(info.offset) or info.offset < 0:
+        return f"is stored at offset {info.offset!r} of {info.relative_path!r}; an offset must be an int >= 0"
+    if not _is_int(info.length) or info.length <= 0:
+        return f"is stored as {info.length!r} bytes of {info.relative_path!r}; a record is at least 1 byte"
+    return None
+
+
+def _corrupt(url: str, entry: object, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{url!r} is corrupt: entry {entry!r} {what}; restore it or load another checkpoint")
 
 
 def _is_int(value: object) -> bool:

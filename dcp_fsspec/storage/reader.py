@@ -43,7 +43,16 @@ from ..errors import (
 )
 from .collector import collector_paused
 from .crc import crc32
-from .decoding import CRC_TAIL, RecordDecoder, RecordFault, RecordPlace, feed_records, read_metadata
+from .decoding import (
+    CRC_TAIL,
+    RecordDecoder,
+    RecordFault,
+    RecordPlace,
+    extent_error,
+    feed_records,
+    metadata_url,
+    read_metadata,
+)
 from .backends.base import InPlaceFiles
 from .fetch import Span, fetch_in_order, plan_spans
 from .records import RecordLayout, tensor_bytes
@@ -143,6 +152,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.state_dict_metadata: dict[str, STORAGE_TYPES] = {}  # bounds what a transformed record expands to
         self.load_id = uuid.uuid4().hex
         self.metadata_failure: DcpFsspecError | None = None
+        self._bad_extent: CorruptCheckpointError | None = None  # raised by set_up_storage_reader
         self._undo_queue: UndoQueue | None = None  # during read_data, when records are transformed
 
     # --- DCP protocol -----------------------------------------------------------------------
@@ -153,34 +163,49 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self._rebind(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.metadata_failure = None
+        self._bad_extent = None
 
     @collector_paused()
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read ``.metadata``; a missing one means there is no committed checkpoint here.
 
+        A record at a negative offset or of no length is not raised here:
+        :meth:`set_up_storage_reader` raises it. torch >= 2.9 swallows any error of this step and
+        reports an ``AssertionError`` of its own, while the next step's errors reach the caller.
+
         Raises:
             CheckpointNotFoundError: there is no ``.metadata``.
-            CorruptCheckpointError: it is damaged, names a data file outside the folder or a
-                record with a negative offset or no length, or (unless ``trust_checkpoint``) names
-                a class DCP metadata does not consist of; nothing it names was run.
+            CorruptCheckpointError: it is damaged, names a data file outside the folder, or
+                (unless ``trust_checkpoint``) names a class DCP metadata does not consist of;
+                nothing it names was run.
         """
         if isinstance(self.metadata_failure, CorruptCheckpointError):
             # DCP retries a failed read with the rank's own ``__{rank}.metadata``; a .metadata that
             # is there but damaged or refused is not a reason to read another file instead.
             raise self.metadata_failure
+        rank = kwargs.get("rank")
         try:
-            metadata = read_metadata(self.location, kwargs.get("rank"), trust_checkpoint=self.trust_checkpoint)
+            metadata = read_metadata(self.location, rank, trust_checkpoint=self.trust_checkpoint, extents=False)
         except CheckpointNotFoundError:
             raise
         except DcpFsspecError as e:
             self.metadata_failure = self.metadata_failure or e
             raise
+        self._bad_extent = extent_error(metadata, metadata_url(self.location, rank))
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Take the records ``metadata`` lists.
+
+        Raises:
+            CorruptCheckpointError: ``metadata`` lists no records, or :meth:`read_metadata` found
+                one at a negative offset or of no length; the message names the entry and the file.
+        """
+        if self._bad_extent is not None:
+            raise self._bad_extent
         if metadata.storage_data is None:
             raise CorruptCheckpointError(f"the .metadata of {self.location.url!r} lists no storage data")
         self.storage_data = metadata.storage_data
