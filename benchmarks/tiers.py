@@ -7,7 +7,7 @@ processes on the same 1 GiB state (``benchmarks/state.py``), each printing one J
 
 * ``direct`` — ``Checkpointer(s3_url).save(1, model=state)`` in synchronous mode: the time
   ``save()`` blocks, which is the whole S3 save (and its upload GB/s).
-* ``tiered`` — ``Checkpointer(s3_url, local_dirname=folder).save(1, model=state)``, synchronous:
+* ``tiered`` — ``Checkpointer(s3_url, local_tier=LocalTier(folder)).save(1, model=state)``, synchronous:
   the time ``save()`` blocks (the local commit), then ``wait()`` for the drain, whose
   ``drain_end`` event gives the durable copy's upload GB/s. The local files are then flushed and
   dropped from the page cache, so the next read comes from the disk.
@@ -44,7 +44,7 @@ GB = 1e9
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """One phase in this (fresh) process; returns its sample."""
-    from dcp_fsspec import Checkpointer
+    from dcp_fsspec import Checkpointer, LocalTier
 
     options = json.loads(args.storage_options)
     entries = st.realistic(args.size_mib, args.seed)
@@ -54,7 +54,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         state = st.build(entries)
         drains: list[Any] = []
         local = args.local if args.phase == "tiered" else None
-        ckpt = Checkpointer(args.url, options, local_dirname=local, async_mode=args.async_mode, on_drain_end=drains.append)
+        ckpt = Checkpointer(
+            args.url, options, local_tier=None if local is None else LocalTier(local), async_mode=args.async_mode,
+            on_event=lambda e: drains.append(e) if e.kind == "drain_end" else None,
+        )
         start = time.perf_counter()
         ckpt.save(1, model=state)
         sample["save_blocks_s"] = time.perf_counter() - start
@@ -71,7 +74,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         return sample
     target = st.template(entries)
     tiers: list[str | None] = []
-    ckpt = Checkpointer(args.url, options, local_dirname=args.local, on_load_end=lambda e: tiers.append(e.tier))
+    ckpt = Checkpointer(
+        args.url, options, local_tier=LocalTier(args.local),
+        on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None,
+    )
     start = time.perf_counter()
     iteration = ckpt.load(model=target)
     sample["load_s"] = time.perf_counter() - start

@@ -166,3 +166,15 @@ def test_only_the_integrations_import_a_training_framework_and_nothing_imports_t
         if target.startswith("dcp_fsspec.integrations")
     ]
     assert not importers, f"the package or CLI imports an integration: {importers}"
+
+
+def test_the_public_names_are_one_list_that_the_type_checkers_imports_match() -> None:
+    import dcp_fsspec
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imported = {alias.asname or alias.name for n in guarded.body if isinstance(n, ast.ImportFrom) for alias in n.names}
+    assert imported == set(dcp_fsspec._EXPORTS)
+    assert dcp_fsspec.__all__ == sorted([*dcp_fsspec._EXPORTS, "__version__"])
+    for name in dcp_fsspec._EXPORTS:  # each resolves, from the module the list names
+        assert getattr(dcp_fsspec, name) is not None

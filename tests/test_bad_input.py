@@ -30,6 +30,7 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     InvalidURLError,
     MissingDriverError,
+    ResumeOptions,
     StorageError,
 )
 from tests.conftest import Backend
@@ -66,7 +67,7 @@ def _fs_path(backend: Backend, *names: str) -> tuple[fsspec.AbstractFileSystem, 
 def test_the_checkpointer_refuses_an_unknown_scheme_naming_the_url(where: str) -> None:
     url = "nosuchscheme://bucket/run"
     with pytest.raises(InvalidURLError, match=url):
-        Checkpointer(url) if where == "save_dirname" else Checkpointer("memory://run", load_path=url)
+        Checkpointer(url) if where == "save_dirname" else Checkpointer("memory://run", resume=ResumeOptions(load_path=url))
 
 
 def test_the_checkpointer_names_the_package_of_a_missing_driver(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ from dcp_fsspec import (
     Checkpointer,
     CorruptCheckpointError,
     FsspecStorageWriter,
+    ResumeOptions,
 )
 from dcp_fsspec.checkpoint import commit, layout, retention
 from dcp_fsspec.checkpoint.pipeline import SavePipeline
@@ -170,7 +171,7 @@ def test_load_without_checkpoint_or_load_path_starts_from_scratch(backend: Backe
 def test_load_path_loads_only_the_model_and_returns_zero(backend: Backend) -> None:
     source = _save_trained(backend, [4])
     target = Training(seed=3)
-    with Checkpointer(backend.sub("new_run"), backend.storage_options, load_path=backend.sub("iter_000000004")) as ckpt:
+    with Checkpointer(backend.sub("new_run"), backend.storage_options, resume=ResumeOptions(load_path=backend.sub("iter_000000004"))) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
     assert target.optim.state_dict()["state"] == {}
@@ -181,7 +182,7 @@ def test_load_path_with_training_state_loads_every_key_and_returns_its_iteration
     source = _save_trained(backend, [4])
     target = Training(seed=3)
     with Checkpointer(
-        backend.sub("new_run"), backend.storage_options, load_path=backend.sub("iter_000000004"), load_training_state=True
+        backend.sub("new_run"), backend.storage_options, resume=ResumeOptions(load_path=backend.sub("iter_000000004"), load_training_state=True)
     ) as ckpt:
         assert ckpt.load(**target.keys()) == 4
     target.after_load()
@@ -191,7 +192,7 @@ def test_load_path_with_training_state_loads_every_key_and_returns_its_iteration
 def test_load_path_may_be_another_runs_save_dirname(memory_backend: Backend) -> None:
     source = _save_trained(memory_backend, [2, 4])
     target = Training(seed=3)
-    with Checkpointer(memory_backend.sub("new_run"), load_path=memory_backend.url, load_training_state=True) as ckpt:
+    with Checkpointer(memory_backend.sub("new_run"), resume=ResumeOptions(load_path=memory_backend.url, load_training_state=True)) as ckpt:
         assert ckpt.load(**target.keys()) == 4
     target.after_load()
     assert_same_training(target, source)
@@ -202,7 +203,7 @@ def test_load_path_may_be_a_single_dcp_checkpoint_of_the_model(backend: Backend)
     url = backend.sub("weights")
     dcp.save(source.model.state_dict(), storage_writer=FsspecStorageWriter(url, storage_options=backend.storage_options))
     target = Training()
-    with Checkpointer(backend.sub("run"), backend.storage_options, load_path=url) as ckpt:
+    with Checkpointer(backend.sub("run"), backend.storage_options, resume=ResumeOptions(load_path=url)) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
 
@@ -213,7 +214,7 @@ def test_load_path_may_be_a_single_dcp_checkpoint_with_the_model_under_model(bac
     writer = FsspecStorageWriter(url, storage_options=backend.storage_options)
     dcp.save({"model": source.model.state_dict()}, storage_writer=writer)  # the original trainer's RL layout
     target = Training()
-    with Checkpointer(backend.sub("run"), backend.storage_options, load_path=url) as ckpt:
+    with Checkpointer(backend.sub("run"), backend.storage_options, resume=ResumeOptions(load_path=url)) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
 
@@ -224,9 +225,8 @@ def test_only_load_scheduler_state_loads_the_model_and_the_scheduler_and_returns
     with Checkpointer(
         backend.sub("new_run"),
         backend.storage_options,
-        load_path=backend.sub("iter_000000004"),
-        only_load_scheduler_state=True,
-    ) as ckpt:
+        resume=ResumeOptions(load_path=backend.sub("iter_000000004"), only_load_scheduler_state=True),
+        ) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
     assert_equal(target.scheduler.state_dict(), source.scheduler.state_dict())
@@ -237,21 +237,21 @@ def test_only_load_scheduler_state_loads_the_model_and_the_scheduler_and_returns
 
 def test_only_load_scheduler_state_with_load_training_state_is_a_value_error_naming_both(memory_backend: Backend) -> None:
     with pytest.raises(ValueError) as info:
-        _ckpt(memory_backend, load_path=memory_backend.sub("old"), load_training_state=True, only_load_scheduler_state=True)
+        _ckpt(memory_backend, resume=ResumeOptions(load_path=memory_backend.sub("old"), load_training_state=True, only_load_scheduler_state=True))
     assert "only_load_scheduler_state" in str(info.value) and "load_training_state" in str(info.value)
-    assert memory_backend.url in str(info.value)
+    assert memory_backend.sub("old") in str(info.value)
 
 
 def test_load_path_without_any_checkpoint_is_an_error_naming_it(memory_backend: Backend) -> None:
     url = memory_backend.sub("nothing_here")
-    with pytest.raises(CheckpointNotFoundError) as info, Checkpointer(memory_backend.sub("run"), load_path=url) as ckpt:
+    with pytest.raises(CheckpointNotFoundError) as info, Checkpointer(memory_backend.sub("run"), resume=ResumeOptions(load_path=url)) as ckpt:
         ckpt.load(**Training().keys())
     assert url in str(info.value)
 
 
 def test_pointer_under_save_dirname_wins_over_load_path(memory_backend: Backend) -> None:
     _save_trained(memory_backend, [2])
-    run = Checkpointer(memory_backend.sub("run"), load_path=memory_backend.sub("iter_000000002"))
+    run = Checkpointer(memory_backend.sub("run"), resume=ResumeOptions(load_path=memory_backend.sub("iter_000000002")))
     later = Training(seed=9)
     later.run(7)
     run.save(7, **later.keys())
@@ -274,7 +274,7 @@ def test_missing_key_without_strict_resume_is_skipped_and_logged(
 ) -> None:
     source = _save_trained(memory_backend, [3])
     target, ema = Training(seed=2), {"decay": torch.zeros(1)}
-    with caplog.at_level(logging.INFO, logger="dcp_fsspec"), _ckpt(memory_backend, strict_resume=False) as ckpt:
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec"), _ckpt(memory_backend, resume=ResumeOptions(strict=False)) as ckpt:
         assert ckpt.load(**target.keys(), ema=ema) == 3
     target.after_load()
     assert_same_training(target, source)
@@ -289,7 +289,7 @@ def test_missing_entry_inside_a_key_is_tolerated_only_without_strict_resume(memo
         ckpt.load(trainer={"step": 0, "added_later": torch.ones(2)})
     assert memory_backend.sub("iter_000000001", "trainer") in str(info.value)
     target = {"step": 0, "added_later": torch.ones(2)}
-    with _ckpt(memory_backend, strict_resume=False) as ckpt:
+    with _ckpt(memory_backend, resume=ResumeOptions(strict=False)) as ckpt:
         ckpt.load(trainer=target)
     assert target["step"] == 1 and torch.equal(target["added_later"], torch.ones(2))
 
@@ -306,7 +306,7 @@ def test_keys_not_to_resume_are_left_untouched(memory_backend: Backend) -> None:
     source = _save_trained(memory_backend, [3])
     target = Training(seed=2)
     scheduler_before = target.scheduler.state_dict()
-    with _ckpt(memory_backend, keys_not_to_resume=["scheduler"]) as ckpt:
+    with _ckpt(memory_backend, resume=ResumeOptions(keys_not_to_resume=["scheduler"])) as ckpt:
         assert ckpt.load(**target.keys()) == 3
     assert target.scheduler.state_dict() == scheduler_before
     assert_equal(target.model.state_dict(), source.model.state_dict())
@@ -315,7 +315,7 @@ def test_keys_not_to_resume_are_left_untouched(memory_backend: Backend) -> None:
 
 def test_keys_not_to_resume_naming_an_unknown_key_is_a_value_error(memory_backend: Backend) -> None:
     _save_trained(memory_backend, [3])
-    with _ckpt(memory_backend, keys_not_to_resume=["optimizer"]) as ckpt, pytest.raises(ValueError) as info:
+    with _ckpt(memory_backend, resume=ResumeOptions(keys_not_to_resume=["optimizer"])) as ckpt, pytest.raises(ValueError) as info:
         ckpt.load(**Training().keys())
     assert "'optimizer'" in str(info.value) and memory_backend.url in str(info.value)
 
@@ -323,7 +323,7 @@ def test_keys_not_to_resume_naming_an_unknown_key_is_a_value_error(memory_backen
 def test_load_optimizer_false_leaves_the_optimizer_untouched(memory_backend: Backend) -> None:
     source = _save_trained(memory_backend, [3])
     target = Training(seed=2)
-    with _ckpt(memory_backend, load_optimizer=False) as ckpt:
+    with _ckpt(memory_backend, resume=ResumeOptions(load_optimizer=False)) as ckpt:
         assert ckpt.load(**target.keys()) == 3
     assert target.optim.state_dict()["state"] == {}
     assert_equal(target.model.state_dict(), source.model.state_dict())
@@ -694,7 +694,7 @@ def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
     with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint"):
         with Checkpointer(
             backend.url, backend.storage_options,
-            on_save_start=events.append, on_save_end=events.append, on_load_end=events.append,
+            on_event=events.append,
         ) as ckpt:
             ckpt.save(3, trainer=state)
             assert ckpt.load(trainer={"w": torch.zeros(1000), "step": 0}) == 3
@@ -710,7 +710,8 @@ def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
 
 def test_an_asynchronous_save_reports_its_end_once_it_is_committed(local_backend: Backend) -> None:
     ends: list[Any] = []
-    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem", on_save_end=ends.append) as ckpt:
+    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem",
+                      on_event=lambda e: ends.append(e) if e.kind == "save_end" else None) as ckpt:
         ckpt.save(1, trainer={"w": torch.randn(256)})
         ckpt.wait()
         assert [e.iteration for e in ends] == [1] and ends[0].nbytes == 1024

@@ -25,7 +25,7 @@ import fsspec
 import pytest
 import torch
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, StorageError, WriterSettings
+from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, ResumeOptions, StorageError, WriterSettings
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
@@ -314,9 +314,8 @@ def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(
         with Checkpointer(
             any_backend.sub("reader"),
             any_backend.storage_options,
-            load_path=any_backend.sub(f"iter_{iteration:09d}"),
-            load_training_state=True,
-        ) as reader:
+            resume=ResumeOptions(load_path=any_backend.sub(f"iter_{iteration:09d}"), load_training_state=True),
+            ) as reader:
             assert reader.load(trainer=target) == iteration
         assert target["step"] == iteration and torch.equal(target["w"], torch.full((4096,), float(iteration)))
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointError, FsspecStorageReader
+from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointError, FsspecStorageReader, ResumeOptions
 
 from .conftest import Backend
 from .distributed import run_ranks
@@ -82,7 +82,7 @@ def _checkpointer(backend: Backend, via: str) -> Checkpointer:
         return Checkpointer(backend.url, backend.storage_options)
     # A new run starting from that iteration folder, whose commit record is not looked at.
     return Checkpointer(
-        backend.sub("new-run"), backend.storage_options, load_path=backend.sub("iter_000000001"), load_training_state=True
+        backend.sub("new-run"), backend.storage_options, resume=ResumeOptions(load_path=backend.sub("iter_000000001"), load_training_state=True)
     )
 
 

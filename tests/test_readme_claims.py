@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, StorageError
+from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, ResumeOptions, StorageError
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage import names
 from tests.conftest import Backend
@@ -243,9 +243,8 @@ def test_load_path_is_read_with_load_storage_options(s3_backend: Backend, tmp_pa
     target = {"w": torch.zeros(8)}
     with Checkpointer(
         str(tmp_path / "new-run"),  # local: storage_options would not reach S3
-        load_path=s3_backend.sub("iter_000000004"),
-        load_storage_options=s3_backend.storage_options,
-    ) as ckpt:
+        resume=ResumeOptions(load_path=s3_backend.sub("iter_000000004"), load_storage_options=s3_backend.storage_options),
+        ) as ckpt:
         assert ckpt.load(model=target) == 0
     assert torch.equal(target["w"], torch.full((8,), 4.0))
 

@@ -65,7 +65,7 @@ def test_a_wanted_key_the_pointed_iteration_lacks_is_an_error_naming_it_and_the_
 
 
 def test_without_strict_resume_a_missing_key_is_skipped_with_a_note() -> None:
-    plan = plan_resume(ResumeFacts(_pointer(RUN, 7, ("model",))), ["model", "ema"], ResumeOptions(strict_resume=False))
+    plan = plan_resume(ResumeFacts(_pointer(RUN, 7, ("model",))), ["model", "ema"], ResumeOptions(strict=False))
     assert plan is not None and list(plan.keys) == ["model"]
     assert [level for level, _ in plan.notes] == [logging.INFO] and "'ema'" in plan.notes[0][1]
 

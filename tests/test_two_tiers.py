@@ -1,6 +1,6 @@
 """Two tiers: save to local disk first, drain to the durable URL (real moto S3) in the background.
 
-Each test states one guarantee of ``Checkpointer(..., local_dirname=...)``: the durable pointer
+Each test states one guarantee of ``Checkpointer(..., local_tier=LocalTier(...))``: the durable pointer
 moves only after the durable copy is committed; a drain killed part-way leaves the durable
 pointer on the previous iteration and the next run resumes the newer local copy and drains it
 again; an unreachable durable URL never stops the local saves, and a later drain catches up;
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, RetryPolicy
+from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, LocalTier, RetryPolicy
 from dcp_fsspec.checkpoint import commit, drain
 from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
 from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
@@ -68,9 +68,9 @@ def _trained(steps: int) -> Training:
     return training
 
 
-def _resume(url: str, options: dict[str, Any], local: Path, **kwargs: Any) -> tuple[int, Training]:
+def _resume(url: str, options: dict[str, Any], local: Path, *, keep_last_n_local: int = 1) -> tuple[int, Training]:
     fresh = Training(seed=7)
-    with Checkpointer(url, options, local_dirname=local, **kwargs) as ckpt:
+    with Checkpointer(url, options, local_tier=LocalTier(local, keep_last_n=keep_last_n_local)) as ckpt:
         iteration = ckpt.load(**fresh.keys())
     fresh.after_load()
     return iteration, fresh
@@ -82,8 +82,8 @@ def test_a_save_commits_locally_and_the_durable_pointer_moves_once_the_drain_is_
     events: list[Any] = []
     training = _trained(2)
     with Checkpointer(
-        s3_backend.url, s3_backend.storage_options, local_dirname=tmp_path / "local",
-        on_save_end=events.append, on_drain_end=events.append,
+        s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(tmp_path / "local"),
+        on_event=lambda e: events.append(e) if e.kind in ("save_end", "drain_end") else None,
     ) as ckpt:  # fmt: skip
         ckpt.save(2, **training.keys())
         assert _pointer(str(tmp_path / "local"), {}) == 2  # save() returned: committed locally
@@ -103,7 +103,7 @@ def test_a_save_commits_locally_and_the_durable_pointer_moves_once_the_drain_is_
 _KILLED_CHILD = """
 import json, logging, sys, threading
 from pathlib import Path
-from dcp_fsspec import Checkpointer
+from dcp_fsspec import Checkpointer, LocalTier
 from tests.ckpt_helpers import Training
 
 url, options, local, marker = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
@@ -119,7 +119,7 @@ drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
 drain_log.setLevel(logging.DEBUG)
 drain_log.addHandler(StopBeforeTheDurableCommit())
 training = Training()
-ckpt = Checkpointer(url, options, local_dirname=local, keep_last_n_local=2)
+ckpt = Checkpointer(url, options, local_tier=LocalTier(local, keep_last_n=2))
 for it in (2, 4):
     training.run(2)
     ckpt.save(it, **training.keys())
@@ -176,7 +176,7 @@ def test_an_unreachable_durable_url_never_stops_local_saves_and_the_next_drain_c
         }
         local = tmp_path / "local"
         training = Training()
-        ckpt = Checkpointer(s3_backend.url, options, local_dirname=local, retry=_QUICK)
+        ckpt = Checkpointer(s3_backend.url, options, local_tier=LocalTier(local), retry=_QUICK)
         try:
             training.run(1)
             ckpt.save(1, **training.keys())
@@ -214,7 +214,7 @@ def test_a_fresh_machine_resumes_from_the_durable_tier_bit_exact(
     s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     training = Training()
-    with Checkpointer(s3_backend.url, s3_backend.storage_options, local_dirname=tmp_path / "node-a") as ckpt:
+    with Checkpointer(s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(tmp_path / "node-a")) as ckpt:
         for it in (1, 2):
             training.run(1)
             ckpt.save(it, **training.keys())
@@ -229,7 +229,7 @@ def test_a_damaged_local_copy_falls_back_to_the_durable_tier_with_a_warning(
 ) -> None:
     local = tmp_path / "local"
     training = _trained(3)
-    with Checkpointer(s3_backend.url, s3_backend.storage_options, local_dirname=local) as ckpt:
+    with Checkpointer(s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(local)) as ckpt:
         ckpt.save(3, **training.keys())
     shard = next((local / "iter_000000003" / "model").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -268,7 +268,7 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
     rank into its own ``local`` folder (``{rank}`` filled in)."""
     torch.manual_seed(0)
     state = {"w": torch.randn(64)}
-    with Checkpointer(url, options, local_dirname=local.format(rank=rank), keep_last_n_local=2) as ckpt:
+    with Checkpointer(url, options, local_tier=LocalTier(local.format(rank=rank), keep_last_n=2)) as ckpt:
         ckpt.save(1, trainer={"w": state["w"]})
         ckpt.wait()
         ckpt.save(2, trainer={"w": state["w"] * 2})
@@ -284,7 +284,7 @@ def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any
     """Resume, each rank with its own ``local_dirname``, and save the next iteration again (rank
     0's local tier had an older copy of it)."""
     target = {"w": torch.zeros(64)}
-    with Checkpointer(url, options, local_dirname=locals_[rank]) as ckpt:
+    with Checkpointer(url, options, local_tier=LocalTier(locals_[rank])) as ckpt:
         iteration = ckpt.load(trainer=target)
         torch.save({"iteration": iteration, "w": target["w"].clone()}, f"{out}.{rank}")
         ckpt.save(iteration + 1, trainer={"w": target["w"] * 3})
@@ -313,7 +313,7 @@ def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_fr
 def test_async_saves_drain_after_their_local_commit(s3_backend: Backend, tmp_path: Path) -> None:
     training = Training()
     with Checkpointer(
-        s3_backend.url, s3_backend.storage_options, local_dirname=tmp_path / "local", async_mode="async_with_pinned_mem"
+        s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(tmp_path / "local"), async_mode="async_with_pinned_mem"
     ) as ckpt:  # fmt: skip
         for it in (1, 2):
             training.run(1)
@@ -350,7 +350,7 @@ def test_drain_every_holds_the_next_save_until_the_drain_in_flight_is_done_and_e
     drain_log.addHandler(hold)
     try:
         with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
-            s3_backend.url, s3_backend.storage_options, local_dirname=local, keep_last_n_local=1
+            s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(local, keep_last_n=1)
         ) as ckpt:  # fmt: skip
             ckpt.save(1, trainer={"w": torch.ones(4)})
             assert hold.reached.wait(60)
@@ -381,7 +381,7 @@ def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the
     drain_log.addHandler(hold)
     try:
         with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
-            s3_backend.url, s3_backend.storage_options, local_dirname=local, drain="latest", keep_last_n_local=1
+            s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(local, drain="latest", keep_last_n=1)
         ) as ckpt:  # fmt: skip
             ckpt.save(1, trainer={"w": torch.ones(4)})
             assert hold.reached.wait(60)
@@ -400,7 +400,7 @@ def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the
 
 def _committed_locally(local: Path, iteration: int) -> None:
     """Save ``iteration`` under ``local`` (its own drain goes to another durable folder)."""
-    with Checkpointer(local.parent / "other-durable", local_dirname=local) as ckpt:
+    with Checkpointer(local.parent / "other-durable", local_tier=LocalTier(local)) as ckpt:
         ckpt.save(iteration, **_trained(1).keys())
 
 
@@ -502,7 +502,7 @@ def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str,
     logging.getLogger("dcp_fsspec").setLevel(logging.INFO)
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8) * scale, mesh, [Shard(0)])
-    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", keep_last_n_local=1) as ckpt:
+    with Checkpointer(url, local_tier=LocalTier(f"{base}/node-{rank}", keep_last_n=1)) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
 
@@ -511,7 +511,7 @@ def _load_whole(rank: int, world_size: int, url: str, base: str, out: str) -> No
     """Load ``w`` whole on every rank (no sharding now): more than a rank's own local copy holds."""
     target = {"w": torch.zeros(8, 8), "r": torch.zeros(3), "step": 0}
     tiers: list[str | None] = []
-    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+    with Checkpointer(url, local_tier=LocalTier(f"{base}/node-{rank}"), on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None) as ckpt:
         iteration = ckpt.load(trainer=target)
     torch.save({"iteration": iteration, "tiers": tiers, **target}, f"{out}.{rank}")
 
@@ -552,7 +552,7 @@ def _load_sharded(rank: int, world_size: int, url: str, base: str, out: str) -> 
     mesh = init_device_mesh("cpu", (world_size,))
     target = {"w": distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0)]), "r": torch.zeros(3), "step": 0}
     tiers: list[str | None] = []
-    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+    with Checkpointer(url, local_tier=LocalTier(f"{base}/node-{rank}"), on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None) as ckpt:
         iteration = ckpt.load(trainer=target)
     whole = target["w"].full_tensor()  # a collective
     torch.save({"iteration": iteration, "tiers": tiers, "w": whole, "r": target["r"], "step": target["step"]}, f"{out}.{rank}")
@@ -611,7 +611,7 @@ def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any], lo
     drain killed before its commit leaves it); rank 0 dumps the full state at each save.
     ``local`` may hold ``{rank}``: each rank its own folder."""
     training = _fsdp_training(0)
-    with Checkpointer(url, options, local_dirname=local.format(rank=rank), keep_last_n_local=3) as ckpt:
+    with Checkpointer(url, options, local_tier=LocalTier(local.format(rank=rank), keep_last_n=3)) as ckpt:
         for iteration in (2, 4, 6):
             while training.trainer["step"] < iteration:
                 training.step()
@@ -634,7 +634,7 @@ def _fsdp_resume(
     training = _fsdp_training(1)
     tiers: list[str | None] = []
     local = None if locals_ is None else locals_[rank]
-    with Checkpointer(url, options, local_dirname=local, on_load_end=lambda e: tiers.append(e.tier)) as ckpt:
+    with Checkpointer(url, options, local_tier=LocalTier(local), on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None) as ckpt:
         iteration = ckpt.load(**training.keys())
     training.after_load()
     state = training.full_state()
@@ -680,7 +680,7 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     local = tmp_path / "local"
-    with Checkpointer(tmp_path / "other-durable", local_dirname=local, keep_last_n_local=3) as ckpt:
+    with Checkpointer(tmp_path / "other-durable", local_tier=LocalTier(local, keep_last_n=3)) as ckpt:
         for it in (1, 2, 3):
             ckpt.save(it, trainer={"w": torch.ones(4) * it})
     local_root, durable = resolve(str(local), {}), resolve(str(tmp_path / "durable"), {})
@@ -754,7 +754,7 @@ def _own_folders_async_save(rank: int, world_size: int, url: str, base: str, out
     """Per-node local folders with async saves: stage, return, commit locally and drain behind."""
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])
-    with Checkpointer(url, local_dirname=f"{base}/node-{rank}", async_mode="async_with_pinned_mem") as ckpt:
+    with Checkpointer(url, local_tier=LocalTier(f"{base}/node-{rank}"), async_mode="async_with_pinned_mem") as ckpt:
         for step in (1, 2):
             ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
         ckpt.wait()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint._extension import ZStandard
 
-from dcp_fsspec import Checkpointer, ChecksumMismatchError, CorruptCheckpointError
+from dcp_fsspec import Checkpointer, ChecksumMismatchError, CorruptCheckpointError, WriterSettings
 from dcp_fsspec.storage import verification
 from dcp_fsspec.storage.records import parse_layout
 from dcp_fsspec.storage.verification import verify_checkpoint
@@ -210,7 +210,7 @@ def test_verify_before_commit_refuses_a_compressed_iteration_whose_record_change
     local_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weights = torch.randn(4096, generator=torch.Generator().manual_seed(3))
-    with Checkpointer(local_backend.url, verify_before_commit=True, compression="zstd") as ckpt:
+    with Checkpointer(local_backend.url, verify_before_commit=True, writer_settings=WriterSettings(compression="zstd")) as ckpt:
         ckpt.save(1, trainer={"w": weights})
         flip_a_byte_of_each_data_file_once_written(monkeypatch)
         with pytest.raises(CorruptCheckpointError) as info:

@@ -3,7 +3,7 @@
 It composes the pieces and owns the options: ``state`` turns each keyword into a DCP state
 dict; ``pipeline`` writes the staged state dicts as ``{save_dirname}/iter_…/{key}/``, commits the
 iteration, moves the pointer and applies retention, here or (asynchronously) in ``background``;
-``resume`` decides what ``load`` reads; with ``local_dirname``, ``tiers`` saves to the local tier
+``loading`` restores what ``resume`` decides to read; with a ``LocalTier``, ``tiers`` saves to the local tier
 first and drains to ``save_dirname`` in the background. What stays here is validation, staging,
 the calls into those pieces, and the callbacks.
 """
@@ -26,37 +26,28 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import (
-    BackgroundSaveError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    InvalidURLError,
-)
+from ..errors import BackgroundSaveError, InvalidURLError
 from ..storage.collector import collector_paused
-from ..storage.failures import unwrap_dcp
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
 from ..storage.urls import Location, redact_url, resolve
-from . import commit, layout, preflight, resume
+from . import commit, layout
 from . import state as state_mod
 from ._collectives import Collectives
-from .at_once import at_once
 from .background import BackgroundSaver, ThreadSaver
-from .drain import DRAIN_EVERY, DRAIN_POLICIES
 from .events import Callback, CheckpointEvent, report, tensor_nbytes
+from .loading import LoadPipeline
+from .options import LocalTier, ResumeOptions
 from .pipeline import SavePipeline, SaveSettings
-from .resume import MODEL_KEY, KeyToLoad, ResumeOptions
+from .resume import MODEL_KEY
 from .staging import Stager
-from .tiers import DURABLE, LOCAL, TwoTiers
+from .tiers import LOCAL, TwoTiers
 
 logger = logging.getLogger(__name__)
 
 ASYNC_DISABLED = "disabled"
 ASYNC_PINNED = "async_with_pinned_mem"
 ASYNC_MODES = (ASYNC_DISABLED, ASYNC_PINNED)
-RESUME_MODES = ("auto", "required")
-OPTIMIZER_KEY = "optim"
 
 
 class Checkpointer:
@@ -78,32 +69,24 @@ class Checkpointer:
             save; ``None`` keeps everything. An older iteration is uncommitted before ``save()``
             returns; its files are deleted on a thread of their own (done by the next
             ``save()``, :meth:`wait` or :meth:`finalize`).
-        load_path: initial weights for a run with nothing under ``save_dirname`` yet: an
-            iteration folder (``…/iter_000000100``), a ``save_dirname`` with a pointer, or a single
-            DCP checkpoint of the model (its state dict, or ``{"model": state_dict}`` as
-            ``dcp.save({"model": state})`` writes it: told apart by the names in its metadata).
-        load_storage_options: fsspec options for ``load_path``; default ``storage_options``.
-        load_training_state: with ``load_path``, load every key given to :meth:`load`, not only
-            ``model``, and return the iteration in the folder's name.
-        only_load_scheduler_state: with ``load_path``, load the ``scheduler`` key from it too,
-            besides ``model`` (a new run that continues a schedule); :meth:`load` still returns 0.
-        strict_resume: a key given to :meth:`load` that the checkpoint lacks is an error; with
-            False it is skipped (logged), and so are entries missing inside a key.
-        load_optimizer: False skips the ``optim`` key (and any other optimizer) on load.
-        keys_not_to_resume: keys :meth:`load` leaves as they are.
+        resume: what :meth:`load` restores and from where (``load_path``, strictness, keys to
+            skip, whether a fresh start is allowed); default ``ResumeOptions()``.
+        local_tier: a fast local tier each save commits to first, drained to ``save_dirname``
+            in the background (:class:`LocalTier`); ``None``: save to ``save_dirname`` directly.
         overwrite: allow saving an iteration that is already committed. It is deleted first, so
             if that save then dies, the pointer may name a missing folder and :meth:`load` says so.
         process_group: the group the checkpoint spans; default: every rank.
         verify_before_commit: before the pointer moves, rank 0 reads back every file of the
             iteration and checks every tensor's CRC-32 (costs one full read of the checkpoint).
-        on_save_start, on_save_end, on_load_end: called with a :class:`CheckpointEvent` (bytes this
-            rank moved, seconds, GB/s) when a save starts, once it is committed (for asynchronous
-            saves: when the training process next learns of it), and after a load. Each end is
-            also logged as one line.
+        on_event: called with each :class:`CheckpointEvent`: ``save_start``, ``save_end`` (once
+            committed; for asynchronous saves when the training process next learns of it),
+            ``load_end``, and with a local tier ``drain_end`` (in the drain thread, on rank 0, its
+            ``error`` set if the drain failed). Each end is also logged as one line.
         retry: how every storage call (writers, readers, commit, pointer, retention) is retried
             (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`); ``None``: only the driver's own
             retries.
-        writer_settings: the tuning of every writer, the background process's included; default
+        writer_settings: the tuning of every writer, the background process's included, and the
+            one place to ask for compression (``WriterSettings(compression="zstd")``); default
             ``WriterSettings()`` (:mod:`dcp_fsspec.storage.settings`).
         reader_settings: the tuning of every reader; default ``ReaderSettings()``.
         trust_checkpoint: what :meth:`load` reads (``save_dirname`` and ``load_path``) was written
@@ -114,42 +97,9 @@ class Checkpointer:
             ``CorruptCheckpointError`` naming it. Its own keyword, not a ``ReaderSettings`` field:
             it is a decision about the checkpoint's source rather than tuning, and it governs the
             load planner (non-tensor entries) as well as the reader.
-        compression: ``"zstd"`` compresses every record as torch's ``ZStandard`` extension does
-            (torch's own readers load the checkpoint); needs ``pip install 'dcp-fsspec[zstd]'``.
-            Loading needs nothing: the reader undoes what ``.metadata`` says each record went
-            through. Shorthand for ``WriterSettings(compression=…)``.
-        compression_level: the zstd level (default 3; 1 is fastest, 19+ smallest).
-        local_dirname: a fast local tier (node-local disk; any fsspec URL or local path): each
-            save is committed there first (same layout, its own pointer), then copied to
-            ``save_dirname`` in the background (the *drain*: every rank copies the files it
-            wrote); the durable pointer moves once that copy is committed. :meth:`load` resumes
-            the newest iteration every rank can read, from the local tier where it is committed
-            and complete there. One folder every rank sees (one node, or a shared file system)
-            holds one checkpoint for all ranks; a folder each node has to itself (per-node
-            NVMe at the same path; found by a probe at construction, logged) holds each rank's
-            own copy of its share under ``rank{r}/``, and the drain merges them into one plain
-            checkpoint. ``None``: save to ``save_dirname`` directly.
-        local_storage_options: fsspec options for ``local_dirname``.
-        keep_last_n_local: how many committed iterations the local tier keeps (>= 1); never one
-            still to drain, nor the newest.
-        drain: when saves come faster than drains: ``"every"``: :meth:`save` waits for the
-            drain in flight, every iteration goes up; ``"latest"``: an iteration waiting to drain
-            is replaced by the newer one (logged). A failed drain does not stop training: the next
-            :meth:`save` warns and drains again; :meth:`wait` and :meth:`finalize` raise
-            :class:`~dcp_fsspec.errors.DrainError` while the durable tier is behind.
-        on_drain_end: called with a ``drain_end`` :class:`CheckpointEvent` (in the drain thread,
-            on rank 0) after each drain, its ``error`` set if it failed.
-        resume: what :meth:`load` does when there is nothing to resume (no pointer under
-            ``save_dirname``, no ``load_path``). ``"auto"``: train from scratch, logged at WARNING
-            with the URL. ``"required"``: raise :class:`~dcp_fsspec.errors.CheckpointNotFoundError`
-            naming it (a job that must continue a run, never restart it).
 
     Raises:
-        ValueError: an unknown ``async_mode``, ``drain`` or ``resume``, ``keep_last_n`` or
-            ``keep_last_n_local`` below 1, or both ``load_training_state`` and
-            ``only_load_scheduler_state``; an unknown ``compression``, or a
-            ``compression_level`` without one.
-        MissingDriverError: ``compression="zstd"`` without the ``zstandard`` package.
+        ValueError: an unknown ``async_mode``, or ``keep_last_n`` below 1.
         InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
     """
 
@@ -158,89 +108,58 @@ class Checkpointer:
         save_dirname: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         *,
-        async_mode: str = "disabled",
+        async_mode: str = ASYNC_DISABLED,
         keep_last_n: int | None = None,
-        load_path: str | os.PathLike[str] | None = None,
-        load_storage_options: dict[str, Any] | None = None,
-        load_training_state: bool = False,
-        only_load_scheduler_state: bool = False,
-        strict_resume: bool = True,
-        load_optimizer: bool = True,
-        keys_not_to_resume: tuple[str, ...] | list[str] = (),
+        resume: ResumeOptions | None = None,
+        local_tier: LocalTier | None = None,
         overwrite: bool = False,
         process_group: dist.ProcessGroup | None = None,
         verify_before_commit: bool = False,
-        on_save_start: Callback | None = None,
-        on_save_end: Callback | None = None,
-        on_load_end: Callback | None = None,
+        on_event: Callback | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         writer_settings: WriterSettings | None = None,
         reader_settings: ReaderSettings | None = None,
         trust_checkpoint: bool = False,
-        compression: str | None = None,
-        compression_level: int | None = None,
-        local_dirname: str | os.PathLike[str] | None = None,
-        local_storage_options: dict[str, Any] | None = None,
-        keep_last_n_local: int = 1,
-        drain: str = DRAIN_EVERY,
-        on_drain_end: Callback | None = None,
-        resume: str = "auto",
     ) -> None:
-        if resume not in RESUME_MODES:
-            raise ValueError(f"resume={resume!r} is not supported; choose one of {list(RESUME_MODES)}")
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
         if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None (keep all) or an int >= 1, got {keep_last_n!r}")
-        if isinstance(keep_last_n_local, bool) or not isinstance(keep_last_n_local, int) or keep_last_n_local < 1:
-            raise ValueError(f"keep_last_n_local must be an int >= 1, got {keep_last_n_local!r}")
-        if drain not in DRAIN_POLICIES:
-            raise ValueError(f"drain={drain!r} is not supported; choose one of {list(DRAIN_POLICIES)}")
-        if isinstance(keys_not_to_resume, str):
-            raise TypeError(f"keys_not_to_resume must be a list of keys, got the string {keys_not_to_resume!r}")
-        if load_training_state and only_load_scheduler_state:
-            raise ValueError(
-                f"Checkpointer({redact_url(os.fspath(save_dirname))!r}): load_training_state=True loads every key from "
-                "load_path, the scheduler included, and only_load_scheduler_state=True only the model and "
-                "the scheduler; pass one of them"
-            )
+        resume = resume or ResumeOptions()
+        for key in resume.keys_not_to_resume:
+            layout.check_key(key)
         self._root = resolve(save_dirname, storage_options, retry=retry)
-        self._storage_options = dict(storage_options or {})
-        load_options = dict((storage_options if load_storage_options is None else load_storage_options) or {})
-        self._load_root = resolve(load_path, load_options, retry=retry) if load_path is not None else None
         self._async_mode = async_mode
-        self._retry = retry
-        self._reader_settings = reader_settings or ReaderSettings()
-        self._trust_checkpoint = trust_checkpoint
-        self._resume_options = ResumeOptions(load_training_state, only_load_scheduler_state, strict_resume)
-        self._load_optimizer = load_optimizer
-        self._resume = resume
-        self._keys_not_to_resume = tuple(layout.check_key(k) for k in keys_not_to_resume)
+        self._on_event = on_event
         self._collectives = Collectives(process_group)
-        self._callbacks = {
-            "save_start": on_save_start, "save_end": on_save_end, "load_end": on_load_end, "drain_end": on_drain_end,
-        }  # fmt: skip
         self._tiers: TwoTiers | None = None
         # Where save() commits: save_dirname, or this rank's local tier (whose retention TwoTiers
         # applies), over the ranks that tier spans.
         self._save_root = self._root
         save_collectives = self._collectives
-        if local_dirname is not None:
+        if local_tier is not None:
             self._tiers = TwoTiers(
-                resolve(local_dirname, local_storage_options, retry=retry), self._root, self._collectives,
-                keep_last_n_local=keep_last_n_local, keep_last_n=keep_last_n, drain=drain,
-                on_drain_end=lambda event: report(event, self._callbacks["drain_end"]),
+                resolve(local_tier.dirname, local_tier.storage_options, retry=retry), self._root, self._collectives,
+                keep_last_n_local=local_tier.keep_last_n, keep_last_n=keep_last_n, drain=local_tier.drain,
+                on_drain_end=lambda event: report(event, self._on_event),
             )  # fmt: skip
             self._save_root, save_collectives = self._tiers.local, self._tiers.save_collectives
             _EXIT_HOOK.register(self)  # a drain in flight at exit is waited for
+        load_options = resume.load_storage_options if resume.load_storage_options is not None else storage_options
+        self._loading = LoadPipeline(
+            self._root,
+            load_root=None if resume.load_path is None else resolve(resume.load_path, load_options, retry=retry),
+            collectives=self._collectives, options=resume, reader_settings=reader_settings or ReaderSettings(),
+            retry=retry, trust_checkpoint=trust_checkpoint, tiers=self._tiers, on_event=on_event,
+        )  # fmt: skip
         self._save_settings = SaveSettings(
             self._save_root.secret_url,  # the background process connects by itself: keep the password
-            self._storage_options if local_dirname is None else dict(local_storage_options or {}),
-            keep_last_n=keep_last_n if local_dirname is None else None,
+            dict((storage_options if local_tier is None else local_tier.storage_options) or {}),
+            keep_last_n=keep_last_n if local_tier is None else None,
             overwrite=overwrite,
             verify_before_commit=verify_before_commit,
             retry=retry,
-            writer=(writer_settings or WriterSettings()).with_compression(compression, compression_level),
+            writer=writer_settings or WriterSettings(),
         )
         self._pending_end: tuple[int, tuple[str, ...], int, float] | None = None  # async save in flight
         self._save_collectives = save_collectives
@@ -264,7 +183,7 @@ class Checkpointer:
         """Save every keyword as ``{save_dirname}/iter_{iteration:09d}/{key}/`` and commit it.
 
         Returns once the iteration is committed and the pointer names it (unless a newer one
-        was already named; the pointer never moves backwards). With ``local_dirname``, that is
+        was already named; the pointer never moves backwards). With a ``local_tier``, that is
         the local tier's commit and pointer; the durable copy follows in the background.
 
         Args:
@@ -311,7 +230,7 @@ class Checkpointer:
         """Block until the asynchronous save in flight (if any) is committed; raise its error.
 
         Also wait until the files of iterations retention let go of are deleted; with
-        ``local_dirname``, until the drain to ``save_dirname`` is done.
+        ``local_tier``, until the drain to ``save_dirname`` is done.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first; the save is still in flight.
@@ -345,7 +264,7 @@ class Checkpointer:
     def _report(self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0) -> None:
         url = self._save_root.url_of(layout.iteration_path(self._save_root, iteration))
         tier = None if self._tiers is None else LOCAL
-        report(CheckpointEvent(kind, iteration, url, keys, nbytes, seconds, tier=tier), self._callbacks[kind])
+        report(CheckpointEvent(kind, iteration, url, keys, nbytes, seconds, tier=tier), self._on_event)
 
     def _surviving(self, call: Callable[[], None]) -> None:
         """Run ``call``; if the background process died, forget it so the next save starts another."""
@@ -390,7 +309,7 @@ class Checkpointer:
         """Restore every keyword in place and return the iteration to continue from.
 
         In order: 1) the iteration ``latest_checkpoint.txt`` names under ``save_dirname``, every
-        key given that it saved; 2) else ``load_path`` (``model`` only, also ``scheduler`` with
+        key given that it saved; 2) else ``resume.load_path`` (``model`` only, also ``scheduler`` with
         ``only_load_scheduler_state``, or every key with ``load_training_state``); 3) else
         nothing: a fresh run, iteration 0, logged as a warning if ``save_dirname`` holds
         anything. The rules in full: :mod:`.resume`.
@@ -406,7 +325,7 @@ class Checkpointer:
         Raises:
             ValueError: ``keys_not_to_resume`` names a key not given here.
             CheckpointNotFoundError: the pointer (or ``iteration``) names a missing or uncommitted
-                folder, or (with ``strict_resume``) the checkpoint lacks a key given here.
+                folder, or (with ``ResumeOptions.strict``) the checkpoint lacks a key given here.
             CorruptCheckpointError: the pointer does not hold an iteration folder name.
             CheckpointMismatchError: a key's tensors do not fit the live objects.
             CorruptCheckpointError: a file of the checkpoint is damaged; the message names the
@@ -416,226 +335,7 @@ class Checkpointer:
         if iteration is not None:
             layout.format_iteration(iteration)
         self._wait_local()  # an asynchronous save in flight lands first
-        for key in state:
-            layout.check_key(key)
-        unknown = sorted(set(self._keys_not_to_resume) - set(state))
-        if unknown:
-            raise ValueError(
-                f"keys_not_to_resume names {unknown}, which load() was not given (given: {sorted(state)}) "
-                f"for {self.url}; fix the key names"
-            )
-        wanted = [
-            k for k, v in state.items()
-            if k not in self._keys_not_to_resume
-            and (self._load_optimizer or (k != OPTIMIZER_KEY and not state_mod.is_optimizer(v)))
-        ]
-        options = self._resume_options
-        if self._tiers is not None:
-            resumed = self._load_from_local_tier(iteration, wanted, state)
-            if resumed is not None:
-                return resumed
-
-        def plan_on_rank0() -> resume.ResumePlan | None:
-            facts = resume.gather(
-                self._root, self._load_root, wanted, options, self._reader_settings,
-                iteration=iteration, trust_checkpoint=self._trust_checkpoint,
-            )  # fmt: skip
-            plan = resume.plan_resume(facts, wanted, options)
-            if plan is None:
-                self._start_fresh(facts.leftovers)
-            return plan if plan is None or not self._collectives.distributed else plan.without_metadata()
-
-        plan = self._collectives.run_on_rank0(plan_on_rank0)
-        if plan is None:
-            return 0
-        source = self._load_root if plan.from_load_path else self._root
-        assert source is not None  # a plan from load_path was made from it
-        tier = None if self._tiers is None or plan.from_load_path else DURABLE
-        resumed = self._load_plan(plan, source, state, tier=tier)
-        if tier == DURABLE:
-            assert self._tiers is not None
-            self._tiers.forget_newer_than(resumed)
-        return resumed
-
-    def _start_fresh(self, leftovers: str | None) -> None:
-        """Say that nothing was resumed, at WARNING; raise instead with ``resume="required"``."""
-        if leftovers:
-            found = f"it holds {leftovers}"
-            advice = "if you meant another save_dirname, fix it; to start over here, empty the folder"
-        else:
-            found = "it is empty or does not exist, and there is no load_path"
-            advice = "if you meant to resume, check save_dirname for a typo"
-        if self._resume == "required":
-            raise CheckpointNotFoundError(
-                f"nothing to resume under {self.url}: {found}; {advice} (resume='required' refuses to train from scratch)"
-            )
-        logger.warning(
-            "nothing to resume under %s: %s; training from scratch at iteration 0. %s "
-            "(resume='required' makes this an error)", self.url, found, advice[0].upper() + advice[1:],
-        )  # fmt: skip
-
-    def _load_plan(
-        self, plan: resume.ResumePlan, source: Location, state: dict[str, Any], *, tier: str | None,
-        alone: bool = False,
-    ) -> int:  # fmt: skip
-        """Restore ``plan``'s keys into ``state``; return its iteration.
-
-        ``source``: where the plan was found (``save_dirname``, ``load_path`` or the local tier):
-        every key's reader uses its filesystem rather than building one from the key's URL.
-
-        ``alone``: each rank reads a checkpoint of its own (a per-node local tier): DCP runs
-        without collectives, every rank checks that its copy covers what it loads, and the
-        ranks still agree on every failure before anything is restored.
-        """
-        if self._collectives.rank == 0:
-            for level, note in plan.notes:
-                logger.log(level, note)
-        # The model first: optimizers are restored by the names of its parameters.
-        reader_options = dict(
-            fs=source.fs, retry=self._retry,
-            trust_checkpoint=self._trust_checkpoint, **self._reader_settings.as_kwargs(),
-        )  # fmt: skip
-        ordered = [(k, plan.keys[k]) for k in sorted(plan.keys, key=lambda k: k != MODEL_KEY)]
-        start, nbytes = time.perf_counter(), 0
-        applied: list[str] = []
-        try:
-            # Every key is checked on every rank before the first is applied (preflight.py).
-            checked = preflight.check_keys(
-                ordered, state, model=state.get(MODEL_KEY), reader_options=reader_options,
-                new_planner=self._new_planner, collectives=self._collectives, alone=alone,
-            )  # fmt: skip
-            side_by_side = self._keys_at_once(checked)
-            if side_by_side:
-                self._read_keys_at_once(ordered, checked)
-            for key, where in ordered:
-                try:
-                    if not side_by_side:
-                        self._read_key(key, where, checked[key], alone=alone)
-                    state_mod.restore(key, state[key], checked[key].state_dict, model=state.get(MODEL_KEY),
-                                      strict=self._resume_options.strict_resume)  # fmt: skip
-                except CorruptCheckpointError as e:
-                    raise preflight.partly_loaded(e, key, applied) from e
-                applied.append(key)
-                nbytes += tensor_nbytes(checked[key].state_dict)
-        except CorruptCheckpointError as e:
-            if plan.from_load_path or tier == LOCAL:
-                raise
-            raise self._with_fallback_advice(e, plan.iteration) from e
-        event = CheckpointEvent("load_end", plan.iteration, plan.source, tuple(plan.keys), nbytes,
-                                time.perf_counter() - start, tier=tier)
-        report(event, self._callbacks["load_end"])
-        if self._collectives.rank == 0:
-            logger.info("resumed %s from %s%s", sorted(plan.keys), plan.source, "" if tier is None else f" ({tier} tier)")
-        return plan.iteration
-
-    def _load_from_local_tier(self, iteration: int | None, wanted: list[str], state: dict[str, Any]) -> int | None:
-        """Resume from the local tier if every rank has the iteration to resume there; else None.
-
-        A damaged local copy (a checksum error on any rank) is logged, and None sends ``load``
-        to the durable tier.
-        """
-        assert self._tiers is not None
-        choice, durable_latest = self._tiers.choose(iteration, trust_checkpoint=self._trust_checkpoint)
-        if choice is None or choice[1] != LOCAL:
-            return None
-        local, options = self._save_root, self._resume_options
-        plan: resume.ResumePlan | None = None
-        error: Exception | None = None
-        try:  # each rank its own local tier
-            facts = resume.gather(local, None, wanted, options, self._reader_settings, iteration=choice[0],
-                                  trust_checkpoint=self._trust_checkpoint)  # fmt: skip
-            plan = resume.plan_resume(facts, wanted, options)
-        except Exception as e:  # re-raised below, on every rank
-            error = e
-        self._collectives.raise_if_any_failed(error)
-        assert plan is not None
-        per_node = self._tiers.per_node
-        try:
-            resumed = self._load_plan(plan, local, state, tier=LOCAL, alone=per_node)
-        except CorruptCheckpointError as e:
-            if self._collectives.rank == 0:
-                logger.warning("the local copy %s is damaged (%s); resuming from the durable tier %s instead",
-                               plan.source, e, self.url)  # fmt: skip
-            return None
-        except CheckpointMismatchError as e:
-            if not per_node:
-                raise  # one copy for all ranks, the same as the durable one: it would not fit either
-            # A rank's own copy holds its share as saved; another sharding (world size) needs others'.
-            if self._collectives.rank == 0:
-                logger.warning("the local copies under %s do not hold what every rank loads (%s); resuming from "
-                               "the durable tier %s instead", self._tiers.local.url, e, self.url)  # fmt: skip
-            return None
-        self._tiers.forget_newer_than(resumed)
-        self._tiers.resumed_locally(resumed, durable_latest)
-        return resumed
-
-    def _keys_at_once(self, checked: dict[str, preflight.CheckedKey]) -> bool:
-        """Whether the keys may be read side by side: as the save writes them (see
-        :meth:`.pipeline.SavePipeline._keys_at_once`), on one rank and while the whole state fits
-        one reader's window, so that several readers hold no more memory than one would; and
-        where a read costs a round trip (on local disk one key's reader has its own threads)."""
-        return (
-            len(checked) > 1
-            and not self._collectives.distributed
-            and not all(c.reader.location.answers_locally for c in checked.values())
-            and sum(tensor_nbytes(c.state_dict) for c in checked.values()) <= self._reader_settings.window_bytes
-        )
-
-    def _read_keys_at_once(self, ordered: list[tuple[str, KeyToLoad]], checked: dict[str, preflight.CheckedKey]) -> None:
-        """One rank: read every key's data at once (keys are independent DCP checkpoints, so a
-        small load costs the round trips of one key); they are restored afterwards, in order.
-
-        Raises:
-            CorruptCheckpointError: a key's data is damaged (the first in order, named as partly
-                loaded); the keys before it are named as restored (their tensors were read in
-                place), and those after it may be partly loaded too.
-        """
-        def read(key: str, where: KeyToLoad) -> CorruptCheckpointError | None:
-            try:
-                self._read_key(key, where, checked[key], alone=False)
-            except CorruptCheckpointError as e:
-                return e
-            return None
-
-        errors = at_once([partial(read, key, where) for key, where in ordered])
-        for i, ((key, _), error) in enumerate(zip(ordered, errors, strict=True)):
-            if error is not None:
-                raise preflight.partly_loaded(error, key, [k for k, _ in ordered[:i]]) from error
-
-    def _read_key(self, key: str, where: KeyToLoad, checked: preflight.CheckedKey, *, alone: bool) -> None:
-        """Read one checked key's tensors into its state dict (``alone``: see :meth:`_load_plan`)."""
-        error: Exception | None = None
-        try:
-            dcp.load(
-                checked.target,
-                storage_reader=checked.reader,
-                planner=checked.planner,
-                process_group=None if alone else self._collectives.group,
-                no_dist=alone or not self._collectives.distributed,
-            )
-        except CheckpointException as e:
-            action = f"loading key {key!r} from {where.url}"
-            error = unwrap_dcp(e, action, mismatch=True, metadata_failure=checked.reader.metadata_failure)
-            error.__cause__ = e  # as `raise … from e` would
-        if alone:
-            # Without DCP's collectives one rank's damaged copy fails that rank alone: agree
-            # before restoring, whose collectives (FSDP) every rank must enter or none.
-            self._collectives.raise_if_any_failed(error)
-        elif error is not None:
-            raise error
-
-    def _new_planner(self) -> preflight.CheckedPlanner:
-        return preflight.CheckedPlanner(allow_partial_load=not self._resume_options.strict_resume, trust_checkpoint=self._trust_checkpoint)
-
-    def _with_fallback_advice(self, error: CorruptCheckpointError, iteration: int) -> CorruptCheckpointError:
-        """``error``, saying which older committed iteration ``load(iteration=…)`` can resume instead."""
-        older = [i for i in commit.committed_iterations(self._root) if i < iteration]
-        advice = (
-            f"; to resume from the previous committed iteration instead, call load(iteration={older[-1]}, ...)"
-            if older
-            else f"; no older committed iteration is under {self.url} to fall back to"
-        )
-        return type(error)(f"{error}{advice}")
+        return self._loading.run(iteration, state)
 
     # -- inspection and lifetime --------------------------------------------------------------
 
@@ -657,7 +357,7 @@ class Checkpointer:
     def finalize(self) -> None:
         """Finish pending work and release resources; later saves and loads are errors.
 
-        Safe to call twice. The ``with`` statement calls it on exit. With ``local_dirname`` it
+        Safe to call twice. The ``with`` statement calls it on exit. With a ``local_tier`` it
         waits for the drain, and raises :class:`~dcp_fsspec.errors.DrainError` if it failed.
         """
         if not self._closed:

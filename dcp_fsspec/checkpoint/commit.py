@@ -417,10 +417,14 @@ def require_loadable(
 def _not_committed(root: Location, iteration: int, reason: str, named_by: str) -> CheckpointNotFoundError:
     folder = root.url_of(layout.iteration_path(root, iteration))
     committed = [layout.format_iteration(i) for i in committed_iterations(root)]
+    if named_by != pointer_url(root):  # load(iteration=N): another N is the way out
+        advice = "Load one of those (load(iteration=N))" if committed else "Save one first"
+    else:
+        advice = (
+            f"Restore that folder, or rewrite {POINTER_NAME} to name a committed iteration (or delete it to start over)"
+        )
     return CheckpointNotFoundError(
-        f"{named_by} names {folder}, which {reason}; committed iterations there: "
-        f"{committed or 'none'}. Restore that folder, or rewrite {POINTER_NAME} to name a "
-        "committed iteration (or delete it to start over)"
+        f"{named_by} names {folder}, which {reason}; committed iterations there: {committed or 'none'}. {advice}"
     )
 
 

@@ -49,12 +49,10 @@ from ..storage.urls import Location
 from . import commit, layout, retention
 from .events import CheckpointEvent
 from .merge import merge_metadata, rank_file_name
+from .options import DRAIN_EVERY, DRAIN_LATEST, DRAIN_POLICIES
 
 logger = logging.getLogger(__name__)
 
-DRAIN_EVERY = "every"
-DRAIN_LATEST = "latest"
-DRAIN_POLICIES = (DRAIN_EVERY, DRAIN_LATEST)
 # Not copied: the durable commit writes its own record, and the claim belongs to the local save.
 _NOT_COPIED = frozenset({COMMIT_RECORD_NAME, commit.CLAIM_NAME})
 # A rank's data files, plain or with the save's token (storage/writer.py: ``_prefix``).

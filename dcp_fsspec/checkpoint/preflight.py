@@ -167,7 +167,7 @@ class _CheckedReader(FsspecStorageReader):
             raise CheckpointMismatchError(
                 f"the checkpoint at {self.location.url} does not fit the state given to load(): "
                 f"{type(e).__name__}: {e}; nothing was loaded. Load it into the model it was saved from "
-                "(same parameter names and shapes), or pass strict_resume=False to skip missing entries"
+                "(same parameter names and shapes), or pass ResumeOptions(strict=False) to skip missing entries"
             ) from e
         problem = _uncovered(planner, plan, metadata) if covered else None
         if problem is not None:

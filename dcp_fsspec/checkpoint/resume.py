@@ -28,6 +28,7 @@ from ..storage.reader import FsspecStorageReader
 from ..storage.settings import ReaderSettings
 from ..storage.urls import Location
 from . import commit, layout
+from .options import ResumeOptions
 
 MODEL_KEY = "model"
 SCHEDULER_KEY = "scheduler"
@@ -84,15 +85,6 @@ class ResumeFacts:
     save_dirname: Found | None
     load_path: Found | None = None
     leftovers: str | None = None
-
-
-@dataclass(frozen=True)
-class ResumeOptions:
-    """The Checkpointer's options that the resume rules depend on (see its docstring)."""
-
-    load_training_state: bool = False
-    only_load_scheduler_state: bool = False
-    strict_resume: bool = True
 
 
 @dataclass(frozen=True)
@@ -272,7 +264,7 @@ def plan_resume(facts: ResumeFacts, wanted: Sequence[str], options: ResumeOption
 
     Raises:
         CheckpointNotFoundError: ``load_path`` holds no checkpoint of the keys it should provide,
-            or (with ``strict_resume``) the checkpoint read lacks a key wanted; the message names
+            or (with ``strict``) the checkpoint read lacks a key wanted; the message names
             the URL.
     """
     own, found = facts.save_dirname, facts.load_path
@@ -342,9 +334,9 @@ def _missing(
     """Keys wanted that the checkpoint lacks: an error if strict, else a note to log."""
     if not missing:
         return ()
-    if options.strict_resume:
+    if options.strict:
         raise CheckpointNotFoundError(
             f"checkpoint {where} has no key(s) {missing} (it holds {sorted(saved)}); "
-            f"{fix or 'pass strict_resume=False to skip them, or list them in keys_not_to_resume'}"
+            f"{fix or 'pass ResumeOptions(strict=False) to skip them, or list them in keys_not_to_resume'}"
         )
     return ((logging.INFO, f"checkpoint {where} has no key(s) {missing}; they keep their current values"),)

@@ -26,6 +26,7 @@ import ray.train  # noqa: E402
 
 from ..checkpoint import Checkpointer  # noqa: E402
 from ..checkpoint.layout import format_iteration, parse_iteration  # noqa: E402
+from ..checkpoint.options import ResumeOptions  # noqa: E402
 from ..errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
 from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
@@ -77,8 +78,8 @@ class RayTrainCheckpointer:
         load_path: where a run that has no checkpoint of its own starts from (Ray Train v2's
             replacement for ``resume_from_checkpoint``): another run's ``result.checkpoint``,
             or the URL of an iteration folder; read with ``storage_options``.
-        writer_settings, reader_settings, retry, trust_checkpoint, compression,
-            verify_before_commit: as the :class:`~dcp_fsspec.Checkpointer`'s.
+        writer_settings, reader_settings, retry, trust_checkpoint, verify_before_commit: as the
+            :class:`~dcp_fsspec.Checkpointer`'s (compression goes in ``writer_settings``).
 
     Raises:
         RuntimeError: not in a Ray Train worker (Ray's own error).
@@ -95,7 +96,6 @@ class RayTrainCheckpointer:
         reader_settings: ReaderSettings | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         trust_checkpoint: bool = False,
-        compression: str | None = None,
         verify_before_commit: bool = False,
     ) -> None:
         context = ray.train.get_context()
@@ -106,9 +106,9 @@ class RayTrainCheckpointer:
         if isinstance(load_path, ray.train.Checkpoint):
             load_path = _fsspec_url(load_path.filesystem, load_path.path)
         self.checkpointer = Checkpointer(
-            _fsspec_url(self._filesystem, self._path), storage_options, load_path=load_path,
-            load_training_state=True, overwrite=True, retry=retry, writer_settings=writer_settings,
-            reader_settings=reader_settings, trust_checkpoint=trust_checkpoint, compression=compression,
+            _fsspec_url(self._filesystem, self._path), storage_options,
+            resume=ResumeOptions(load_path=load_path, load_training_state=True), overwrite=True, retry=retry,
+            writer_settings=writer_settings, reader_settings=reader_settings, trust_checkpoint=trust_checkpoint,
             verify_before_commit=verify_before_commit,
         )  # fmt: skip
 

@@ -53,29 +53,17 @@ class WriterSettings(_Keywords):
     compression: str | None = None
     compression_level: int | None = None
 
-    def with_compression(self, compression: str | None, level: int | None) -> WriterSettings:
-        """These settings with ``compression`` and ``level`` where given (not ``None``), checked now.
+    def __post_init__(self) -> None:
+        """Check the compression now, not at the first save.
 
         Raises:
-            ValueError: an unknown compression, a level without one, or a compression that
-                differs from one these settings already name.
+            ValueError: an unknown compression, or a level without one.
             MissingDriverError: ``"zstd"`` without the ``zstandard`` package.
         """
-        if compression is None and level is None:
-            return self
-        if self.compression is not None and compression is not None and compression != self.compression:
-            raise ValueError(
-                f"compression={compression!r} differs from writer_settings.compression={self.compression!r}; give one"
-            )
-        merged = dataclasses.replace(
-            self,
-            compression=compression or self.compression,
-            compression_level=self.compression_level if level is None else level,
-        )
-        from .transforms import compression_extensions  # torch: only for those who compress
+        if self.compression is not None or self.compression_level is not None:
+            from .transforms import compression_extensions  # torch: only for those who compress
 
-        compression_extensions(merged.compression, merged.compression_level)  # fail here, not at the first save
-        return merged
+            compression_extensions(self.compression, self.compression_level)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, SafeLoadPlanner, cli
+from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, ResumeOptions, SafeLoadPlanner, cli
 from dcp_fsspec.storage.verification import verify_checkpoint
 from dcp_fsspec.tools.convert import load_state_dict
 from tests.conftest import Backend
@@ -68,7 +68,7 @@ def test_a_crafted_metadata_runs_no_code_through_load_path(local_backend: Backen
     source = local_backend.sub("downloaded")
     save(_model().state_dict(), local_backend, source)
     url = edit_metadata(local_backend, source, smuggle(obj))
-    with Checkpointer(local_backend.sub("run"), load_path=source) as ckpt, pytest.raises(CorruptCheckpointError) as info:
+    with Checkpointer(local_backend.sub("run"), resume=ResumeOptions(load_path=source)) as ckpt, pytest.raises(CorruptCheckpointError) as info:
         ckpt.load(model=_model())
     _assert_refused(info.value, url, name, marker)
 
@@ -158,7 +158,7 @@ def test_checkpoints_of_torch_writers_and_ours_load_with_the_safe_defaults(write
     else:  # FileSystemWriter stores its folder as given, a pathlib path included
         path = source if writer.endswith("(Path)") else str(source)
         dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=True)
-    with Checkpointer(tmp_path / "run", load_path=source) as ckpt:
+    with Checkpointer(tmp_path / "run", resume=ResumeOptions(load_path=source)) as ckpt:
         target = empty_like_state(state)
         assert ckpt.load(model=target) == 0
     assert_state_equal(target, state)

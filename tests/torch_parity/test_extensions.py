@@ -23,7 +23,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.testing._internal.distributed.checkpoint_utils import Rot13Example, get_test_extension_registry
 
-from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, FsspecStorageWriter, MissingDriverError
+from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, FsspecStorageWriter, MissingDriverError, WriterSettings
 from dcp_fsspec.storage import transforms
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
@@ -252,7 +252,7 @@ def test_bad_compression_arguments_are_refused() -> None:
 @needs_zstd
 def test_checkpointer_compression_round_trips_bit_exact(backend: Backend) -> None:
     state = sample_state()
-    with Checkpointer(backend.url, backend.storage_options, compression="zstd", compression_level=3) as ckpt:
+    with Checkpointer(backend.url, backend.storage_options, writer_settings=WriterSettings(compression="zstd", compression_level=3)) as ckpt:
         ckpt.save(10, model=state, trainer={"step": 10})
     target = empty_like_state(state)
     with Checkpointer(backend.url, backend.storage_options) as ckpt:
@@ -266,7 +266,7 @@ def test_checkpointer_compression_round_trips_bit_exact(backend: Backend) -> Non
 @needs_zstd
 def test_torch_loads_a_key_the_compressing_checkpointer_saved(local_backend: Backend) -> None:
     state = {"w": torch.randn(300, 7), "b": torch.arange(9)}
-    with Checkpointer(local_backend.url, compression="zstd") as ckpt:
+    with Checkpointer(local_backend.url, writer_settings=WriterSettings(compression="zstd")) as ckpt:
         ckpt.save(1, model=state)
     target = {"w": torch.zeros(300, 7), "b": torch.zeros(9, dtype=torch.int64)}
     dcp.load(target, storage_reader=FileSystemReader(Path(local_backend.url, "iter_000000001", "model")), no_dist=True)
@@ -293,7 +293,7 @@ def test_the_planner_gets_every_decompressed_record_on_the_loading_thread(local_
 @needs_zstd
 def test_the_background_process_of_async_saves_compresses_too(local_backend: Backend) -> None:
     state = {"w": torch.randn(256, 64), "b": torch.arange(9)}
-    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem", compression="zstd", compression_level=1) as ckpt:
+    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem", writer_settings=WriterSettings(compression="zstd", compression_level=1)) as ckpt:
         ckpt.save(2, model=state)
         ckpt.wait()
     metadata = FileSystemReader(Path(local_backend.url, "iter_000000002", "model")).read_metadata()
