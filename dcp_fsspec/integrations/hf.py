@@ -134,7 +134,9 @@ class FsspecTrainer(Trainer):
             named = self.checkpointer.latest_checkpoint()
             if named is None:
                 raise CheckpointNotFoundError(
-                    f"nothing to resume from: no committed iteration at {url}; train without resume_from_checkpoint first"
+                    f"nothing to resume from: no committed iteration at {url}. On a run's first start pass "
+                    "resume_from_checkpoint=trainer.checkpointer.latest_checkpoint() (None until a save commits), "
+                    "as get_last_checkpoint(output_dir) is used with the Trainer's own checkpoints"
                 )
             inside = True
         else:

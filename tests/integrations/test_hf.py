@@ -118,8 +118,10 @@ def test_trainer_resumes_from_the_url_bit_identical_and_keeps_save_total_limit(
 
 def test_resume_true_takes_the_newest_and_errors_name_the_url(local_backend: Backend, tmp_path: Path) -> None:
     empty = _trainer(tmp_path / "empty", local_backend)
-    with pytest.raises(CheckpointNotFoundError, match="no committed iteration"):
+    with pytest.raises(CheckpointNotFoundError, match="no committed iteration") as raised:
         empty.train(resume_from_checkpoint=True)
+    # As HF's own Trainer raises for output_dir; the message says what a first start passes.
+    assert local_backend.url in str(raised.value) and "latest_checkpoint()" in str(raised.value)
     with pytest.raises(InvalidURLError, match="not an iteration of"):
         empty.train(resume_from_checkpoint=local_backend.sub("elsewhere"))
     _trainer(tmp_path / "first", local_backend, _StopAt()).train()
@@ -128,7 +130,7 @@ def test_resume_true_takes_the_newest_and_errors_name_the_url(local_backend: Bac
     with pytest.raises(InvalidURLError, match="not an iteration of"):
         empty.train(resume_from_checkpoint=str(tmp_path / "other" / f"iter_{STOP:09d}"))
     resumed = _trainer(tmp_path / "resumed", local_backend)
-    resumed.train(resume_from_checkpoint=True)
+    resumed.train(resume_from_checkpoint=resumed.checkpointer.latest_checkpoint())  # what the README shows
     assert resumed.state.global_step == STEPS
     empty.checkpointer.finalize()
     resumed.checkpointer.finalize()
