@@ -479,8 +479,11 @@ def test_a_failed_delete_is_logged_and_retried_at_the_next_save(
 
     real_rm = fs.rm
 
-    def broken_rm(path: str, recursive: bool = False, maxdepth: int | None = None) -> None:
-        if path.rstrip("/").endswith("iter_000000001"):
+    def broken_rm(path: str | list[str], recursive: bool = False, maxdepth: int | None = None) -> None:
+        # Deletes come one path at a time or as a list (a bulk delete): the old iteration's
+        # folder is refused either way; its commit record is not.
+        paths = [path] if isinstance(path, str) else path
+        if any(p.rstrip("/").endswith("iter_000000001") for p in paths):
             raise PermissionError(f"denied: {path}")
         real_rm(path, recursive=recursive, maxdepth=maxdepth)
 
