@@ -1,6 +1,8 @@
 """Every Python code block of README.md and docs/ runs as a user would paste it.
 
-Each ```python block runs as a script of its own, in a fresh process and an empty folder. A block
+Each ```python block runs as a script of its own, in a fresh process and an empty folder. The
+README's blocks run in every suite; those of docs/ run with the slow cases (each process imports
+torch, which takes seconds), and a block that repeats an earlier one runs only there. A block
 with ``title="name.py"`` is a script file: it is written under that name and run with the
 ``torchrun`` command of the next ```bash block that names it (2 gloo ranks, twice: a run, then a
 resumed one). An HTML comment on the line before a block marks it: ``<!-- not run: why -->``
@@ -69,11 +71,24 @@ def collect(path: Path, root: Path = ROOT) -> list[Block]:
             command = next((c for body in later for c in body.splitlines() if "torchrun" in c and script in c), "")
             mark = "slow" if mark == "run" else mark
         relative = str(path.relative_to(root))
+        if mark == "run" and relative != "README.md":
+            mark, why = "slow", "a docs/ page"
         blocks.append(Block(relative, line, fence["body"], mark, why, script, command))
     return blocks
 
 
-BLOCKS = [block for page in _pages() for block in collect(page)]
+def unique(blocks: list[Block]) -> list[Block]:
+    """The blocks, each code only once: where it repeats, its first place stands for it."""
+    seen: set[str] = set()
+    kept = []
+    for block in blocks:
+        if block.code not in seen:
+            seen.add(block.code)
+            kept.append(block)
+    return kept
+
+
+BLOCKS = unique([block for page in _pages() for block in collect(page)])
 
 
 def _missing_module(code: str) -> str | None:
@@ -129,22 +144,23 @@ def test_the_code_block_runs_as_pasted(block: Block, tmp_path: Path) -> None:
 def test_the_collector_finds_every_kind_of_block() -> None:
     """The pages hold runnable blocks, a torchrun script, and only marked blocks are left out."""
     kinds = {mark: sum(b.mark == mark for b in BLOCKS) for mark in ("run", "slow", "not run")}
-    assert kinds["run"] >= 5, kinds
+    assert kinds["run"] >= 2 and kinds["slow"] >= 5, kinds
     assert any(b.script and b.command for b in BLOCKS), "no torchrun example found"
     assert all(b.why for b in BLOCKS if b.mark == "not run"), "a block left out without a reason"
 
 
 def test_a_block_marked_not_run_is_told_apart_from_one_that_runs(tmp_path: Path) -> None:
-    """The collector reads the mark on the line before a fence, and only there."""
+    """The collector reads the mark on the line before a fence, and only there; a repeated block
+    counts once; outside README.md a block runs with the slow cases."""
     page = tmp_path / "page.md"
     page.write_text(
         "<!-- not run: needs a cluster -->\n```python\nraise SystemExit(1)\n```\n\n"
-        "text\n\n```python\nprint('ok')\n```\n"
+        "text\n\n```python\nprint('ok')\n```\n```python\nprint('ok')\n```\n"
         '```python title="job.py"\nprint(1)\n```\n```bash\ntorchrun --nproc-per-node 2 job.py\n```\n'
     )
-    blocks = collect(page, root=tmp_path)
+    blocks = unique(collect(page, root=tmp_path))
     assert [(b.mark, b.why, b.script) for b in blocks] == [
-        ("not run", "needs a cluster", ""), ("run", "", ""), ("slow", "", "job.py"),
+        ("not run", "needs a cluster", ""), ("slow", "a docs/ page", ""), ("slow", "", "job.py"),
     ]  # fmt: skip
     assert blocks[2].command == "torchrun --nproc-per-node 2 job.py"
 
