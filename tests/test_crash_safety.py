@@ -14,6 +14,7 @@ import itertools
 import multiprocessing
 import os
 import posixpath
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import torch
 
 from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, ResumeOptions, StorageError, WriterSettings
 from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
 from dcp_fsspec.storage.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
 from tests.conftest import Backend
@@ -36,16 +38,24 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:U
 KEEP_LAST_N = 2
 # Big enough for a multipart upload of two parts (the writer's parts are 16 MiB).
 BLOB_ELEMENTS = 5 * 1024 * 1024
+ITERATION_FOLDER = re.compile(r"iter_\d{9}")
 
 
-def _is_recursive_rm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    return args[1] == "rm" and bool(kwargs.get("recursive"))
+def _uncommitted_iterations_going(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A backend's ``remove_trees`` call for whole iteration folders whose records are gone."""
+    backend, paths = args[:2]
+    if not paths or not all(ITERATION_FOLDER.fullmatch(posixpath.basename(p.rstrip("/"))) for p in paths):
+        return False  # a take-over clearing a folder, say
+    return all(backend.read_versioned(posixpath.join(p, COMMIT_RECORD_NAME)).data is None for p in paths)
 
 
-def _delete_one_key_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Retention half done: one key of the old iteration deleted, the rest still there."""
-    root, _, folder = args[:3]
-    root.fs.rm(posixpath.join(folder, "model"), recursive=True)
+def _delete_part_of_it_first(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Retention half done: one bulk delete (on S3 one DeleteObjects, as the first batch of
+    several) took half of the old iteration's files; the rest are still there."""
+    backend, paths = args[:2]
+    files = sorted(backend.find(paths[0]))
+    assert len(files) >= 2, files
+    backend.remove_files(files[: len(files) // 2], within=kwargs["within"])
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,11 @@ class KillPoint:
         return self.target[backend] if isinstance(self.target, dict) else self.target
 
 
+# Where an old iteration's files are deleted, once its commit record is (retention, prune).
+REMOVE_TREES = {
+    "local": "dcp_fsspec.storage.backends.local:LocalBackend.remove_trees",
+    "s3": "dcp_fsspec.storage.backends.s3:S3Backend.remove_trees",
+}
 KILL_POINTS = {
     "a data file is half uploaded": KillPoint(
         {
@@ -88,12 +103,12 @@ KILL_POINTS = {
         "dcp_fsspec.checkpoint.retention:apply_retention", pointer_after=3
     ),
     "retention uncommitted an old iteration but did not delete it": KillPoint(
-        "dcp_fsspec.storage.backends.base:Backend.call", when=_is_recursive_rm, pointer_after=3
+        REMOVE_TREES, when=_uncommitted_iterations_going, pointer_after=3, backends=("local", "s3")
     ),
     "retention deleted part of an old iteration": KillPoint(
-        "dcp_fsspec.storage.backends.base:Backend.call",
-        when=_is_recursive_rm,
-        first=_delete_one_key_first,
+        REMOVE_TREES,
+        when=_uncommitted_iterations_going,
+        first=_delete_part_of_it_first,
         pointer_after=3,
         backends=("local", "s3"),
     ),
