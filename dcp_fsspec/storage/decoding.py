@@ -63,7 +63,12 @@ def metadata_url(location: Location, rank: int | None = None) -> str:
 
 
 def read_metadata(
-    location: Location, rank: int | None = None, *, trust_checkpoint: bool = False, extents: bool = True
+    location: Location,
+    rank: int | None = None,
+    *,
+    trust_checkpoint: bool = False,
+    extents: bool = True,
+    max_entries: int | None = None,
 ) -> Metadata:
     """Read, unpickle and check the ``.metadata`` of the DCP checkpoint at ``location``.
 
@@ -72,11 +77,13 @@ def read_metadata(
         rank: read ``__{rank}.metadata`` instead (saves made without collectives).
         trust_checkpoint: unpickle any class it names (see :func:`parse_metadata`).
         extents: check each record's offset and length too (see :func:`check_metadata`).
+        max_entries: refuse it past this many entries or records (see :func:`parse_metadata`).
 
     Raises:
         CheckpointNotFoundError: there is no ``.metadata``: no committed checkpoint here.
         CorruptCheckpointError: it is not DCP metadata, or names a class outside the allow-list
             (see :func:`parse_metadata`).
+        UsageError: it holds more than ``max_entries`` entries or records.
         StorageError: the backend failed.
     """
     path = location.join(metadata_name(rank))
@@ -91,10 +98,12 @@ def read_metadata(
             else f"{url!r} does not exist (the save never finished, or the URL is wrong)"
         )
         raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
-    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint, extents=extents)
+    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint, extents=extents, max_entries=max_entries)
 
 
-def parse_metadata(raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True) -> Metadata:
+def parse_metadata(
+    raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True, max_entries: int | None = None
+) -> Metadata:
     """Unpickle ``.metadata``'s bytes, read from ``url`` (named in errors), and check what they say.
 
     Unless ``trust_checkpoint``, only the classes DCP metadata consists of are unpickled
@@ -102,11 +111,15 @@ def parse_metadata(raw: bytes, url: str, *, trust_checkpoint: bool = False, exte
     is checked before any data file is opened (:func:`check_metadata`): a storage entry names a
     file inside the checkpoint folder, at an offset >= 0, with a length > 0.
 
+    The whole file is parsed into memory. ``max_entries`` bounds that: past that many state-dict
+    entries, or that many records, the parse stops.
+
     Raises:
         CorruptCheckpointError: the bytes do not unpickle, name a class outside the allow-list,
             or hold something else than well-formed DCP ``Metadata``.
+        UsageError: it holds more than ``max_entries`` entries or records.
     """
-    metadata = unpickle_metadata(raw, url, trust_checkpoint=trust_checkpoint)
+    metadata = unpickle_metadata(raw, url, trust_checkpoint=trust_checkpoint, max_entries=max_entries)
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url!r} does not hold DCP metadata (found {type(metadata).__name__})")
     check_metadata(metadata, url, extents=extents)

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UsageError
+from .collector import collector_paused
 
 # module → names a DCP ``.metadata`` may refer to, each harmless to call with any arguments:
 # dataclasses and an enum of DCP's own, torch.Size, torch's layout lookup, plain containers, and a
@@ -61,14 +62,31 @@ TRUST_HINT = (
 )
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` whose ``find_class`` admits :data:`METADATA_CLASSES` and torch's constants."""
+# What ``max_entries`` counts: the state dict's entries, and the records that store them.
+_COUNTED: dict[tuple[str, str], str] = {
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"): "entries",
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"): "entries",
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): "records",
+}
 
-    def __init__(self, data: bytes, url: str) -> None:
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` admits :data:`METADATA_CLASSES` and torch's
+    constants (any class with ``trust_checkpoint``), and stops past ``max_entries`` entries."""
+
+    def __init__(self, data: bytes, url: str, *, trust_checkpoint: bool, max_entries: int | None) -> None:
         super().__init__(io.BytesIO(data))
         self.url = url
+        self.trust_checkpoint = trust_checkpoint
+        self.max_entries = max_entries
+        self.counts: dict[str, int] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        kind = _COUNTED.get((module, name))
+        if kind is not None and self.max_entries is not None:
+            return self._counted(getattr(importlib.import_module(module), name), kind)
+        if self.trust_checkpoint:
+            return super().find_class(module, name)
         if name in METADATA_CLASSES.get(module, ()):
             return getattr(importlib.import_module(module), name)
         # vars(), not getattr(): torch's module __getattr__ imports submodules on first use.
@@ -79,24 +97,48 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"loaded (unpickling it could run any code); {TRUST_HINT}"
         )
 
+    def _counted(self, cls: type, kind: str) -> type:
+        """A stand-in for ``cls`` that pickle builds instances with: each is a real ``cls``,
+        counted, and past ``max_entries`` of ``kind`` the unpickling stops."""
+        unpickler = self
 
-def unpickle_metadata(data: bytes, url: str, *, trust_checkpoint: bool = False) -> Any:
+        class Counted:
+            def __new__(_: type, *args: Any) -> Any:
+                count = unpickler.counts[kind] = unpickler.counts.get(kind, 0) + 1
+                if unpickler.max_entries is not None and count > unpickler.max_entries:
+                    raise UsageError(
+                        f"{unpickler.url!r} holds more than {unpickler.max_entries:,} {kind}, the most "
+                        "allowed here; it was not read further. To read it whole, pass a larger "
+                        "--max-entries (max_entries=): the whole file is then held in memory"
+                    )
+                return cls.__new__(cls, *args)
+
+        return Counted
+
+
+def unpickle_metadata(
+    data: bytes, url: str, *, trust_checkpoint: bool = False, max_entries: int | None = None
+) -> Any:
     """Unpickle ``.metadata``'s bytes (read from ``url``), admitting only DCP metadata's classes.
+
+    The garbage collector is paused meanwhile: its passes over the growing heap cost more than
+    the unpickling of a big ``.metadata``, and free nothing.
 
     Args:
         data: the file's bytes.
         url: the file's URL, for messages.
-        trust_checkpoint: unpickle with plain ``pickle.loads`` (any class; runs any code).
+        trust_checkpoint: admit any class (plain unpickling; runs any code).
+        max_entries: stop past this many state-dict entries, or this many records.
 
     Raises:
         CorruptCheckpointError: the pickle names a class outside the allow-list (the message
             names it, and it was never called), or it does not unpickle.
+        UsageError: it holds more than ``max_entries`` entries or records.
     """
     try:
-        if trust_checkpoint:
-            return pickle.loads(data)
-        return _MetadataUnpickler(data, url).load()
-    except CorruptCheckpointError:  # a refusal: the message says what and why
+        with collector_paused():
+            return _MetadataUnpickler(data, url, trust_checkpoint=trust_checkpoint, max_entries=max_entries).load()
+    except (CorruptCheckpointError, UsageError):  # a refusal: the message says what and why
         raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is damaged
         raise CorruptCheckpointError(
