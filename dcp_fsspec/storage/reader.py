@@ -20,10 +20,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import fsspec
 import torch
+import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -42,9 +44,11 @@ from ..errors import (
     StorageError,
 )
 from .collector import collector_paused
+from .cooperative import Group, NeededRecord, SharedReads, plan_shared_reads, read_shared, record_fqns, share_metadata
 from .crc import crc32
 from .decoding import (
     CRC_TAIL,
+    parse_metadata,
     RecordDecoder,
     RecordFault,
     RecordPlace,
@@ -112,6 +116,11 @@ class FsspecStorageReader(UrlBound, StorageReader):
             which knows ``ZStandard``. Register your own ``StreamTransformExtension`` classes
             there. A transformed record is fetched whole and its transforms undone on the
             loading thread (never on fsspec's event loop) before it is decoded and checksummed.
+        cooperative: with ``dcp.load`` on several ranks, read each record that several ranks
+            need once, on one of them, and broadcast it over ``process_group``; ``.metadata`` is
+            read by rank 0 and broadcast (:mod:`~dcp_fsspec.storage.cooperative`). Every rank of
+            the group must load together, with the group ``dcp.load`` is given.
+        process_group: the group of a cooperative load; ``None``: the default group.
         **storage_kwargs: torch ``FsspecReader``-style storage options (``anon=True``), merged
             into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
 
@@ -136,6 +145,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         threads: int = 16,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         trust_checkpoint: bool = False,
+        cooperative: bool = False,
+        process_group: dist.ProcessGroup | None = None,
         _extension_registry: ExtensionRegistry | None = None,
         **storage_kwargs: Any,
     ) -> None:
@@ -148,6 +159,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.max_request_bytes = max_request_bytes
         self.max_gap_bytes = max_gap_bytes
         self.threads = threads
+        self.cooperative = cooperative
+        self.process_group = process_group
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.state_dict_metadata: dict[str, STORAGE_TYPES] = {}  # bounds what a transformed record expands to
         self.load_id = uuid.uuid4().hex
@@ -184,8 +197,14 @@ class FsspecStorageReader(UrlBound, StorageReader):
             # is there but damaged or refused is not a reason to read another file instead.
             raise self.metadata_failure
         rank = kwargs.get("rank")
+        read = partial(read_metadata, self.location, rank, trust_checkpoint=self.trust_checkpoint, extents=False)
+        group = self._group() if rank is None else None
         try:
-            metadata = read_metadata(self.location, rank, trust_checkpoint=self.trust_checkpoint, extents=False)
+            if group is None:
+                metadata = read()
+            else:
+                url = metadata_url(self.location)
+                metadata = share_metadata(read, partial(parse_metadata, url=url, trust_checkpoint=self.trust_checkpoint, extents=False), group)
         except CheckpointNotFoundError:
             raise
         except DcpFsspecError as e:
@@ -232,12 +251,28 @@ class FsspecStorageReader(UrlBound, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Cooperative: give each record several ranks need to one of them (see ``cooperative``)."""
+        group = self._group()
+        if group is None or len(plans) != group.size:
+            return plans  # DCP runs over another group, or none: each rank reads alone
+        round_bytes = max(self.max_request_bytes, self.window_bytes // group.size)
+        return plan_shared_reads(plans, self.storage_data, piece_bytes=self.max_request_bytes,
+                                 round_bytes=round_bytes, max_gap=self.max_gap_bytes)  # fmt: skip
 
     @collector_paused()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Fetch every record the plan needs, concurrently and in file order, into the targets."""
-        records = self._records_for(plan)
+        """Fetch every record the plan needs, concurrently and in file order, into the targets.
+
+        A cooperative plan's shared records come through the exchange first; every rank enters it.
+        """
+        if isinstance(plan.storage_data, SharedReads):
+            group = self._group()
+            assert group is not None  # prepare_global_plan shared reads over it
+            records = read_shared(plan.storage_data, group, self.location, partial(self._records_for, plan),
+                                  lambda r: _LoadDecoder(r, planner, self), self._load_error,
+                                  window_bytes=self.window_bytes // group.size, threads=self.threads)  # fmt: skip
+        else:
+            records = self._records_for(plan)
         undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
         files = self.location.backend.in_place_files()
         small_here = self.location.answers_locally and sum(r.length for r in records) <= _ON_THIS_THREAD_MAX
@@ -252,16 +287,11 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 deliver.result()()
             if undo is not None:
                 undo.drain()
-        except FileNotFoundError as e:
-            raise CorruptCheckpointError(
-                f"a data file of checkpoint {self.location.url!r} is missing: {e}"
-            ) from e
-        except RecordFormatError as e:  # the decoder's own; never the user's to see
-            raise CorruptCheckpointError(f"a record of checkpoint {self.location.url!r} cannot be decoded: {e}") from e
-        except DcpFsspecError:
-            raise
-        except OSError as e:
-            raise StorageError(f"cannot read checkpoint data from {self.location.url!r}: {e}") from e
+        except Exception as e:
+            error = self._load_error(e)
+            if error is e:
+                raise
+            raise error from e
         finally:
             for pool in pools:  # the reads first: a checksum task may be waiting for one
                 pool.close()
@@ -275,6 +305,26 @@ class FsspecStorageReader(UrlBound, StorageReader):
         return done
 
     # --- internals --------------------------------------------------------------------------
+
+    def _group(self) -> Group | None:
+        """The group of a cooperative load, when it has several ranks."""
+        if not (self.cooperative and dist.is_available() and dist.is_initialized()):
+            return None
+        group = Group(self.process_group)
+        return group if group.size > 1 else None
+
+    def _load_error(self, e: Exception) -> Exception:
+        """The error of ours a failure of :meth:`read_data` is raised as (``e`` itself if none)."""
+        if isinstance(e, FileNotFoundError) and not isinstance(e, DcpFsspecError):
+            error: Exception = CorruptCheckpointError(f"a data file of checkpoint {self.location.url!r} is missing: {e}")
+        elif isinstance(e, RecordFormatError):  # the decoder's own; never the user's to see
+            error = CorruptCheckpointError(f"a record of checkpoint {self.location.url!r} cannot be decoded: {e}")
+        elif isinstance(e, OSError) and not isinstance(e, DcpFsspecError):
+            error = StorageError(f"cannot read checkpoint data from {self.location.url!r}: {e}")
+        else:
+            return e
+        error.__cause__ = e
+        return error
 
     def _needed_ends(self, plan: LoadPlan) -> dict[str, tuple[int, str]]:
         """Per data file (relative path) the plan reads: where its last needed record ends, and
@@ -421,11 +471,10 @@ class FsspecStorageReader(UrlBound, StorageReader):
 
 
 @dataclass
-class _Record(RecordPlace):
+class _Record(NeededRecord):
     """One stored record (a tensor's archive or a pickled object) and who needs it."""
 
     transforms: tuple[str, ...] = ()
-    items: list[ReadItem] = field(default_factory=list)
 
 
 class _LoadDecoder(RecordDecoder):
@@ -585,5 +634,4 @@ class _LoadDecoder(RecordDecoder):
             raise self._error(RecordFault(what)) from e
 
     def _error(self, fault: RecordFault) -> CorruptCheckpointError:
-        fqns = ", ".join(repr(fqn) for fqn in sorted({i.storage_index.fqn for i in self.record.items}))
-        return fault.exception(self.record, fqns)
+        return fault.exception(self.record, record_fqns(self.record))

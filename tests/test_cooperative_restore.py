@@ -1,0 +1,118 @@
+"""Cooperative restore on real gloo ranks and a real S3 API (moto behind a counting proxy).
+
+Each byte several ranks need is read from the store once and broadcast; the loads must match a
+load without cooperation bit for bit, the server must send about the checkpoint's bytes once,
+and a failure on the rank that reads fails every rank with the same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from dcp_fsspec import FsspecStorageReader
+from dcp_fsspec.errors import ChecksumMismatchError, StorageError
+from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.retry import RetryPolicy
+from tests.conftest import Backend
+from tests.distributed import run_ranks
+from tests.helpers import save
+from tests.servers.counting import CountingProxy
+
+MiB = 1024 * 1024
+# Small requests and window: a few MiB of state still takes several rounds and pieces.
+SMALL_READS: dict[str, Any] = {"max_request_bytes": 256 * 1024, "window_bytes": 1 * MiB}
+
+
+def replicated_state() -> dict[str, Any]:
+    """What a DDP replica holds: a few tensors of 1 MiB or less, and a non-tensor entry."""
+    gen = torch.Generator().manual_seed(11)
+    state: dict[str, Any] = {f"layer{i}.weight": torch.randn(256, 256 // (i + 1), generator=gen) for i in range(6)}
+    state["step"] = torch.tensor(41)
+    state["extra"] = {"epoch": 3, "name": "run-7"}
+    return state
+
+
+def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    """Targets for ``state``: zeros, and ``None`` for each non-tensor leaf."""
+    return {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else zeros_like(v) if isinstance(v, dict) else None
+        for k, v in state.items()
+    }
+
+
+def unique_bytes(backend: Backend) -> int:
+    """The bytes of every file of the checkpoint, each once."""
+    fs, root = fsspec.core.url_to_fs(backend.url, **backend.storage_options)
+    return sum(int(entry["size"]) for entry in fs.ls(root, detail=True))
+
+
+def through(backend: Backend, proxy: CountingProxy) -> dict[str, Any]:
+    """``backend``'s storage options, reaching the server through ``proxy``."""
+    options = dict(backend.storage_options)
+    options["client_kwargs"] = {**options.get("client_kwargs", {}), "endpoint_url": proxy.endpoint_url}
+    return options
+
+
+@pytest.fixture
+def proxies(s3_server: LocalS3Server) -> Iterator[list[CountingProxy]]:
+    """Four counting proxies in front of moto: one per rank."""
+    started = [CountingProxy(s3_server.endpoint_url).start() for _ in range(4)]
+    try:
+        yield started
+    finally:
+        for proxy in started:
+            proxy.stop()
+
+
+def _load_and_compare(rank: int, world_size: int, url: str, options: list[dict[str, Any]], direct: dict[str, Any]) -> None:
+    """Load cooperatively through this rank's proxy; compare with a load without cooperation."""
+    expected = replicated_state()
+    alone = zeros_like(expected)
+    dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
+    dist.barrier()
+    together = zeros_like(expected)
+    reader = FsspecStorageReader(url, storage_options=options[rank], cooperative=True, **SMALL_READS)
+    dcp.load(together, storage_reader=reader)
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(together[key], alone[key]) and torch.equal(together[key], value), key
+        else:
+            assert together[key] == alone[key] == value, key
+
+
+def _count_cooperative_load(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path, world_size: int
+) -> tuple[int, int]:
+    save(replicated_state(), s3_backend)
+    options = [through(s3_backend, p) for p in proxies[:world_size]]
+    counted = proxies[:world_size]
+    run_ranks(_load_and_compare, world_size, tmp_path, s3_backend.url, options, s3_backend.storage_options)
+    return sum(p.sent for p in counted), unique_bytes(s3_backend)
+
+
+def test_two_ranks_read_each_byte_of_a_replicated_state_once_and_load_it_bit_exact(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path
+) -> None:
+    sent, unique = _count_cooperative_load(s3_backend, proxies, tmp_path, 2)
+    assert sent <= 1.05 * unique, (sent, unique)
+    assert min(p.sent for p in proxies[:2]) > 0.3 * unique  # both ranks read a share
+
+
+@pytest.mark.slow
+def test_four_ranks_read_each_byte_of_a_replicated_state_once_and_load_it_bit_exact(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path
+) -> None:
+    sent, unique = _count_cooperative_load(s3_backend, proxies, tmp_path, 4)
+    assert sent <= 1.05 * unique, (sent, unique)
+    assert min(p.sent for p in proxies) > 0.15 * unique
