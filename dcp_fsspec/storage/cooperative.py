@@ -284,7 +284,7 @@ def read_shared(
     exchange = _Exchange(shared, group, location, decoder, to_error, window_bytes=window_bytes, threads=threads)
     try:
         everything = records()
-    except Exception as e:  # carried into the exchange, which raises it on every rank
+    except Exception as e:  # noqa: BLE001 - carried into the exchange, which raises it on every rank
         exchange.error = to_error(e)
         everything = []
     mine = {(location.join(path), offset, length) for path, offset, length in shared.mine}
@@ -344,7 +344,7 @@ class _Exchange(Generic[R]):
             if self.error is None and mine:
                 try:
                     data = self._read(mine)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - every rank raises it at the agreement
                     self.error = self.to_error(e)
             self.group.agree(self.error)
             for piece, view in self._broadcast(pieces, data):

@@ -19,7 +19,7 @@ import posixpath
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ThreadFuture
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -51,7 +51,6 @@ from .decoding import (
     parse_metadata,
     RecordDecoder,
     RecordFault,
-    RecordPlace,
     extent_error,
     feed_records,
     metadata_url,
