@@ -7,6 +7,7 @@ and a failure on the rank that reads fails every rank with the same error.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcp_fsspec import FsspecStorageReader
+from dcp_fsspec import Checkpointer, FsspecStorageReader, ReaderSettings
 from dcp_fsspec.errors import ChecksumMismatchError, StorageError
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.retry import RetryPolicy
@@ -37,7 +38,7 @@ SMALL_READS: dict[str, Any] = {"max_request_bytes": 256 * 1024, "window_bytes": 
 def replicated_state() -> dict[str, Any]:
     """What a DDP replica holds: a few tensors of 1 MiB or less, and a non-tensor entry."""
     gen = torch.Generator().manual_seed(11)
-    state: dict[str, Any] = {f"layer{i}.weight": torch.randn(256, 256 // (i + 1), generator=gen) for i in range(6)}
+    state: dict[str, Any] = {f"layer{i}.weight": torch.randn(512, 512 // (i + 1), generator=gen) for i in range(6)}
     state["step"] = torch.tensor(41)
     state["extra"] = {"epoch": 3, "name": "run-7"}
     return state
@@ -51,10 +52,10 @@ def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def unique_bytes(backend: Backend) -> int:
-    """The bytes of every file of the checkpoint, each once."""
-    fs, root = fsspec.core.url_to_fs(backend.url, **backend.storage_options)
-    return sum(int(entry["size"]) for entry in fs.ls(root, detail=True))
+def unique_bytes(backend: Backend, under: str = "") -> int:
+    """The bytes of every file of the checkpoint (or of its folder ``under``), each once."""
+    fs, root = fsspec.core.url_to_fs(backend.sub(under) if under else backend.url, **backend.storage_options)
+    return sum(int(entry["size"]) for entry in fs.find(root, detail=True).values())
 
 
 def through(backend: Backend, proxy: CountingProxy) -> dict[str, Any]:
@@ -116,3 +117,85 @@ def test_four_ranks_read_each_byte_of_a_replicated_state_once_and_load_it_bit_ex
     sent, unique = _count_cooperative_load(s3_backend, proxies, tmp_path, 4)
     assert sent <= 1.05 * unique, (sent, unique)
     assert min(p.sent for p in proxies) > 0.15 * unique
+
+
+def _load_expecting_failure(
+    rank: int, world_size: int, url: str, options: list[dict[str, Any]], kind: type[Exception], named: str
+) -> None:
+    """Load cooperatively; every rank must fail with the same ``kind`` of error naming ``named``."""
+    retry = RetryPolicy(attempts=2, base_delay=0.01, deadline=60)
+    reader = FsspecStorageReader(url, storage_options=options[rank], cooperative=True, retry=retry, **SMALL_READS)
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load(zeros_like(replicated_state()), storage_reader=reader)
+    failures = {r: e for r, (e, _trace) in raised.value.failures.items()}
+    assert sorted(failures) == list(range(world_size)), failures  # every rank failed
+    assert all(type(e) is kind and named in str(e) for e in failures.values()), failures
+    assert len({str(e) for e in failures.values()}) == 1, failures  # the same error
+
+
+def test_a_connection_cut_on_a_reading_rank_fails_every_rank_with_its_error(
+    s3_backend: Backend, s3_server: LocalS3Server, tmp_path: Path
+) -> None:
+    save(replicated_state(), s3_backend)
+    healthy, cut = CountingProxy(s3_server.endpoint_url).start(), CountingProxy(s3_server.endpoint_url, cut_after=64 * 1024).start()
+    try:
+        options = [through(s3_backend, healthy), through(s3_backend, cut)]
+        run_ranks(_load_expecting_failure, 2, tmp_path, s3_backend.url, options, StorageError, s3_backend.url)
+    finally:
+        healthy.stop()
+        cut.stop()
+    assert cut.cut
+
+
+def _flip_a_byte_inside(backend: Backend, fqn: str) -> str:
+    """Flip one byte in the middle of ``fqn``'s stored record; return its data file's URL."""
+    fs, root = fsspec.core.url_to_fs(backend.url, **backend.storage_options)
+    metadata = pickle.loads(fs.cat_file(f"{root}/.metadata"))  # our own test checkpoint
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == fqn)
+    path = f"{root}/{info.relative_path}"
+    data = bytearray(fs.cat_file(path))
+    data[info.offset + info.length // 2] ^= 0x40
+    fs.pipe_file(path, bytes(data))
+    return backend.sub(info.relative_path)
+
+
+@pytest.mark.parametrize("fqn", ["layer3.weight", "layer0.weight"], ids=["in-one-piece", "across-pieces"])
+def test_a_flipped_byte_fails_every_rank_with_a_checksum_mismatch_naming_the_file(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path, fqn: str
+) -> None:
+    save(replicated_state(), s3_backend)
+    file_url = _flip_a_byte_inside(s3_backend, fqn)
+    options = [through(s3_backend, p) for p in proxies[:2]]
+    run_ranks(_load_expecting_failure, 2, tmp_path, s3_backend.url, options, ChecksumMismatchError, file_url)
+    assert sum(p.sent for p in proxies) <= 1.05 * unique_bytes(s3_backend)  # the bytes were read once
+
+
+def _checkpointer_round_trip(
+    rank: int, world_size: int, url: str, direct: dict[str, Any], options: list[dict[str, Any]], cooperative: bool | None
+) -> None:
+    expected = replicated_state()
+    with Checkpointer(url, storage_options=direct) as ckpt:
+        ckpt.save(1, state=expected)
+    settings = ReaderSettings(cooperative=cooperative, **SMALL_READS)
+    back = zeros_like(expected)
+    with Checkpointer(url, storage_options=options[rank], reader_settings=settings) as ckpt:
+        assert ckpt.load(state=back) == 1
+    for key, value in expected.items():
+        assert torch.equal(back[key], value) if isinstance(value, torch.Tensor) else back[key] == value, key
+
+
+@pytest.mark.parametrize("cooperative", [None, False], ids=["default", "off"])
+def test_checkpointer_load_on_two_ranks_reads_each_byte_once_unless_cooperation_is_off(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path, cooperative: bool | None
+) -> None:
+    options = [through(s3_backend, p) for p in proxies[:2]]
+    run_ranks(_checkpointer_round_trip, 2, tmp_path, s3_backend.url, s3_backend.storage_options, options, cooperative)
+    sent, unique = sum(p.sent for p in proxies), unique_bytes(s3_backend, "iter_000000001")
+    if cooperative is None:
+        assert sent <= 1.05 * unique, (sent, unique)
+    else:
+        assert sent > 1.8 * unique, (sent, unique)
+
+
+def test_a_plain_reader_does_not_cooperate_unless_asked() -> None:
+    assert ReaderSettings().cooperative is None and not FsspecStorageReader("memory://x").cooperative

@@ -16,6 +16,7 @@ One load, read top to bottom in :meth:`LoadPipeline.run`:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from functools import partial
@@ -25,7 +26,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.decoding import read_metadata
 from ..storage.failures import unwrap_dcp
+from ..storage.reader import FsspecStorageReader
 from ..storage.retry import RetryPolicy
 from ..storage.settings import ReaderSettings
 from ..storage.urls import Location
@@ -76,6 +79,10 @@ class LoadPipeline:
         self._collectives = collectives
         self._options = options
         self._reader_settings = reader_settings
+        # The ranks reading one copy together cooperate unless told not to (None: on).
+        self._settings_together = dataclasses.replace(reader_settings, cooperative=reader_settings.cooperative is not False)
+        # What one rank reads by itself (the resume rules, a local tier) is never cooperative.
+        self._settings_alone = dataclasses.replace(reader_settings, cooperative=False)
         self._retry = retry
         self._trust_checkpoint = trust_checkpoint
         self._tiers = tiers
@@ -137,7 +144,7 @@ class LoadPipeline:
         plan: resume.ResumePlan | None = None
         error: Exception | None = None
         try:  # each rank its own local tier
-            facts = resume.gather(local, None, wanted, self._options, self._reader_settings, iteration=choice[0],
+            facts = resume.gather(local, None, wanted, self._options, self._settings_alone, iteration=choice[0],
                                   trust_checkpoint=self._trust_checkpoint)  # fmt: skip
             plan = resume.plan_resume(facts, wanted, self._options)
         except Exception as e:  # re-raised below, on every rank
@@ -170,14 +177,32 @@ class LoadPipeline:
     def _decide(self, iteration: int | None, wanted: list[str]) -> resume.ResumePlan | None:
         """On rank 0: what to read, or None for a fresh start (said, or refused)."""
         facts = resume.gather(
-            self._root, self._load_root, wanted, self._options, self._reader_settings,
+            self._root, self._load_root, wanted, self._options, self._settings_alone,
             iteration=iteration, trust_checkpoint=self._trust_checkpoint,
         )  # fmt: skip
         plan = resume.plan_resume(facts, wanted, self._options)
         if plan is None:
             self._start_fresh(facts.leftovers)
             return None
-        return plan.without_metadata() if self._collectives.distributed else plan
+        if not self._collectives.distributed:
+            return plan
+        return self._with_metadata(plan) if self._settings_together.cooperative else plan.without_metadata()
+
+    def _with_metadata(self, plan: resume.ResumePlan) -> resume.ResumePlan:
+        """On rank 0: ``plan`` with every key's ``.metadata``, for it to reach every rank.
+
+        A cooperative load reads ``.metadata`` once: in the plan rank 0 broadcasts, where a
+        failure reaches every rank, rather than in each key's preflight.
+        """
+        source = self._load_root if plan.from_load_path else self._root
+        assert source is not None
+        keys = dict(plan.keys)
+        for key, where in keys.items():
+            if where.metadata is None:
+                location = FsspecStorageReader(where.url, fs=source.fs, retry=self._retry).location
+                metadata = read_metadata(location, trust_checkpoint=self._trust_checkpoint)
+                keys[key] = dataclasses.replace(where, metadata=metadata)
+        return dataclasses.replace(plan, keys=keys)
 
     def _start_fresh(self, leftovers: str | None) -> None:
         """Say that nothing was resumed, at WARNING; raise instead when resuming is required."""
@@ -216,9 +241,12 @@ class LoadPipeline:
         if self._collectives.rank == 0:
             for level, note in plan.notes:
                 logger.log(level, note)
+        # Cooperative where the ranks read one copy together: not a local tier (each rank's own).
+        together = self._collectives.distributed and tier != LOCAL
+        settings = self._settings_together if together else self._settings_alone
         reader_options = dict(
-            fs=source.fs, retry=self._retry,
-            trust_checkpoint=self._trust_checkpoint, **self._reader_settings.as_kwargs(),
+            fs=source.fs, retry=self._retry, trust_checkpoint=self._trust_checkpoint,
+            process_group=self._collectives.group, **settings.as_kwargs(),
         )  # fmt: skip
         # The model first: optimizers are restored by the names of its parameters.
         ordered = [(k, plan.keys[k]) for k in sorted(plan.keys, key=lambda k: k != MODEL_KEY)]

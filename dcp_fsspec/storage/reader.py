@@ -118,7 +118,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         cooperative: with ``dcp.load`` on several ranks, read each record that several ranks
             need once, on one of them, and broadcast it over ``process_group``; ``.metadata`` is
             read by rank 0 and broadcast (:mod:`~dcp_fsspec.storage.cooperative`). Every rank of
-            the group must load together, with the group ``dcp.load`` is given.
+            the group must load together, with the group ``dcp.load`` is given. ``None``: off.
         process_group: the group of a cooperative load; ``None``: the default group.
         **storage_kwargs: torch ``FsspecReader``-style storage options (``anon=True``), merged
             into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
@@ -144,7 +144,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         threads: int = 16,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         trust_checkpoint: bool = False,
-        cooperative: bool = False,
+        cooperative: bool | None = None,
         process_group: dist.ProcessGroup | None = None,
         _extension_registry: ExtensionRegistry | None = None,
         **storage_kwargs: Any,
@@ -158,7 +158,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.max_request_bytes = max_request_bytes
         self.max_gap_bytes = max_gap_bytes
         self.threads = threads
-        self.cooperative = cooperative
+        self.cooperative = bool(cooperative)
         self.process_group = process_group
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.state_dict_metadata: dict[str, STORAGE_TYPES] = {}  # bounds what a transformed record expands to

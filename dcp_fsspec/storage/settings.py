@@ -76,6 +76,10 @@ class ReaderSettings(_Keywords):
         max_request_bytes: the largest single ranged read.
         max_gap_bytes: neighbouring reads this close are merged into one request.
         threads: concurrent reads on filesystems without an async API.
+        cooperative: when several ranks load, each record several of them need is read from
+            storage by one and broadcast to the others (see the reader's ``cooperative``).
+            ``None``: on in :meth:`Checkpointer.load <dcp_fsspec.Checkpointer.load>`, off in a
+            plain reader; ``False`` turns it off there too.
     """
 
     verify_checksums: bool = True
@@ -83,6 +87,7 @@ class ReaderSettings(_Keywords):
     max_request_bytes: int = 16 * MiB
     max_gap_bytes: int = 64 * 1024
     threads: int = 16
+    cooperative: bool | None = None
 
 
 def merge_storage_kwargs(
