@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcp_fsspec import Checkpointer, FsspecStorageReader, ReaderSettings
+from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, ReaderSettings
 from dcp_fsspec.errors import ChecksumMismatchError, StorageError
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.retry import RetryPolicy
@@ -199,3 +199,87 @@ def test_checkpointer_load_on_two_ranks_reads_each_byte_once_unless_cooperation_
 
 def test_a_plain_reader_does_not_cooperate_unless_asked() -> None:
     assert ReaderSettings().cooperative is None and not FsspecStorageReader("memory://x").cooperative
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {"w1": torch.randn(512, 256, generator=gen), "w2": torch.randn(40_000, generator=gen), "b": torch.randn(64, 48, generator=gen)}
+
+
+def _load_dtensors(
+    rank: int, world_size: int, url: str, options: list[dict[str, Any]], direct: dict[str, Any],
+    shape: tuple[int, ...], placements: dict[str, list[Any]],
+) -> None:  # fmt: skip
+    """Load ``full_tensors`` (saved by one process) into DTensors on ``shape``: with cooperation
+    through this rank's proxy, and without; both must hold this rank's part of the saved tensors."""
+    mesh = init_device_mesh("cpu", shape)
+    full = full_tensors()
+
+    def targets() -> dict[str, Any]:
+        state: dict[str, Any] = {k: distribute_tensor(torch.zeros_like(v), mesh, placements[k]) for k, v in full.items()}
+        return {**state, "step": torch.tensor(0), "extra": {"epoch": None}}
+
+    alone = targets()
+    dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
+    together = targets()
+    dcp.load(together, storage_reader=FsspecStorageReader(url, storage_options=options[rank], cooperative=True, **SMALL_READS))
+    for key, value in full.items():
+        mine = distribute_tensor(value, mesh, placements[key]).to_local()
+        assert isinstance(together[key], DTensor) and torch.equal(together[key].to_local(), alone[key].to_local()), key
+        assert torch.equal(together[key].to_local(), mine), key
+    assert together["step"] == 41 and together["extra"] == {"epoch": 3}
+
+
+def _count_dtensor_load(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path, shape: tuple[int, ...], placements: dict[str, list[Any]]
+) -> tuple[int, int]:
+    save({**full_tensors(), "step": torch.tensor(41), "extra": {"epoch": 3}}, s3_backend)
+    ranks = len(torch.empty(shape).flatten()) if shape else 1
+    options = [through(s3_backend, p) for p in proxies[:ranks]]
+    run_ranks(_load_dtensors, ranks, tmp_path, s3_backend.url, options, s3_backend.storage_options, shape, placements)
+    return sum(p.sent for p in proxies), unique_bytes(s3_backend)
+
+
+def test_two_ranks_load_replicated_sharded_and_non_tensor_entries_reading_each_byte_once(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path
+) -> None:
+    placements = {"w1": [Shard(0)], "w2": [Replicate()], "b": [Shard(1)]}
+    sent, unique = _count_dtensor_load(s3_backend, proxies, tmp_path, (2,), placements)
+    assert sent <= 1.05 * unique, (sent, unique)
+
+
+@pytest.mark.slow
+def test_hsdp_on_a_two_by_two_mesh_reads_each_shard_once_for_both_replicas(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path
+) -> None:
+    placements = {k: [Replicate(), Shard(0)] for k in full_tensors()}
+    sent, unique = _count_dtensor_load(s3_backend, proxies, tmp_path, (2, 2), placements)
+    assert sent <= 1.05 * unique, (sent, unique)
+
+
+def _fsdp2_round_trip(rank: int, world_size: int, url: str, options: list[dict[str, Any]]) -> None:
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+        fully_shard(net, mesh=init_device_mesh("cpu", (world_size,)))
+        return net
+
+    saved = model(1)
+    dcp.save(get_model_state_dict(saved), storage_writer=FsspecStorageWriter(url, storage_options=options[rank]))
+    loaded = model(2)
+    state = get_model_state_dict(loaded)
+    dcp.load(state, storage_reader=FsspecStorageReader(url, storage_options=options[rank], cooperative=True, **SMALL_READS))
+    set_model_state_dict(loaded, state)
+    for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a.to_local(), b.to_local()), name
+
+
+def test_fsdp2_model_saved_and_loaded_cooperatively_on_two_ranks(
+    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path
+) -> None:
+    options = [through(s3_backend, p) for p in proxies[:2]]
+    run_ranks(_fsdp2_round_trip, 2, tmp_path, s3_backend.url, options)
