@@ -26,8 +26,9 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     ResumeOptions,
 )
-from dcp_fsspec.checkpoint import commit, layout, retention
+from dcp_fsspec.checkpoint import deletion, layout, listing, retention
 from dcp_fsspec.checkpoint.pipeline import SavePipeline
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
 from dcp_fsspec.storage.urls import resolve
 
 from .conftest import Backend
@@ -374,7 +375,7 @@ def test_leftovers_of_an_uncommitted_iteration_are_cleared_and_rewritten(backend
 def test_iteration_whose_keys_all_finished_is_not_committed_without_its_commit_record(memory_backend: Backend) -> None:
     _save_trained(memory_backend, [2, 4])
     fs, folder = _fs_path(memory_backend, "iter_000000004")
-    fs.rm_file(posixpath.join(folder, commit.COMMIT_RECORD_NAME))  # a crash just before committing
+    fs.rm_file(posixpath.join(folder, COMMIT_RECORD_NAME))  # a crash just before committing
     with _ckpt(memory_backend) as ckpt:
         assert ckpt.committed_iterations() == [2]
         ckpt.save(4, **Training().keys())  # leftovers, not a committed iteration in the way
@@ -402,7 +403,7 @@ def test_pointer_naming_a_missing_or_uncommitted_folder_is_an_error_naming_both(
     elif damage == "delete a key's .metadata":
         fs.rm_file(posixpath.join(folder, "optim", ".metadata"))
     else:
-        fs.rm_file(posixpath.join(folder, commit.COMMIT_RECORD_NAME))
+        fs.rm_file(posixpath.join(folder, COMMIT_RECORD_NAME))
     with _ckpt(backend) as ckpt, pytest.raises(CheckpointNotFoundError) as info:
         ckpt.load(**Training().keys())
     assert backend.sub("latest_checkpoint.txt") in str(info.value)
@@ -512,7 +513,7 @@ def test_a_save_returns_before_retention_deleted_the_old_files_and_the_next_save
 
     purging, release, prepared = threading.Event(), threading.Event(), threading.Event()
     order: list[str] = []
-    real_remove, real_prepare = commit.remove_iterations, SavePipeline._prepare
+    real_remove, real_prepare = deletion.remove_iterations, SavePipeline._prepare
 
     def held_remove(root: Any, iterations: list[int]) -> None:
         purging.set()
@@ -525,7 +526,7 @@ def test_a_save_returns_before_retention_deleted_the_old_files_and_the_next_save
         prepared.set()
         return real_prepare(self, iteration, save_id)
 
-    monkeypatch.setattr(commit, "remove_iterations", held_remove)
+    monkeypatch.setattr(deletion, "remove_iterations", held_remove)
     monkeypatch.setattr(SavePipeline, "_prepare", noted_prepare)
     old = tmp_path / "iter_000000001"
     with Checkpointer(str(tmp_path), keep_last_n=1) as ckpt:
@@ -553,7 +554,7 @@ def test_a_save_whose_early_look_for_retention_fails_still_commits_and_retention
     """Retention's listing and records go out with the save's first requests; their failure is
     retention's (read again after the commit), never the save's."""
     training = _save_trained(memory_backend, [1, 2])
-    real_list, real_record = commit.list_save_dirname, commit.listed_record
+    real_list, real_record = listing.list_save_dirname, listing.listed_record
     failed: list[str] = []
 
     def list_once_failing(root: Any) -> Any:
@@ -569,12 +570,12 @@ def test_a_save_whose_early_look_for_retention_fails_still_commits_and_retention
         return real_record(root, listing, iteration)
 
     with _ckpt(memory_backend, keep_last_n=2) as ckpt:
-        monkeypatch.setattr(commit, "list_save_dirname", list_once_failing)
+        monkeypatch.setattr(listing, "list_save_dirname", list_once_failing)
         training.run(1)
         ckpt.save(3, **training.keys())  # the listing at its start fails
         assert failed == ["listing"]
         assert ckpt.committed_iterations() == [2, 3]
-        monkeypatch.setattr(commit, "listed_record", record_once_failing)
+        monkeypatch.setattr(listing, "listed_record", record_once_failing)
         training.run(1)
         ckpt.save(4, **training.keys())  # the record read with its claim fails
         assert failed == ["listing", "record"]

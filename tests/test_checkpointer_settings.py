@@ -26,7 +26,8 @@ from dcp_fsspec import (
     WriterSettings,
     verify,
 )
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint import pointer
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 
 from .conftest import Backend
 
@@ -92,7 +93,7 @@ def _fail_each_first_read(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> 
         method = getattr(fs, name)
 
         def call(path: str, *args: Any, **kwargs: Any) -> Any:
-            watched = (commit.POINTER_NAME, commit.COMMIT_RECORD_NAME, commit.METADATA_NAME)
+            watched = (POINTER_NAME, COMMIT_RECORD_NAME, METADATA_NAME)
             if posixpath.basename(path) in watched and (name, path) not in failed:
                 failed.append((name, path))
                 raise ConnectionResetError(f"connection reset reading {path}")
@@ -111,7 +112,7 @@ def test_the_retry_policy_reaches_the_pointer_and_every_writer_and_reader(
     failed = _fail_each_first_read(memory_backend, monkeypatch)
     with Checkpointer(memory_backend.url, retry=RetryPolicy(attempts=1)) as ckpt, pytest.raises(StorageError) as info:
         ckpt.save(1, trainer=_state(1.0))
-    assert memory_backend.sub(commit.POINTER_NAME) in str(info.value)
+    assert memory_backend.sub(POINTER_NAME) in str(info.value)
 
     retried = RetryPolicy(attempts=2, base_delay=0.0, deadline=None)
     with Checkpointer(memory_backend.url, retry=retried) as ckpt:
@@ -130,13 +131,13 @@ def test_one_save_reads_the_pointer_at_most_twice(memory_backend: Backend, monke
     with Checkpointer(memory_backend.url, keep_last_n=1) as ckpt:
         ckpt.save(1, trainer=_state(1.0))
         reads = []
-        real_read = commit._read_pointer_file
+        real_read = pointer.read_pointer_file
 
         def counting(root: Any) -> Any:
             reads.append(root.url)
             return real_read(root)
 
-        monkeypatch.setattr(commit, "_read_pointer_file", counting)
+        monkeypatch.setattr(pointer, "read_pointer_file", counting)
         ckpt.save(2, trainer=_state(2.0))  # prepare, write, commit and move the pointer, retention
         assert ckpt.committed_iterations() == [2]  # retention ran, and deleted iteration 1
     assert reads == [memory_backend.url] * 2, reads

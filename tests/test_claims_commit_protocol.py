@@ -28,8 +28,9 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     StorageError,
 )
-from dcp_fsspec.checkpoint import commit, layout, retention
-from dcp_fsspec.storage.names import POINTER_NAME
+from dcp_fsspec.checkpoint import commit, deletion, layout, listing, pointer, retention
+from dcp_fsspec.checkpoint.record import CommitRecord, read_commit_record
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.urls import Location, resolve
 from tests.conftest import Backend
 
@@ -45,7 +46,7 @@ def root(request: pytest.FixtureRequest) -> Location:
 
 def _committed(root: Location, iteration: int) -> bool:
     """Whether ``iteration`` has a commit record and every key it lists has ``.metadata``."""
-    return commit.inspect_iteration(root, iteration)[0] is not None
+    return listing.inspect_iteration(root, iteration)[0] is not None
 
 
 def _pointer_file(root: Location) -> bytes:
@@ -77,26 +78,26 @@ def test_the_pointer_moves_forward_stays_on_a_repeat_and_never_moves_back(
     root: Location, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Guarantee row: 'the pointer names only committed iterations and never moves back' (local, memory)."""
-    assert commit.read_pointer(root) is None
-    assert commit.write_pointer(root, 3) is True
-    assert commit.write_pointer(root, 7) is True
-    assert commit.write_pointer(root, 7) is True  # a repeat (a retried save) is not a move back
-    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.commit"):
-        assert commit.write_pointer(root, 5) is False
-    assert commit.read_pointer(root) == 7
+    assert pointer.read_pointer(root) is None
+    assert pointer.write_pointer(root, 3) is True
+    assert pointer.write_pointer(root, 7) is True
+    assert pointer.write_pointer(root, 7) is True  # a repeat (a retried save) is not a move back
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.pointer"):
+        assert pointer.write_pointer(root, 5) is False
+    assert pointer.read_pointer(root) == 7
     assert _pointer_file(root) == b"iter_000000007\n"
-    assert _messages(caplog, commit) == [
-        f"{commit.pointer_url(root)} names iter_000000007, newer than iter_000000005; the pointer does not move backwards"
+    assert _messages(caplog, pointer) == [
+        f"{pointer.pointer_url(root)} names iter_000000007, newer than iter_000000005; the pointer does not move backwards"
     ]
 
 
 def test_a_pointer_holding_garbage_is_neither_read_nor_overwritten(root: Location) -> None:
     """A pointer someone else wrote is an error naming it, never silently replaced."""
     _put(root, POINTER_NAME, data=b"iter_000000002/model\n")
-    for call in (lambda: commit.read_pointer(root), lambda: commit.write_pointer(root, 3)):
+    for call in (lambda: pointer.read_pointer(root), lambda: pointer.write_pointer(root, 3)):
         with pytest.raises(CorruptCheckpointError, match="not an iteration folder name") as raised:
             call()
-        assert commit.pointer_url(root) in str(raised.value) and "'iter_000000002/model'" in str(raised.value)
+        assert pointer.pointer_url(root) in str(raised.value) and "'iter_000000002/model'" in str(raised.value)
     assert _pointer_file(root) == b"iter_000000002/model\n"
 
 
@@ -107,7 +108,7 @@ def test_a_pointer_other_writers_keep_changing_is_a_storage_error_naming_it_and_
     writes between the read and the PUT; after as many rounds as it allows, the pointer update
     stops with an error that says why, and the other run's pointer is left as it wrote it."""
     root = resolve(s3_backend.url, s3_backend.storage_options)
-    assert commit.write_pointer(root, 1)
+    assert pointer.write_pointer(root, 1)
     backend_type = type(root.backend)
     real_replace = backend_type.replace_if_unchanged
     rounds: list[str] = []
@@ -119,12 +120,12 @@ def test_a_pointer_other_writers_keep_changing_is_a_storage_error_naming_it_and_
 
     monkeypatch.setattr(backend_type, "replace_if_unchanged", another_writer_first)
     with pytest.raises(StorageError) as raised:
-        commit.write_pointer(root, 99)
+        pointer.write_pointer(root, 99)
     message = str(raised.value)
-    assert f"cannot move {commit.pointer_url(root)} to iter_000000099: it changed " in message
+    assert f"cannot move {pointer.pointer_url(root)} to iter_000000099: it changed " in message
     assert f"times while we tried; is another run saving to {root.url}?" in message
     assert len(rounds) > 1 and set(rounds) == {root.join(POINTER_NAME)}
-    assert commit.read_pointer(root) == len(rounds) + 1
+    assert pointer.read_pointer(root) == len(rounds) + 1
 
 
 def test_iterations_are_the_iteration_folders_ascending_committed_or_not(root: Location) -> None:
@@ -158,7 +159,7 @@ def test_retention_deletes_what_its_plan_says_and_reports_it(root: Location, cap
     with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint.retention"):
         assert retention.apply_retention(root, 2, protected=(5,)) == [0, 1, 2]
     assert layout.list_iterations(root) == [3, 4, 5]
-    assert commit.read_pointer(root) == 4
+    assert pointer.read_pointer(root) == 4
     assert _messages(caplog, retention) == [
         f"deleted ['iter_000000000', 'iter_000000001', 'iter_000000002'] under {root.url} (keep_last_n=2)"
     ]
@@ -170,10 +171,10 @@ def test_retention_deletes_what_its_plan_says_and_reports_it(root: Location, cap
 def test_retention_keeps_n_committed_counting_only_committed_iterations(root: Location) -> None:
     """Uncommitted folders do not count towards keep_last_n: two committed ones stay."""
     _save(root, 1, 2, 4)
-    root.fs.rm(root.join("iter_000000002", commit.COMMIT_RECORD_NAME))  # 2 is no longer committed
+    root.fs.rm(root.join("iter_000000002", COMMIT_RECORD_NAME))  # 2 is no longer committed
     assert retention.apply_retention(root, 2) == [2]
     assert layout.list_iterations(root) == [1, 4]
-    assert commit.committed_iterations(root) == [1, 4]
+    assert listing.committed_iterations(root) == [1, 4]
 
 
 def test_retention_without_a_pointer_deletes_nothing(root: Location) -> None:
@@ -187,14 +188,14 @@ def test_a_failed_deletion_is_logged_skipped_and_the_rest_still_deleted(
     root: Location, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     _save(root, 1, 2, 3)
-    real_remove = commit.remove_iterations
+    real_remove = deletion.remove_iterations
 
     def remove(where: Location, iterations: list[int]) -> None:
         if 1 in iterations:  # the bulk delete fails, then iteration 1 alone
             raise PermissionError(13, "Permission denied")
         real_remove(where, iterations)
 
-    monkeypatch.setattr(commit, "remove_iterations", remove)
+    monkeypatch.setattr(deletion, "remove_iterations", remove)
     with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.retention"):
         assert retention.apply_retention(root, 1) == [2]
     assert layout.list_iterations(root) == [1, 3]
@@ -213,7 +214,7 @@ def test_retention_that_cannot_read_the_pointer_deletes_nothing_and_says_so(
     assert layout.list_iterations(root) == [1, 2, 3]
     (message,) = _messages(caplog, retention)
     assert message.startswith(f"retention skipped under {root.url} (retried at the next save): ")
-    assert commit.pointer_url(root) in message
+    assert pointer.pointer_url(root) in message
 
 
 def test_publishing_an_iteration_the_pointer_passed_is_refused_with_what_to_do(root: Location) -> None:
@@ -222,11 +223,11 @@ def test_publishing_an_iteration_the_pointer_passed_is_refused_with_what_to_do(r
     with pytest.raises(CheckpointExistsError) as raised:
         commit.publish(root, 5, ("model",), 1)
     assert str(raised.value) == (
-        f"cannot commit {root.url_of(layout.iteration_path(root, 5))}: {commit.pointer_url(root)} moved to the "
+        f"cannot commit {root.url_of(layout.iteration_path(root, 5))}: {pointer.pointer_url(root)} moved to the "
         f"newer iter_000000007 while it was being saved, so another run is saving to {root.url}; the pointer "
         "never moves backwards, so this iteration stays uncommitted. Give each run its own save_dirname"
     )
-    assert commit.read_pointer(root) == 7 and not _committed(root, 5)
+    assert pointer.read_pointer(root) == 7 and not _committed(root, 5)
 
 
 def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iteration(
@@ -236,7 +237,7 @@ def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iterati
     newer iteration: the save is committed, the pointer stays on the other run's iteration, and
     publish says which."""
     root = resolve(s3_backend.url, s3_backend.storage_options)
-    assert commit.write_pointer(root, 3)
+    assert pointer.write_pointer(root, 3)
     writer = FsspecStorageWriter(root.url_of(layout.key_path(root, 5, "model")), s3_backend.storage_options)
     dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
     backend_type = type(root.backend)
@@ -251,7 +252,7 @@ def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iterati
 
     monkeypatch.setattr(backend_type, "replace_if_unchanged", another_run_first)
     assert commit.publish(root, 5, ("model",), 1) == 9
-    assert moved and commit.read_pointer(root) == 9 and _committed(root, 5)
+    assert moved and pointer.read_pointer(root) == 9 and _committed(root, 5)
 
 
 @pytest.mark.parametrize("keep_last_n", [0, -1])
@@ -273,7 +274,7 @@ def test_publish_commits_only_a_key_its_own_save_wrote(root: Location) -> None:
     with pytest.raises(CheckpointExistsError) as raised:
         commit.publish(root, 5, ("model",), 1, save_id="b" * 32)
     assert root.url_of(layout.iteration_path(root, 5)) in str(raised.value)
-    assert not _committed(root, 5) and commit.read_pointer(root) is None
+    assert not _committed(root, 5) and pointer.read_pointer(root) is None
     assert commit.publish(root, 5, ("model",), 1, save_id="a" * 32) == 5
     assert _committed(root, 5)
 
@@ -283,7 +284,7 @@ def test_publish_over_a_garbage_pointer_is_an_error_naming_it(root: Location) ->
     _put(root, POINTER_NAME, data=b"not a folder name\n")
     with pytest.raises(CorruptCheckpointError) as raised:
         commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
-    assert commit.pointer_url(root) in str(raised.value)
+    assert pointer.pointer_url(root) in str(raised.value)
     assert not _committed(root, 5)
 
 
@@ -300,7 +301,7 @@ def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missi
     only an unfinished save; a record whose key lacks .metadata names that file."""
     _save(root, 3, 5, 6)
     _put(root, "iter_000000004", "model", "debris")
-    root.fs.rm(root.join("iter_000000005", commit.COMMIT_RECORD_NAME))
+    root.fs.rm(root.join("iter_000000005", COMMIT_RECORD_NAME))
     metadata_of_6 = root.join("iter_000000006", "model", ".metadata")
     root.fs.rm(metadata_of_6)
     never_finished = "has no .commit.json (its save never finished)"
@@ -308,10 +309,10 @@ def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missi
         "has no .commit.json: a save that failed, or a deletion by retention that was interrupted, "
         "left it; retention deletes it at the next save"
     )
-    listing = commit.list_save_dirname(root)
+    listed = listing.list_save_dirname(root)
     for inspect in (
-        lambda i, latest: commit.inspect_iteration(root, i, latest=latest),
-        lambda i, latest: commit.listed_inspection(root, listing, i, latest=latest),
+        lambda i, latest: listing.inspect_iteration(root, i, latest=latest),
+        lambda i, latest: listing.listed_inspection(root, listed, i, latest=latest),
     ):
         assert inspect(4, None) == (None, never_finished)
         assert inspect(4, 5) == (None, interrupted)
@@ -319,7 +320,7 @@ def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missi
         assert inspect(6, 5) == (None, f"lacks {root.url_of(metadata_of_6)}")
         record, why = inspect(3, 5)
         assert why is None and record is not None and (record.iteration, record.keys) == (3, ("model",))
-    assert commit.inspect_iteration(root, 9) == (None, "does not exist")
+    assert listing.inspect_iteration(root, 9) == (None, "does not exist")
 
 
 def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the_stray_key(root: Location) -> None:
@@ -337,7 +338,7 @@ def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the
         f"{metadata} was written by another save (save_id {'b' * 32!r}, not {'a' * 32!r}) (another process "
         "saved the same iteration into it); it is not loaded. Load another iteration, or delete this folder"
     )
-    commit.require_saved_together(root, commit.CommitRecord(5, ("model",), 1, 0.0, save_id=None))
+    commit.require_saved_together(root, CommitRecord(5, ("model",), 1, 0.0, save_id=None))
 
 
 def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_file(
@@ -386,9 +387,9 @@ def test_a_commit_unpickles_nothing_outside_the_allow_list_from_a_keys_metadata(
     with pytest.raises(CorruptCheckpointError) as raised:
         commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert root.url_of(path) in str(raised.value)
-    assert not _committed(root, 5) and commit.read_pointer(root) is None
+    assert not _committed(root, 5) and pointer.read_pointer(root) is None
     # A load the user told to trust the checkpoint (trust_checkpoint=True) checks it in full.
-    record = commit.CommitRecord(5, ("model",), 1, 0.0, save_id="a" * 32)
+    record = CommitRecord(5, ("model",), 1, 0.0, save_id="a" * 32)
     with pytest.raises(CorruptCheckpointError):
         commit.require_saved_together(root, record)
     commit.require_saved_together(root, record, trust_checkpoint=True)
@@ -404,12 +405,12 @@ def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_nami
         root.fs.rm(root.join(POINTER_NAME))
         return False
 
-    commit.write_pointer(root, 2)
-    monkeypatch.setattr(commit, "_replace_pointer", lambda *args: False)
-    monkeypatch.setattr(commit, "write_pointer", a_third_writer_deleted_it)
+    pointer.write_pointer(root, 2)
+    monkeypatch.setattr(pointer, "replace_pointer", lambda *args: False)
+    monkeypatch.setattr(pointer, "write_pointer", a_third_writer_deleted_it)
     with pytest.raises(StorageError) as raised:
         commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
-    assert str(raised.value) == f"{commit.pointer_url(root)} disappeared while this save moved it; save again"
+    assert str(raised.value) == f"{pointer.pointer_url(root)} disappeared while this save moved it; save again"
 
 
 def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committed_ones(root: Location) -> None:
@@ -417,7 +418,7 @@ def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committe
     why, which iterations are (or that none is), and what to do."""
     _save(root, 3, 5)
     for iteration in (5, 3):
-        root.fs.rm(root.join(layout.format_iteration(iteration), commit.COMMIT_RECORD_NAME))
+        root.fs.rm(root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME))
         with pytest.raises(CheckpointNotFoundError) as raised:
             commit.require_committed(root, 5, named_by="the pointer")
         committed = "['iter_000000003']" if iteration == 5 else "none"
@@ -432,7 +433,7 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     """list_save_dirname: a name with nothing listed under it is a folder only if it is one (the
     request that tells them apart is made only for such names). listed_inspection trusts an
     absence only inside a folder the listing read: elsewhere it reads the record."""
-    before = commit.list_save_dirname(root)
+    before = listing.list_save_dirname(root)
     _save(root, 3)
     root.fs.makedirs(root.join("iter_000000004"), exist_ok=True)
     _put(root, "iter_000000007", data=b"a file, not a folder")
@@ -441,15 +442,15 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     _put(root, "iter_000000008", "empty", data=b"")
     _put(root, "iter_000000009", ".commit.json ")  # nor this
     _put(root, "iter_000000009", "model", ".metadata\t")  # nor this a finished key
-    listing = commit.list_save_dirname(root)
-    assert listing.folders == (3, 4, 8, 9)
-    assert (listing.read, listing.records, listing.finished) == ({3, 8, 9}, {3}, {(3, "model")})
+    listed = listing.list_save_dirname(root)
+    assert listed.folders == (3, 4, 8, 9)
+    assert (listed.read, listed.records, listed.finished) == ({3, 8, 9}, {3}, {(3, "model")})
     # What ls shows as an iteration's size: its files' bytes, not its folders' nor a bare file's.
-    assert listing.sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1, 9: 2}
-    assert commit.committed_iterations(root) == [3]
-    assert commit.listed_inspection(root, listing, 4) == (None, "has no .commit.json (its save never finished)")
-    assert commit.listed_inspection(root, listing, 4, latest=5)[1] == commit.inspect_iteration(root, 4, latest=5)[1]
-    record, _ = commit.listed_inspection(root, before, 3)  # a listing older than the save
+    assert listed.sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1, 9: 2}
+    assert listing.committed_iterations(root) == [3]
+    assert listing.listed_inspection(root, listed, 4) == (None, "has no .commit.json (its save never finished)")
+    assert listing.listed_inspection(root, listed, 4, latest=5)[1] == listing.inspect_iteration(root, 4, latest=5)[1]
+    record, _ = listing.listed_inspection(root, before, 3)  # a listing older than the save
     assert record is not None and record.iteration == 3
 
 
@@ -457,7 +458,7 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
 def test_a_save_dirname_whose_name_ends_in_a_space_or_any_letter_still_lists_its_iterations(tmp_path: Any, name: str) -> None:
     root = resolve(str(tmp_path / name))
     _save(root, 1, 2)
-    assert commit.committed_iterations(root) == [1, 2] and commit.list_save_dirname(root).folders == (1, 2)
+    assert listing.committed_iterations(root) == [1, 2] and listing.list_save_dirname(root).folders == (1, 2)
 
 
 def test_a_key_whose_data_file_is_missing_is_not_committed_naming_the_file(root: Location) -> None:
@@ -486,7 +487,7 @@ def test_the_commit_record_is_indented_json_with_its_format_and_the_saves_token(
     assert raw == json.dumps(expected, indent=1).encode()
     assert abs(doc["saved_at"] - time.time()) < 3600
     # A record of a save without a token (written before tokens existed) has no save_id field.
-    legacy = commit.CommitRecord(5, ("model",), 1, 1.5)
+    legacy = CommitRecord(5, ("model",), 1, 1.5)
     assert json.loads(legacy.to_json()) == {"format": 1, "iteration": 5, "keys": ["model"], "world_size": 1, "saved_at": 1.5}
 
 
@@ -502,7 +503,7 @@ def test_a_commit_record_of_another_format_is_refused_naming_it_and_what_to_do(r
         doc["format"] = fmt
     root.fs.pipe_file(path, json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.read_commit_record(root, 5)
+        read_commit_record(root, 5)
     assert str(raised.value) == (
         f"commit record {root.url_of(path)} is unreadable (its format is {fmt!r}, this dcp_fsspec reads format 1: "
         "written by another version or another program; upgrade dcp_fsspec to read it); delete the folder "
@@ -522,7 +523,7 @@ def test_a_commit_record_of_another_format_is_refused_naming_it_and_what_to_do(r
 def test_a_malformed_commit_record_is_refused_saying_what_is_wrong_and_what_to_do(root: Location, raw: bytes, says: str) -> None:
     _put(root, "iter_000000005", ".commit.json", data=raw)
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.read_commit_record(root, 5)
+        read_commit_record(root, 5)
     folder = root.url_of(layout.iteration_path(root, 5))
     assert str(raised.value) == (
         f"commit record {root.url_of(_record_path(root, 5))} is unreadable {says}; delete the folder "
@@ -531,10 +532,10 @@ def test_a_malformed_commit_record_is_refused_saying_what_is_wrong_and_what_to_d
 
 
 def test_a_commit_record_of_exactly_the_size_limit_is_read(root: Location) -> None:
-    record = commit.CommitRecord(5, ("model",), 1, 1.5, "a" * 32)
+    record = CommitRecord(5, ("model",), 1, 1.5, "a" * 32)
     raw = record.to_json()
     _put(root, "iter_000000005", ".commit.json", data=raw + b" " * (1024 * 1024 - len(raw)))
-    assert commit.read_commit_record(root, 5) == record
+    assert read_commit_record(root, 5) == record
 
 
 def test_a_record_naming_another_token_than_its_keys_carry_is_not_loaded(root: Location) -> None:
@@ -545,7 +546,7 @@ def test_a_record_naming_another_token_than_its_keys_carry_is_not_loaded(root: L
     theirs = doc["save_id"]
     doc["save_id"] = "f" * 32
     root.fs.pipe_file(path, json.dumps(doc).encode())
-    record = commit.read_commit_record(root, 5)
+    record = read_commit_record(root, 5)
     assert record is not None and record.save_id == "f" * 32
     with pytest.raises(CorruptCheckpointError) as raised:
         commit.require_saved_together(root, record)
@@ -577,7 +578,7 @@ def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everyt
     left = [f for f in root.fs.find(layout.iteration_path(root, 5))]
     assert [f.rsplit("/", 1)[-1] for f in left] == [".commit.json"]
     assert json.loads(root.fs.cat_file(left[0])) == {"format": 1, "taken_over_by": "b" * 32}
-    assert commit.read_commit_record(root, 5) is None
+    assert read_commit_record(root, 5) is None
 
 
 def test_create_atomically_writes_once_and_says_whether_the_name_holds_this_callers_data(root: Location) -> None:
@@ -612,9 +613,9 @@ def test_a_pointer_that_is_not_an_iteration_name_is_refused_showing_what_it_hold
 ) -> None:
     _put(root, POINTER_NAME, data=raw)
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.read_pointer(root)
+        pointer.read_pointer(root)
     assert str(raised.value) == (
-        f"{commit.pointer_url(root)} holds {shown!r}, not an iteration folder name like 'iter_000000005'; "
+        f"{pointer.pointer_url(root)} holds {shown!r}, not an iteration folder name like 'iter_000000005'; "
         "write the name of a committed iteration into it, or delete it to start over"
     )
 
@@ -646,7 +647,7 @@ def test_a_commit_whose_key_never_finished_is_refused_naming_the_key_and_what_to
     assert str(raised.value) == (
         f"cannot commit {folder}: key 'optim' at {key} has no .metadata, so its save did not finish; save the iteration again"
     )
-    assert commit.read_commit_record(root, 5) is None
+    assert read_commit_record(root, 5) is None
 
 
 def test_a_commit_of_keys_another_save_wrote_or_after_another_commit_says_what_happened(root: Location) -> None:
@@ -667,7 +668,7 @@ def test_a_commit_of_keys_another_save_wrote_or_after_another_commit_says_what_h
         f"cannot commit {folder}: another process committed it, or took it over, while this save wrote it (two "
         f"processes saving the same iteration into {root.url}); this save is not committed. Give each run its own save_dirname"
     )
-    assert commit.read_commit_record(root, 5) == first
+    assert read_commit_record(root, 5) == first
 
 
 def test_taking_over_a_folder_whose_record_is_unreadable_names_it_and_deletes_nothing(root: Location) -> None:
@@ -691,4 +692,4 @@ def test_saving_the_pointers_own_iteration_again_leaves_the_pointer_file_untouch
         ckpt.save(3, model={"w": torch.zeros(4)})
     after = (tmp_path / "run" / POINTER_NAME).stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
-    assert commit.read_pointer(root) == 3 and _committed(root, 3)
+    assert pointer.read_pointer(root) == 3 and _committed(root, 3)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dcp_fsspec import CheckpointNotFoundError, FsspecStorageReader, FsspecStorageWriter
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint import pointer
 from dcp_fsspec.storage import names
 from dcp_fsspec.storage.urls import resolve
 from tests.conftest import Backend
@@ -63,7 +63,7 @@ def test_the_pointer_is_one_whole_write_on_stores_without_rename(
     """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (memory, S3, GCS, Azure)"""
     backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
     root = resolve(backend.url, backend.storage_options)
-    commit.write_pointer(root, 3)
+    pointer.write_pointer(root, 3)
     writes: list[tuple[str, bytes]] = []
     real_pipe_file = root.fs.pipe_file
 
@@ -75,6 +75,6 @@ def test_the_pointer_is_one_whole_write_on_stores_without_rename(
     if backend_name != "memory":  # memory://'s pipe_file opens the file itself, in memory
         monkeypatch.setattr(root.fs, "open", lambda *a, **k: pytest.fail("the pointer must not be streamed"))
     monkeypatch.setattr(root.fs, "mv", lambda *a, **k: pytest.fail("no rename: the store has none that is atomic"))
-    assert commit.write_pointer(root, 7)
+    assert pointer.write_pointer(root, 7)
     assert writes == [(root.join(names.POINTER_NAME), b"iter_000000007\n")]
-    assert commit.read_pointer(root) == 7
+    assert pointer.read_pointer(root) == 7

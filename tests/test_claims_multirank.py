@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint.record import read_commit_record
 from dcp_fsspec.storage.urls import resolve
 from tests.conftest import Backend
 from tests.distributed import run_ranks
@@ -56,7 +56,7 @@ def _save_on_a_subgroup(rank: int, world_size: int, url: str) -> None:
         back = {f"rank{rank}": torch.zeros(1024)}
         assert ckpt.load(state=back) == 1
     assert torch.equal(back[f"rank{rank}"], torch.full((1024,), 1.0))
-    record = commit.read_commit_record(resolve(url), 1)
+    record = read_commit_record(resolve(url), 1)
     assert record is not None and record.world_size == 2
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint import pointer
 from dcp_fsspec.storage.urls import resolve
 from tests.conftest import Backend
 from tests.security.test_concurrent_writers import ITERATION, ROUNDS, _empty_like, _equal, _race, _state
@@ -121,7 +121,7 @@ def test_a_folder_whose_key_another_save_replaced_is_never_loaded(backend_name: 
         ckpt.load(**target)
     assert backend.url in str(raised.value) and "another" in str(raised.value)
     assert _equal(target, _empty_like(_state(0, 0))), "a key was loaded from a folder that mixes two saves"
-    assert commit.read_pointer(root) == ITERATION
+    assert pointer.read_pointer(root) == ITERATION
 
 
 @pytest.mark.parametrize("backend_name", ["gcs", "azure", "sftp"])

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, ResumeOptions, StorageError, WriterSettings
-from dcp_fsspec.checkpoint import commit
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
+from dcp_fsspec.checkpoint import commit, listing, pointer
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
 from tests.conftest import Backend
@@ -94,10 +94,10 @@ KILL_POINTS = {
     "some keys are finished and others not": KillPoint("dcp_fsspec.storage.writer:FsspecStorageWriter.finish", nth=3),
     "every key is finished but the commit record is not written": KillPoint("dcp_fsspec.checkpoint.commit:commit_record"),
     "the commit record is written but the pointer has not moved": KillPoint(
-        "dcp_fsspec.checkpoint.commit:_replace_pointer", backends=("local", "s3")
+        "dcp_fsspec.checkpoint.pointer:replace_pointer", backends=("local", "s3")
     ),
     "the new pointer is written under a temporary name": KillPoint(
-        "os:replace", when=lambda args, kwargs: str(args[1]).endswith(commit.POINTER_NAME), backends=("local",)
+        "os:replace", when=lambda args, kwargs: str(args[1]).endswith(POINTER_NAME), backends=("local",)
     ),
     "the pointer has moved but retention has not run": KillPoint(
         "dcp_fsspec.checkpoint.retention:apply_retention", pointer_after=3
@@ -212,7 +212,7 @@ def test_a_save_killed_when_leaves_the_last_checkpoint_loadable_and_the_next_sav
         assert ckpt.committed_iterations() == [following - 1, following]
     files = _files(crash_backend)
     assert [f for f in files if not f.startswith(tuple(f"iter_{i:09d}/" for i in (following - 1, following)))] == [
-        commit.POINTER_NAME
+        POINTER_NAME
     ], files
     assert not [f for f in files if ".tmp" in f], files
     assert _pending_uploads(crash_backend) == []
@@ -240,15 +240,15 @@ def test_a_writer_that_loses_the_race_for_the_pointer_never_moves_it_back(
 ) -> None:
     """Guarantee row: 'the pointer names only committed iterations and never moves back' (local, memory, S3)"""
     root = resolve(any_backend.url, any_backend.storage_options)
-    commit.write_pointer(root, 2)
+    pointer.write_pointer(root, 2)
     conditional = any_backend.name == "s3"
-    real_read = commit._read_pointer_file
+    real_read = pointer.read_pointer_file
     other: list[Future[bool]] = []
 
     def read_then_let_the_other_writer_in(location: Any) -> Any:
         seen = real_read(location)
         if not other:  # our first read: the other writer now tries to point at 4
-            other.append(ThreadPoolExecutor(1).submit(commit.write_pointer, root, 4))
+            other.append(ThreadPoolExecutor(1).submit(pointer.write_pointer, root, 4))
             if conditional:
                 assert other[0].result(timeout=60)  # no lock: it goes first; our PUT must then fail
             else:
@@ -256,10 +256,10 @@ def test_a_writer_that_loses_the_race_for_the_pointer_never_moves_it_back(
                     other[0].result(timeout=0.5)
         return seen
 
-    monkeypatch.setattr(commit, "_read_pointer_file", read_then_let_the_other_writer_in)
-    ours = commit.write_pointer(root, 3)
+    monkeypatch.setattr(pointer, "read_pointer_file", read_then_let_the_other_writer_in)
+    ours = pointer.write_pointer(root, 3)
     assert other[0].result(timeout=60)
-    assert commit.read_pointer(root) == 4
+    assert pointer.read_pointer(root) == 4
     # Locked: ours went first, then theirs. Conditional: ours was refused and, re-read, left alone.
     assert ours is not conditional
 
@@ -287,7 +287,7 @@ def _watch_pointer(backend: Backend, stop: threading.Event) -> list[int]:
     root = resolve(backend.url, backend.storage_options)
     seen: list[int] = []
     while not stop.wait(0.005):
-        seen.append(commit.read_pointer(root) or 0)
+        seen.append(pointer.read_pointer(root) or 0)
     return seen
 
 
@@ -344,7 +344,7 @@ def test_an_iteration_the_other_runs_pointer_passed_while_it_was_written_is_not_
 
     def other_run_moves_the_pointer_first(self: FsspecStorageWriter, *args: Any, **kwargs: Any) -> None:
         real_finish(self, *args, **kwargs)
-        commit.write_pointer(root, 7)  # another run, saving into the same folder, published 7
+        pointer.write_pointer(root, 7)  # another run, saving into the same folder, published 7
 
     with Checkpointer(any_backend.url, any_backend.storage_options) as ckpt:
         monkeypatch.setattr(FsspecStorageWriter, "finish", other_run_moves_the_pointer_first)
@@ -354,14 +354,14 @@ def test_an_iteration_the_other_runs_pointer_passed_while_it_was_written_is_not_
         assert "iter_000000007" in str(raised.value) and any_backend.url in str(raised.value)
         assert ckpt.latest_checkpoint() == "iter_000000007"
         assert 5 not in ckpt.committed_iterations()
-    assert not commit.exists(root, root.join("iter_000000005", commit.COMMIT_RECORD_NAME))
+    assert not listing.exists(root, root.join("iter_000000005", COMMIT_RECORD_NAME))
 
 
 def _point_in_turn(url: str, values: list[int], start: Any) -> None:
     root = resolve(url)
     start.wait()
     for value in values:
-        commit.write_pointer(root, value)
+        pointer.write_pointer(root, value)
 
 
 # Four spawned interpreters (~10 s): CI only. `make test` keeps the lock's rule in one process
@@ -386,4 +386,4 @@ def test_several_processes_moving_one_local_pointer_leave_it_on_the_newest_and_n
         seen = watcher.result(timeout=60)
     assert [w.exitcode for w in writers] == [0, 0, 0, 0]
     assert seen == sorted(seen), "the pointer moved backwards"
-    assert commit.read_pointer(resolve(local_backend.url)) == 119
+    assert pointer.read_pointer(resolve(local_backend.url)) == 119

@@ -20,8 +20,9 @@ import torch
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 
 from dcp_fsspec import StorageError
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint import pointer
 from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.names import POINTER_NAME
 from dcp_fsspec.storage.retry import RetryPolicy, is_transient
 from dcp_fsspec.storage.urls import resolve
 from tests.ckpt_helpers import save_twice_and_resume
@@ -274,12 +275,12 @@ def test_a_pointer_write_whose_response_was_lost_is_recognised_not_repeated(
     faulty_s3: Backend, proxy: FaultyProxy
 ) -> None:
     root = resolve(faulty_s3.url, faulty_s3.storage_options, retry=FAST)
-    pointer_puts = lambda method, path: method == "PUT" and path.endswith(commit.POINTER_NAME)  # noqa: E731
+    pointer_puts = lambda method, path: method == "PUT" and path.endswith(POINTER_NAME)  # noqa: E731
     proxy.match, proxy.max_faults = pointer_puts, 2
     with proxy.faults_at(1.0, kinds=("cut",)):
-        assert commit.write_pointer(root, 3)  # If-None-Match: the PUT lands, its response is lost
-        assert commit.write_pointer(root, 5)  # If-Match on the ETag read: the same
-    assert commit.read_pointer(root) == 5
+        assert pointer.write_pointer(root, 3)  # If-None-Match: the PUT lands, its response is lost
+        assert pointer.write_pointer(root, 5)  # If-Match on the ETag read: the same
+    assert pointer.read_pointer(root) == 5
     puts = [fault for method, path, fault in proxy.log if pointer_puts(method, path)]
     # Each first PUT was cut after it landed; its retry was refused (412), then a re-read saw it.
     assert puts.count("cut") == 2 and len(puts) >= 4, puts

@@ -31,7 +31,7 @@ from dcp_fsspec import (
     ResumeOptions,
     StorageError,
 )
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint import pointer
 from tests.conftest import Backend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_an_async_save_in_flight_when_the_script_ends_is_committed_and_logged(tm
     assert "iteration 7" in done.stderr and url in done.stderr
     from dcp_fsspec.storage.urls import resolve
 
-    assert commit.read_pointer(resolve(url)) == 7
+    assert pointer.read_pointer(resolve(url)) == 7
 
 
 def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add(tmp_path: Path) -> None:

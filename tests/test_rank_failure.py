@@ -31,6 +31,7 @@ from dcp_fsspec import Checkpointer, StorageError
 from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage import writer as writer_module
 from dcp_fsspec.storage.backends.local import LocalBackend
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 
@@ -76,7 +77,7 @@ def _commit_record_fails(on_this_rank: bool) -> Iterator[None]:
     # The commit record is written by a create-if-absent or, after a take-over, by replacing
     # the save's own mark: fail it where both go through, at the record's write.
     def failing(root: Any, iteration: int, *args: Any, **kwargs: Any) -> None:
-        path = root.join(f"iter_{iteration:09d}", commit.COMMIT_RECORD_NAME)
+        path = root.join(f"iter_{iteration:09d}", COMMIT_RECORD_NAME)
         raise StorageError(f"cannot write {root.url_of(path)}: [Errno 5] Input/output error")
 
     with pytest.MonkeyPatch.context() as patch:
@@ -101,7 +102,7 @@ def _fail_one_rank_at_each_step(rank: int, world_size: int, url: str, options: d
 
         with _commit_record_fails(rank == 0), pytest.raises(StorageError) as info:
             ckpt.save(2, state=_state(rank, 2))
-        assert url in str(info.value) and commit.COMMIT_RECORD_NAME in str(info.value)
+        assert url in str(info.value) and COMMIT_RECORD_NAME in str(info.value)
         assert ckpt.latest_checkpoint() == "iter_000000001" and ckpt.committed_iterations() == [1]
 
         ckpt.save(2, state=_state(rank, 2))  # the failures left nothing in the way

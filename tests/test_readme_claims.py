@@ -20,7 +20,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, ResumeOptions, StorageError
-from dcp_fsspec.checkpoint import commit
 from dcp_fsspec.storage import names
 from tests.conftest import Backend
 

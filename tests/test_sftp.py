@@ -78,23 +78,24 @@ def test_an_sftp_pointer_update_that_fails_before_its_rename_leaves_the_old_poin
     import os
 
     from dcp_fsspec import StorageError
-    from dcp_fsspec.checkpoint import commit
+    from dcp_fsspec.checkpoint import pointer
+    from dcp_fsspec.storage.names import POINTER_NAME
     from dcp_fsspec.storage.urls import resolve
 
     root = resolve(sftp_backend.url, sftp_backend.storage_options)
     assert type(root.backend).__name__ == "SftpBackend"
-    assert commit.write_pointer(root, 3)
+    assert pointer.write_pointer(root, 3)
 
     def rename_fails(*args: object, **kwargs: object) -> None:
         raise OSError("connection lost before the rename")
 
     monkeypatch.setattr(root.fs, "mv", rename_fails)  # sshfs sets its sync methods per instance
     with pytest.raises(StorageError) as raised:
-        commit.write_pointer(root, 5)
+        pointer.write_pointer(root, 5)
     assert sftp_backend.url in str(raised.value)
     monkeypatch.undo()
-    assert commit.read_pointer(root) == 3  # the new bytes never replaced the old ones in place
-    assert os.listdir(_local_path(sftp_backend)) == [commit.POINTER_NAME]  # no temporary file left
+    assert pointer.read_pointer(root) == 3  # the new bytes never replaced the old ones in place
+    assert os.listdir(_local_path(sftp_backend)) == [POINTER_NAME]  # no temporary file left
 
 
 def test_an_sshfs_filesystem_unpickled_in_another_process_still_gets_the_sftp_backend(sftp_backend: Backend) -> None:

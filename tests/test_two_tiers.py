@@ -38,11 +38,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, LocalTier, RetryPolicy
-from dcp_fsspec.checkpoint import commit, drain
+from dcp_fsspec.checkpoint import commit, deletion, drain, listing, pointer
 from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
+from dcp_fsspec.checkpoint.record import read_commit_record
 from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
 from dcp_fsspec.local_s3 import LocalS3Server
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.urls import resolve
 from dcp_fsspec.tools import targets
 
@@ -59,7 +60,7 @@ _QUICK = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05, deadline=30.0)
 
 
 def _pointer(url: str, options: dict[str, Any]) -> int | None:
-    return commit.read_pointer(resolve(url, options))
+    return pointer.read_pointer(resolve(url, options))
 
 
 def _trained(steps: int) -> Training:
@@ -151,7 +152,7 @@ def test_a_drain_killed_part_way_leaves_the_durable_pointer_and_the_next_run_res
     durable_files = fs.find(s3_backend.url + "/iter_000000004")
     assert any(name.endswith(".distcp") for name in durable_files)  # the copy was under way
     assert _pointer(s3_backend.url, s3_backend.storage_options) == 2  # ... and not committed
-    assert 4 not in commit.committed_iterations(resolve(s3_backend.url, s3_backend.storage_options))
+    assert 4 not in listing.committed_iterations(resolve(s3_backend.url, s3_backend.storage_options))
 
     with caplog.at_level(logging.INFO, logger="dcp_fsspec"):
         iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, local, keep_last_n_local=2)
@@ -275,8 +276,8 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
         ckpt.wait()
         if rank == 0:  # undo the durable copy of 2: the state a drain killed part-way leaves
             root = resolve(url, options)
-            commit.discard_iteration(root, 2)
-            commit.write_atomically(root, root.join(commit.POINTER_NAME), b"iter_000000001\n")
+            deletion.discard_iteration(root, 2)
+            commit.write_atomically(root, root.join(POINTER_NAME), b"iter_000000001\n")
     torch.save(state, f"{out}.{rank}")
 
 
@@ -409,7 +410,7 @@ def test_rank0_commits_the_durable_copy_only_once_every_other_rank_marked_its_fi
 ) -> None:
     local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
     _committed_locally(local, 3)
-    token = commit.read_commit_record(resolve(str(local), {}), 3).save_id  # type: ignore[union-attr]
+    token = read_commit_record(resolve(str(local), {}), 3).save_id  # type: ignore[union-attr]
     job = drain.DrainJob(3, token)
     local_root = resolve(str(local), {})
 
@@ -423,17 +424,17 @@ def test_rank0_commits_the_durable_copy_only_once_every_other_rank_marked_its_fi
     marker.write_bytes(b"another-save")  # a marker left by a drain of another save of iteration 3
     with pytest.raises(DrainError):
         drain_as_rank0_of_two()
-    assert commit.read_pointer(durable) is None  # nothing was committed
+    assert pointer.read_pointer(durable) is None  # nothing was committed
     marker.write_bytes(token.encode())
     drain_as_rank0_of_two()
-    assert commit.read_pointer(durable) == 3 and not marker.exists()  # committed; the marker is gone
+    assert pointer.read_pointer(durable) == 3 and not marker.exists()  # committed; the marker is gone
 
 
 def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(tmp_path: Path) -> None:
     local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
     _committed_locally(local, 3)
     local_root = resolve(str(local), {})
-    token = commit.read_commit_record(local_root, 3).save_id  # type: ignore[union-attr]
+    token = read_commit_record(local_root, 3).save_id  # type: ignore[union-attr]
     folder, copy = str(local / "iter_000000003"), str(tmp_path / "durable" / "iter_000000003")
     # Per node, every rank's copy must be the save rank 0 drains (its token).
     with pytest.raises(DrainError, match="is another save's") as raised:
@@ -446,7 +447,7 @@ def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(
             drain.drain_iteration(local_root, durable, drain.DrainJob(3, token), rank=rank, world_size=2,
                                   keep_last_n=None, marker_wait=0.5, per_node=True)  # fmt: skip
         assert folder in str(raised.value) and copy in str(raised.value)
-    assert commit.read_pointer(durable) is None and not (tmp_path / "durable" / "iter_000000003").exists()
+    assert pointer.read_pointer(durable) is None and not (tmp_path / "durable" / "iter_000000003").exists()
 
 
 def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
@@ -525,12 +526,12 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
     assert "per-node mode: rank(s) [1] cannot see" in Path(f"{out}.log").read_text()
     for rank in (0, 1):  # each node's folder: that rank's own checkpoint, its own pointer and retention
         tier = tmp_path / f"node-{rank}" / f"rank{rank}"
-        assert _pointer(str(tier), {}) == 3 and commit.committed_iterations(resolve(str(tier))) == [3]
+        assert _pointer(str(tier), {}) == 3 and listing.committed_iterations(resolve(str(tier))) == [3]
         assert not (tmp_path / f"node-{rank}" / f"rank{1 - rank}").exists()
         with pytest.raises(CheckpointNotFoundError, match=f"per-node local_dirname .*give one of them, e.g. .*rank{rank}$"):
             targets.classify(resolve(str(tmp_path / f"node-{rank}")))  # what every tool is given
         assert targets.classify(resolve(str(tier))).kind == "run"
-    assert commit.committed_iterations(resolve(url)) == [1, 2, 3]
+    assert listing.committed_iterations(resolve(url)) == [1, 2, 3]
     # The durable copy: one plain checkpoint, each rank's shard in its own file, no drain leftovers.
     assert sorted(p.name for p in (tmp_path / "durable" / "iter_000000003" / "trainer").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"
@@ -622,8 +623,8 @@ def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any], lo
                 torch.save(state, f"{out}.{iteration}")
         if rank == 0:
             root = resolve(url, options)
-            commit.discard_iteration(root, 6)
-            commit.write_atomically(root, root.join(commit.POINTER_NAME), b"iter_000000004\n")
+            deletion.discard_iteration(root, 6)
+            commit.write_atomically(root, root.join(POINTER_NAME), b"iter_000000004\n")
 
 
 def _fsdp_resume(
@@ -686,7 +687,7 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
     local_root, durable = resolve(str(local), {}), resolve(str(tmp_path / "durable"), {})
 
     def job(iteration: int) -> drain.DrainJob:
-        return drain.DrainJob(iteration, commit.read_commit_record(local_root, iteration).save_id)  # type: ignore[union-attr,arg-type]
+        return drain.DrainJob(iteration, read_commit_record(local_root, iteration).save_id)  # type: ignore[union-attr,arg-type]
 
     first, second = _HoldDrain(1), _HoldDrain(2)
     second.release.set()  # only noticed, never held
@@ -712,7 +713,7 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
         first.release.set()
         drain_log.removeHandler(first)
         drain_log.removeHandler(second)
-    assert commit.committed_iterations(durable) == [1, 3] and not second.reached.is_set()
+    assert listing.committed_iterations(durable) == [1, 3] and not second.reached.is_set()
 
 
 @pytest.mark.slow
@@ -770,7 +771,7 @@ def test_async_saves_on_per_node_folders_commit_on_each_node_and_drain_into_one_
     for rank in (0, 1):
         assert json.loads(Path(f"{out}.{rank}").read_text()) == [1, 2]
         assert _pointer(str(tmp_path / f"node-{rank}" / f"rank{rank}"), {}) == 2
-    assert _pointer(url, {}) == 2 and commit.committed_iterations(resolve(url)) == [1, 2]
+    assert _pointer(url, {}) == 2 and listing.committed_iterations(resolve(url)) == [1, 2]
     folder = tmp_path / "durable" / "iter_000000002" / "trainer"
     assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     target = {"w": torch.zeros(8, 8), "r": torch.zeros(3), "step": 0}

@@ -31,7 +31,7 @@ from ..storage.collector import collector_paused
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
 from ..storage.urls import Location, redact_url, resolve
-from . import commit, layout
+from . import layout, listing, pointer
 from . import state as state_mod
 from ._collectives import Collectives
 from .background import BackgroundSaver, ThreadSaver
@@ -347,12 +347,12 @@ class Checkpointer:
         Raises:
             CorruptCheckpointError: the pointer does not hold an iteration folder name.
         """
-        latest = commit.read_pointer(self._root)
+        latest = pointer.read_pointer(self._root)
         return None if latest is None else layout.format_iteration(latest)
 
     def committed_iterations(self) -> list[int]:
         """Every committed iteration under ``save_dirname``, ascending. Any rank may call it."""
-        return commit.committed_iterations(self._root)
+        return listing.committed_iterations(self._root)
 
     def finalize(self) -> None:
         """Finish pending work and release resources; later saves and loads are errors.

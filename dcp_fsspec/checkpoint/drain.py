@@ -46,10 +46,11 @@ from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_
 from ..storage.decoding import parse_metadata
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
 from ..storage.urls import Location
-from . import commit, layout, retention
+from . import commit, layout, listing, pointer, retention
 from .events import CheckpointEvent
 from .merge import merge_metadata, rank_file_name
 from .options import DRAIN_EVERY, DRAIN_LATEST, DRAIN_POLICIES
+from .record import CommitRecord
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,10 @@ def drain_iteration(
     src = local.url_of(layout.iteration_path(local, iteration))
     dst = durable.url_of(layout.iteration_path(durable, iteration))
     try:
-        latest = commit.read_pointer(durable)
+        latest = pointer.read_pointer(durable)
         if latest is not None and latest >= iteration:
             if latest > iteration:
-                logger.info("not draining %s: %s already names the newer %s", src, commit.pointer_url(durable),
+                logger.info("not draining %s: %s already names the newer %s", src, pointer.pointer_url(durable),
                             layout.format_iteration(latest))  # fmt: skip
             return (), 0
         if rank != 0:
@@ -154,21 +155,21 @@ def drain_iteration(
         raise
     except (OSError, DcpFsspecError) as e:
         raise DrainError(
-            f"could not copy {src} to the durable tier {dst}: {e}; the pointer {commit.pointer_url(durable)} "
+            f"could not copy {src} to the durable tier {dst}: {e}; the pointer {pointer.pointer_url(durable)} "
             "stays on its previous iteration, the local copy is kept, and the next save drains again"
         ) from e
 
 
 def _require_committed_locally(
     local: Location, durable: Location, iteration: int, token: str | None = None
-) -> commit.CommitRecord:
+) -> CommitRecord:
     """The local commit record of ``iteration`` (per node, of the save ``token``: every rank's
     copy is one save).
 
     Raises:
         DrainError: the local copy is not committed (or is another save's); naming both folders.
     """
-    record, why = commit.inspect_iteration(local, iteration)
+    record, why = listing.inspect_iteration(local, iteration)
     if record is not None and token is not None and record.save_id != token:
         why = f"is another save's (save_id {record.save_id!r}, not rank 0's {token!r})"
         record = None
@@ -190,10 +191,10 @@ def _drain_and_commit(
     src = local.url_of(layout.iteration_path(local, iteration))
     dst = durable.url_of(layout.iteration_path(durable, iteration))
     record = _require_committed_locally(local, durable, iteration)
-    durable_record, reason = commit.inspect_iteration(durable, iteration)
+    durable_record, reason = listing.inspect_iteration(durable, iteration)
     if durable_record is not None and durable_record.save_id == record.save_id:
         # Committed by a drain that died before moving the pointer.
-        latest = iteration if commit.write_pointer(durable, iteration) else commit.read_pointer(durable)
+        latest = iteration if pointer.write_pointer(durable, iteration) else pointer.read_pointer(durable)
         logger.info("committed %s (the durable copy of %s)", dst, src)
         _remove_markers(durable, iteration, world_size, record.keys if per_node else ())
         _apply_retention(durable, keep_last_n, iteration, latest)

@@ -32,7 +32,7 @@ from ..storage.reader import FsspecStorageReader
 from ..storage.retry import RetryPolicy
 from ..storage.settings import ReaderSettings
 from ..storage.urls import Location
-from . import commit, layout, preflight, resume
+from . import layout, listing, preflight, resume
 from . import state as state_mod
 from ._collectives import Collectives
 from .at_once import at_once
@@ -355,7 +355,7 @@ class LoadPipeline:
 
     def _with_fallback_advice(self, error: CorruptCheckpointError, iteration: int) -> CorruptCheckpointError:
         """``error``, saying which older committed iteration ``load(iteration=…)`` can resume instead."""
-        older = [i for i in commit.committed_iterations(self._root) if i < iteration]
+        older = [i for i in listing.committed_iterations(self._root) if i < iteration]
         advice = (
             f"; to resume from the previous committed iteration instead, call load(iteration={older[-1]}, ...)"
             if older

@@ -1,14 +1,14 @@
 """The save pipeline: what happens to staged state until it is a committed, named iteration.
 
 One save, read top to bottom in :meth:`SavePipeline.run`: rank 0 prepares the iteration's
-folder (refusing to replace a committed one; taking over one that holds anything, a failed
+folder (:func:`.commit.prepare_iteration`: refusing to replace a committed one; taking over one that holds anything, a failed
 save's leftovers or a running save's files, with a mark that the other's commit cannot pass,
 before it clears it) → every rank
 writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` (a small state
 on one rank, to an object store: all keys at once; on local disk one after another, each file's
 fsync on a thread of its own meanwhile) → rank 0 commits
 and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention (from what the
-preparation read beside its own questions, :class:`.retention.Survey`; it uncommits the old
+preparation read beside its own questions, :class:`.listing.Survey`; it uncommits the old
 iterations; a :class:`~dcp_fsspec.Checkpointer`'s own pipeline deletes their files on a
 thread of its own, which the next save waits for). The pointer is read
 twice per save, at the preparation and in the compare-and-swap that moves it; retention takes
@@ -23,12 +23,12 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ..storage.collector import collector_paused
 from ..storage.failures import unwrap_dcp
 from ..storage.file_syncs import FileSyncs
@@ -37,7 +37,7 @@ from ..storage.settings import WriterSettings
 from ..storage.urls import resolve
 from ..storage.verification import verify_checkpoint
 from ..storage.writer import FsspecStorageWriter
-from . import commit, layout, retention
+from . import commit, layout, listing, retention
 from ._collectives import Collectives
 from .at_once import at_once
 from .events import tensor_nbytes
@@ -68,22 +68,6 @@ class SaveSettings:
     writer: WriterSettings = WriterSettings()
 
 
-class Prepared(NamedTuple):
-    """What rank 0's preparation of an iteration's folder hands every rank.
-
-    Attributes:
-        save_id: the save's token.
-        claimed: the folder was clean and this save claimed it first: it writes torch's data
-            file names (else names holding the token).
-        taken_over: the folder held something and this save's mark now stands in its commit
-            record's place (see :func:`.commit.take_over_iteration`).
-    """
-
-    save_id: str
-    claimed: bool
-    taken_over: bool
-
-
 class SavePipeline:
     """Writes staged state dicts as one iteration, commits it, moves the pointer, prunes.
 
@@ -103,7 +87,7 @@ class SavePipeline:
         self._root = resolve(settings.url, settings.storage_options, retry=settings.retry)
         self._collectives = collectives
         self._purge = retention.BackgroundPurge() if purge_in_background else None
-        self._survey: retention.Survey | None = None  # rank 0: what retention needs, read early
+        self._survey: listing.Survey | None = None  # rank 0: what retention needs, read early
 
     def wait_for_purge(self) -> None:
         """Return once the files retention let go of in the last save are deleted (or the
@@ -144,49 +128,13 @@ class SavePipeline:
             )  # fmt: skip
         return latest
 
-    def _prepare(self, iteration: int, save_id: str) -> Prepared:
-        """Rank 0: refuse to replace a committed iteration; take over and clear one that holds
-        anything (its leftovers may be those of a save still running)."""
-        root, overwrite = self._root, self.settings.overwrite
-        folder = root.url_of(layout.iteration_path(root, iteration))
-        # Three questions, one round trip: the pointer, the iteration's record, its folder; with
-        # retention, also its listing of save_dirname (and, with the claim, the records it keeps).
-        keep_last_n = self.settings.keep_last_n
-        latest, record, present, *survey = at_once([
-            partial(commit.read_pointer, root),
-            partial(commit.read_commit_record, root, iteration),
-            partial(commit.folder_exists, root, layout.iteration_path(root, iteration)),
-            *([retention.Survey.listing_read(root)] if keep_last_n is not None else []),
-        ], one_by_one=root.answers_locally)  # fmt: skip
-        self._survey = survey[0] if survey else None
-        if latest is not None and latest > iteration and not overwrite:
-            raise CheckpointExistsError(
-                f"cannot save {folder}: {commit.pointer_url(root)} already names the newer "
-                f"{layout.format_iteration(latest)} and never moves backwards; save a later iteration, use "
-                "a new save_dirname, or pass overwrite=True to write it anyway (the pointer stays)"
-            )
-        record, reason = commit.judge_iteration(root, iteration, record, present)
-        # Committed but newer than the pointer: its save died between the commit record and the
-        # pointer, so nothing names it; the resumed run replaces it like any leftover.
-        unpublished = record is not None and (latest is None or latest < iteration)
-        if record is not None and not overwrite and not unpublished:
-            raise CheckpointExistsError(
-                f"{folder} is already a committed checkpoint; save a different iteration, or pass "
-                "overwrite=True to replace it"
-            )
-        if unpublished:
-            logger.info("replacing %s, committed by a save that died before moving the pointer", folder)
-        elif record is not None:
-            logger.warning("overwriting the committed checkpoint %s", folder)
-        elif reason != "does not exist":
-            logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
-        if record is not None or reason != "does not exist":
-            commit.take_over_iteration(root, iteration, save_id, replacing=record, unpublished=unpublished and not overwrite)
-            return Prepared(save_id, claimed=False, taken_over=True)
-        reads = [] if self._survey is None or keep_last_n is None else self._survey.record_reads(root, keep_last_n, iteration)
-        claimed = at_once([partial(commit.claim_iteration, root, iteration, save_id), *reads],
-                          one_by_one=root.answers_locally)[0]  # fmt: skip
-        return Prepared(save_id, claimed, taken_over=False)
+    def _prepare(self, iteration: int, save_id: str) -> commit.Prepared:
+        """Rank 0: make the iteration's folder this save's (:func:`.commit.prepare_iteration`);
+        keep what it read for retention, which only rank 0 applies."""
+        prepared, self._survey = commit.prepare_iteration(
+            self._root, iteration, save_id, overwrite=self.settings.overwrite, keep_last_n=self.settings.keep_last_n
+        )
+        return prepared
 
     def _write_keys(
         self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str, *, unique_file_names: bool
@@ -274,7 +222,7 @@ class SavePipeline:
         except CheckpointException as e:
             raise unwrap_dcp(e, f"saving key {key!r} to {url}", mismatch=False) from e
 
-    def _publish(self, iteration: int, keys: tuple[str, ...], prepared: Prepared, syncs: FileSyncs | None) -> int:
+    def _publish(self, iteration: int, keys: tuple[str, ...], prepared: commit.Prepared, syncs: FileSyncs | None) -> int:
         """Every rank finished every key and made its files and folders durable → rank 0 writes
         the commit record, then the pointer."""
         error: Exception | None = None

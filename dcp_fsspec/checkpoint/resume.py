@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointNotFoundError
-from ..storage.names import METADATA_NAME
+from ..storage.names import METADATA_NAME, POINTER_NAME
 from ..storage.reader import FsspecStorageReader
 from ..storage.settings import ReaderSettings
 from ..storage.urls import Location
-from . import commit, layout
+from . import commit, layout, listing, pointer
 from .options import ResumeOptions
 
 MODEL_KEY = "model"
@@ -189,10 +189,10 @@ def gather(
 
 
 def _named_by_pointer(root: Location, trust_checkpoint: bool) -> Found | None:
-    latest = commit.read_pointer(root)
+    latest = pointer.read_pointer(root)
     if latest is None:
         return None
-    return _committed(root, latest, named_by=commit.pointer_url(root), trust_checkpoint=trust_checkpoint)
+    return _committed(root, latest, named_by=pointer.pointer_url(root), trust_checkpoint=trust_checkpoint)
 
 
 def _committed(root: Location, iteration: int, *, named_by: str, trust_checkpoint: bool) -> Found:
@@ -211,7 +211,7 @@ def _leftovers(root: Location) -> str | None:
         names = [layout.format_iteration(i) for i in iterations]
         shown = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
         return (
-            f"{len(names)} iteration folder(s) ({shown}) but no {commit.POINTER_NAME}, so none of them "
+            f"{len(names)} iteration folder(s) ({shown}) but no {POINTER_NAME}, so none of them "
             "was ever published as the latest checkpoint"
         )
     try:
@@ -235,7 +235,7 @@ def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings
     saved = {
         k: source.url_of(source.join(k))
         for k in keys
-        if commit.exists(source, posixpath.join(source.join(k), METADATA_NAME))
+        if listing.exists(source, posixpath.join(source.join(k), METADATA_NAME))
     }
     return Found(FOLDER, source.url, source.url, layout.parse_iteration(source.path), saved)
 
@@ -278,7 +278,7 @@ def plan_resume(facts: ResumeFacts, wanted: Sequence[str], options: ResumeOption
     if found.kind == FOLDER and not found.keys:
         raise CheckpointNotFoundError(
             f"load_path {found.url} holds no DCP checkpoint of {keys} (no {METADATA_NAME} there nor in "
-            f"a key subfolder, and no {commit.POINTER_NAME}); check the URL"
+            f"a key subfolder, and no {POINTER_NAME}); check the URL"
         )
     iteration = 0
     notes: tuple[tuple[int, str], ...] = ()

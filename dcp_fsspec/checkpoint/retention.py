@@ -4,7 +4,7 @@ The plan is a pure function of what is on storage, so it is easy to reason about
 newest N committed iterations at or below the pointer, the one the pointer names, and any being
 written; delete every other folder older than the pointer. That includes uncommitted folders
 older than the pointer: they are debris of failed saves or of earlier deletions that failed
-half way (``commit.discard_iteration`` uncommits first), which is how a failed delete is retried
+half way (:mod:`.deletion` uncommits first), which is how a failed delete is retried
 at the next save without remembering anything between saves.
 """
 
@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
 from ..errors import DcpFsspecError
 from ..storage.urls import Location
-from . import commit, layout
+from . import deletion, layout, listing, pointer
 from .at_once import at_once
+from .listing import Survey
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +74,11 @@ def plan_from_storage(
         CorruptCheckpointError: a commit record it reads is not one we wrote.
         StorageError: the backend failed.
     """
-    listing = commit.list_save_dirname(root) if survey is None or survey.listing is None else survey.listing
+    listed = listing.list_save_dirname(root) if survey is None or survey.listing is None else survey.listing
     known = {} if survey is None else dict(survey.committed)  # iteration → committed, as read
     if committed_now is not None:
         known[committed_now] = True
-    iterations = sorted(set(listing.folders) | set(known))
+    iterations = sorted(set(listed.folders) | set(known))
     candidates = sorted((i for i in iterations if latest is not None and i <= latest), reverse=True)
     committed: list[int] = []
     # Newest first, as many at once as committed ones are still wanted: the same records a
@@ -86,13 +86,13 @@ def plan_from_storage(
     while len(committed) < keep_last_n and candidates:
         batch, candidates = candidates[: keep_last_n - len(committed)], candidates[keep_last_n - len(committed) :]
         unknown = [i for i in batch if i not in known]
-        records = at_once([partial(commit.listed_record, root, listing, iteration) for iteration in unknown],
+        records = at_once([partial(listing.listed_record, root, listed, iteration) for iteration in unknown],
                           one_by_one=root.answers_locally)  # fmt: skip
         known.update((i, record is not None) for i, record in zip(unknown, records, strict=True))
         committed += [iteration for iteration in batch if known[iteration]]
     delete = plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
     # A folder the listing shows without a record needs no uncommitting: a failed save's leftovers.
-    recorded = [i for i in delete if i in listing.records or i not in listing.read]
+    recorded = [i for i in delete if i in listed.records or i not in listed.read]
     return Plan(iterations, delete, recorded)
 
 
@@ -108,53 +108,6 @@ class Plan(NamedTuple):
     iterations: list[int]
     delete: list[int]
     recorded: list[int]
-
-
-@dataclass
-class Survey:
-    """What retention reads of ``save_dirname``, read at the start of a save beside the save's
-    own requests: its listing (with the pointer and the iteration's record) and the records of
-    the iterations it will keep (with the claim). Retention after the commit then costs one
-    round trip, the old record's deletion, where it cost three (S3, a small save).
-
-    Read before the save wrote, it lacks only what appeared since: folders retention then
-    keeps, never deletes. A read that failed is left out, and retention reads it again.
-
-    Attributes:
-        listing: :func:`.commit.list_save_dirname`'s, or ``None`` if it failed.
-        committed: iteration → whether its commit record says committed, for those read.
-    """
-
-    listing: commit.Listing | None
-    committed: dict[int, bool] = field(default_factory=dict)
-
-    @classmethod
-    def listing_read(cls, root: Location) -> Callable[[], Survey]:
-        """The listing's read, to send with other questions; a failure leaves it to retention."""
-
-        def read() -> Survey:
-            try:
-                return cls(commit.list_save_dirname(root))
-            except (OSError, DcpFsspecError):
-                return cls(None)
-
-        return read
-
-    def record_reads(self, root: Location, keep_last_n: int, iteration: int) -> list[Callable[[], None]]:
-        """The reads of the records retention will want once ``iteration`` is committed: the
-        newest ``keep_last_n - 1`` folders below it."""
-        if self.listing is None:
-            return []
-        listing = self.listing
-        below = sorted((i for i in listing.folders if i < iteration), reverse=True)[: keep_last_n - 1]
-
-        def read(i: int) -> None:
-            try:
-                self.committed[i] = commit.listed_record(root, listing, i) is not None
-            except (OSError, DcpFsspecError):
-                pass  # unknown: retention reads it again, and says so if it fails there
-
-        return [partial(read, i) for i in below]
 
 
 def apply_retention(
@@ -187,7 +140,7 @@ def apply_retention(
     """
     try:
         if latest is None:
-            latest = commit.read_pointer(root)
+            latest = pointer.read_pointer(root)
         plan = plan_from_storage(
             root, keep_last_n, latest=latest, protected=protected, survey=survey, committed_now=committed_now
         )
@@ -263,15 +216,15 @@ def discard(root: Location, iterations: list[int], recorded: list[int]) -> dict[
         The iterations that failed → why (each tried alone once the bulk request failed).
     """
     failed: dict[int, Exception] = {}
-    _in_bulk(root, commit.uncommit_iterations, recorded, failed)
-    _in_bulk(root, commit.remove_iterations, [i for i in iterations if i not in failed], failed)
+    _in_bulk(root, deletion.uncommit_iterations, recorded, failed)
+    _in_bulk(root, deletion.remove_iterations, [i for i in iterations if i not in failed], failed)
     return failed
 
 
 def _uncommit(root: Location, iterations: list[int]) -> list[int]:
     """Delete the records of ``iterations`` in bulk (failures logged): those deleted."""
     failed: dict[int, Exception] = {}
-    done = _in_bulk(root, commit.uncommit_iterations, iterations, failed)
+    done = _in_bulk(root, deletion.uncommit_iterations, iterations, failed)
     _warn(root, failed)
     return done
 

@@ -34,10 +34,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, StorageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
-from . import commit, layout, retention
+from . import commit, deletion, layout, listing, pointer, retention
 from ._collectives import Collectives
 from .drain import DRAIN_LATEST, Drainer, DrainJob
 from .events import CheckpointEvent
+from .record import read_commit_record
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +87,10 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, st
     carries the save's token and names files present), with that token. A local tier that
     cannot be read counts as empty (logged): the durable one is there for that."""
     try:
-        listing = commit.list_save_dirname(local)
+        listed = listing.list_save_dirname(local)
         readable: dict[int, str | None] = {}
-        for iteration in listing.folders:
-            record = commit.listed_record(local, listing, iteration)
+        for iteration in listed.folders:
+            record = listing.listed_record(local, listed, iteration)
             if record is None:
                 continue
             try:
@@ -179,7 +180,7 @@ class TwoTiers:
         path = local.join(self._collectives.run_on_rank0(write_probe))
         local.backend.invalidate(local.path)
         try:
-            mine = commit.exists(local, path)
+            mine = listing.exists(local, path)
         except (OSError, DcpFsspecError):
             mine = False  # a folder this rank cannot read is no folder it shares
         seen = self._collectives.all_gather(mine)  # every rank gets here: no rank raises alone
@@ -235,7 +236,7 @@ class TwoTiers:
         """The token of the save committed locally as ``iteration`` (``""`` if unreadable: the
         drain then refuses it, naming why)."""
         try:
-            record = commit.read_commit_record(self.local, iteration)
+            record = read_commit_record(self.local, iteration)
         except (OSError, DcpFsspecError) as e:
             logger.warning("cannot read the local commit record of %s under %s: %s",
                            layout.format_iteration(iteration), self.local.url, e)  # fmt: skip
@@ -261,7 +262,7 @@ class TwoTiers:
         if not self._owns_local:
             return
         try:
-            latest = commit.read_pointer(self.local)
+            latest = pointer.read_pointer(self.local)
             if latest is None or latest <= iteration:
                 return
             logger.warning(
@@ -270,7 +271,7 @@ class TwoTiers:
                 layout.format_iteration(latest), layout.format_iteration(iteration), self.local.url,
             )  # fmt: skip
             self.local.backend.call("rm", self.local.join(POINTER_NAME))
-            commit.discard_iterations(self.local, [i for i in layout.list_iterations(self.local) if i > iteration])
+            deletion.discard_iterations(self.local, [i for i in layout.list_iterations(self.local) if i > iteration])
         except (OSError, DcpFsspecError) as e:
             logger.warning("could not drop the local iterations after %s under %s: %s", layout.format_iteration(iteration),
                            self.local.url, e)  # fmt: skip
@@ -300,10 +301,10 @@ class TwoTiers:
 
         def durable_pointer() -> int | None:
             try:
-                return commit.read_pointer(self.durable)
+                return pointer.read_pointer(self.durable)
             except StorageError as e:
                 logger.warning("cannot read the durable pointer %s (%s); looking at the local tier %s only",
-                               commit.pointer_url(self.durable), e, self.local.url)  # fmt: skip
+                               pointer.pointer_url(self.durable), e, self.local.url)  # fmt: skip
                 return None
 
         durable_latest = self._collectives.run_on_rank0(durable_pointer)

@@ -1,7 +1,7 @@
 """``ls``: the iterations under a Checkpointer's save_dirname, committed or not, and the latest.
 
 One row per iteration folder: committed (and if not, why not, in the words of
-:func:`dcp_fsspec.checkpoint.commit.listed_inspection`), whether the pointer names it, its size
+:func:`dcp_fsspec.checkpoint.listing.listed_inspection`), whether the pointer names it, its size
 on storage, and its age (from the commit record's ``saved_at``). One recursive listing of the
 save_dirname gives all of it but the commit records, which are read for the folders that show
 one: the requests do not grow with the number of folders that are not checkpoints.
@@ -16,7 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..checkpoint import commit, layout
+from ..checkpoint import layout, pointer
+from ..checkpoint.listing import Listing, list_save_dirname, listed_inspection
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
@@ -86,12 +87,12 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
         raise CheckpointNotFoundError(_not_a_run(target))
     listing = RunListing(url=root.url, latest=None)
     try:
-        listing.latest = commit.read_pointer(root)
+        listing.latest = pointer.read_pointer(root)
     except CorruptCheckpointError as e:
         listing.pointer_problem = str(e)
     # One listing gives every folder, its size, and which show a commit record: only the
     # records themselves are read, so junk folders cost nothing more.
-    listed = commit.list_save_dirname(root)
+    listed = list_save_dirname(root)
     for iteration in listed.folders:
         listing.iterations.append(_describe(root, listed, iteration, listing.latest))
     return listing
@@ -114,10 +115,10 @@ def _run_of_key(checkpoint: Location) -> Location | None:
     return targets.parent_of(folder) if layout.parse_iteration(folder.path) is not None else None
 
 
-def _describe(root: Location, listed: commit.Listing, iteration: int, latest: int | None) -> IterationInfo:
+def _describe(root: Location, listed: Listing, iteration: int, latest: int | None) -> IterationInfo:
     folder = layout.iteration_path(root, iteration)
     try:
-        record, why = commit.listed_inspection(root, listed, iteration, latest=latest)
+        record, why = listed_inspection(root, listed, iteration, latest=latest)
     except CorruptCheckpointError as e:
         record, why = None, str(e)
     size = listed.sizes.get(iteration, 0)

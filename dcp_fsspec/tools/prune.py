@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..checkpoint import commit, layout, retention
+from ..checkpoint import layout, pointer, retention
 from ..errors import CheckpointNotFoundError, StorageError, UsageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import resolve
@@ -65,7 +65,7 @@ def prune(
     root = target.location  # the pointer's URL names its save_dirname
     if target.kind != "run":
         raise CheckpointNotFoundError(f"{root.url} is not a save_dirname (a folder of iter_* folders); nothing to prune")
-    latest = commit.read_pointer(root)
+    latest = pointer.read_pointer(root)
     # The Checkpointer's own retention plan: one listing, whatever the number of folders.
     plan = retention.plan_from_storage(root, keep, latest=latest)
     result = PruneResult(root.url, keep, latest, dry_run, kept=[i for i in plan.iterations if i not in plan.delete])

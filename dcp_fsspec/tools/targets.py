@@ -14,7 +14,8 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..checkpoint import commit, layout
+from ..checkpoint import layout, pointer
+from ..checkpoint.record import CommitRecord, read_commit_record
 from ..errors import CheckpointNotFoundError
 from ..storage.failures import storage_errors
 from ..storage.names import COMMIT_RECORD_NAME, DATA_SUFFIX, METADATA_NAME, POINTER_NAME
@@ -36,7 +37,7 @@ class Target:
 
     ``location`` is the folder the tools read: the URL's, or for a file of ours its folder's.
     For an iteration folder, ``run`` is its parent (the ``save_dirname``) and ``iteration`` its
-    number, which is how :mod:`dcp_fsspec.checkpoint.commit` addresses it.
+    number, which is how :mod:`dcp_fsspec.checkpoint.listing` addresses it.
     """
 
     kind: Kind
@@ -114,14 +115,14 @@ def _folder_of(file: Location) -> Target:
     raise CheckpointNotFoundError(f"{file.url} is a file, not a checkpoint's folder: {_WHAT_TO_GIVE}")
 
 
-def iteration_keys(run: Location, iteration: int) -> tuple[commit.CommitRecord | None, list[str]]:
+def iteration_keys(run: Location, iteration: int) -> tuple[CommitRecord | None, list[str]]:
     """An iteration's commit record and its keys: the record's, else subfolders with ``.metadata``.
 
     Raises:
         CorruptCheckpointError: the commit record exists but cannot be read.
         StorageError: the backend failed.
     """
-    record = commit.read_commit_record(run, iteration)
+    record = read_commit_record(run, iteration)
     if record is not None:
         return record, list(record.keys)
     folder = layout.iteration_path(run, iteration)
@@ -153,10 +154,10 @@ def iteration_to_read(target: Target, verb: str) -> tuple[Location, int]:
     if target.kind == "iteration":
         assert target.run is not None and target.iteration is not None
         return target.run, target.iteration
-    latest = commit.read_pointer(target.location)
+    latest = pointer.read_pointer(target.location)
     if latest is None:
         raise CheckpointNotFoundError(
-            f"{commit.pointer_url(target.location)} does not exist, so {target.location.url} has no latest "
+            f"{pointer.pointer_url(target.location)} does not exist, so {target.location.url} has no latest "
             f"checkpoint; {verb} one of its iteration folders instead (see `dcp-fsspec ls`)"
         )
     return target.location, latest

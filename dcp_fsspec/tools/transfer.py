@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..checkpoint import commit, layout
+from ..checkpoint import layout, listing
 from ..errors import CheckpointExistsError
 from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_of
 from ..storage.failures import storage_errors
@@ -123,12 +123,12 @@ def _files_to_copy(source: Location, target: targets.Target, skipped: list[str])
     if target.kind != "run":
         if target.kind == "iteration":
             assert target.run is not None and target.iteration is not None
-            _, why = commit.inspect_iteration(target.run, target.iteration)
+            _, why = listing.inspect_iteration(target.run, target.iteration)
             if why is not None:
                 logger.warning("%s is not committed (%s); copying it as it is", source.url, why)
         return list_files(source, source.path)
     files: dict[str, int] = {}
-    committed = set(commit.committed_iterations(source))
+    committed = set(listing.committed_iterations(source))
     for iteration in layout.list_iterations(source):
         folder = layout.iteration_path(source, iteration)
         if iteration in committed:
@@ -137,7 +137,7 @@ def _files_to_copy(source: Location, target: targets.Target, skipped: list[str])
             skipped.append(source.url_of(folder))
             logger.warning("not copying %s: not committed (a save that never finished)", source.url_of(folder))
     pointer = source.join(POINTER_NAME)
-    if commit.exists(source, pointer):
+    if listing.exists(source, pointer):
         files[POINTER_NAME] = int(source.fs.info(pointer).get("size") or 0)
     return files
 

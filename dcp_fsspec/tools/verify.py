@@ -18,7 +18,7 @@ import posixpath
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint import commit, layout
+from ..checkpoint import layout, listing, pointer
 from ..errors import CorruptCheckpointError
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
 from ..storage.urls import Location, resolve
@@ -94,9 +94,9 @@ class _Checker:
     # --- a save_dirname and its iterations ------------------------------------------------------
 
     def run(self, root: Location) -> None:
-        pointer_url = commit.pointer_url(root)
+        pointer_url = pointer.pointer_url(root)
         try:
-            latest = commit.read_pointer(root)
+            latest = pointer.read_pointer(root)
         except CorruptCheckpointError as e:
             self.problem(pointer_url, None, str(e))
             latest = None
@@ -125,7 +125,7 @@ class _Checker:
             self.problem(record_url, None, f"does not exist: {folder} is not committed (its save never finished)")
         for key in keys:
             location = targets.key_location(run, iteration, key)
-            if record is not None and not commit.key_is_committed(run, iteration, key):
+            if record is not None and not listing.key_is_committed(run, iteration, key):
                 self.problem(
                     location.url_of(location.join(METADATA_NAME)), None,
                     f"does not exist, but {COMMIT_RECORD_NAME} lists key {key!r}",

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from dcp_fsspec import CheckpointExistsError, Checkpointer, CorruptCheckpointError, DcpFsspecError
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint import commit, pointer
+from dcp_fsspec.checkpoint.record import read_commit_record, take_over_mark
+from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.urls import resolve
 from tests.conftest import Backend
 
@@ -130,7 +132,7 @@ def test_a_commit_record_whose_keys_another_save_wrote_is_never_loaded(local_bac
         ckpt.load(**target)
     assert local_backend.url in str(raised.value) and "another" in str(raised.value)
     assert not _equal(target, _state(1, 0))
-    assert commit.read_pointer(root) == ITERATION
+    assert pointer.read_pointer(root) == ITERATION
 
 
 def _folder_files(backend: Backend) -> dict[str, bytes]:
@@ -184,7 +186,7 @@ def test_a_save_that_saw_a_commit_before_its_pointer_moved_never_clears_it_once_
     with Checkpointer(backend.url, backend.storage_options) as ckpt:
         ckpt.save(ITERATION, **_state(0, 0))
     root = resolve(backend.url, backend.storage_options)
-    record = commit.read_commit_record(root, ITERATION)
+    record = read_commit_record(root, ITERATION)
     before = _folder_files(backend)
     with pytest.raises(CheckpointExistsError) as raised:
         commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
@@ -207,15 +209,15 @@ def test_on_s3_a_save_whose_record_was_taken_over_before_it_looked_again_reports
     report success.
     """
     root = resolve(s3_backend.url, s3_backend.storage_options)
-    replace_pointer = commit._replace_pointer
+    replace_pointer = pointer.replace_pointer
 
     def then_b_marks(*args: Any, **kwargs: Any) -> bool:
         moved = replace_pointer(*args, **kwargs)
-        path = root.join(f"iter_{ITERATION:09d}", commit.COMMIT_RECORD_NAME)
-        root.backend.replace_if_unchanged(path, commit._take_over_mark("b" * 32), root.backend.read_versioned(path))
+        path = root.join(f"iter_{ITERATION:09d}", COMMIT_RECORD_NAME)
+        root.backend.replace_if_unchanged(path, take_over_mark("b" * 32), root.backend.read_versioned(path))
         return moved
 
-    monkeypatch.setattr(commit, "_replace_pointer", then_b_marks)
+    monkeypatch.setattr(pointer, "replace_pointer", then_b_marks)
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
         with pytest.raises(CheckpointExistsError, match="took it over while this save committed it") as raised:
             ckpt.save(ITERATION, **_state(0, 0))
@@ -235,23 +237,23 @@ def test_on_s3_a_take_over_that_finds_the_pointer_moved_after_its_mark_puts_the_
         ckpt.save(ITERATION - 1, **_state(1, 0))
         ckpt.save(ITERATION, **_state(0, 0))
     root = resolve(s3_backend.url, s3_backend.storage_options)
-    record = commit.read_commit_record(root, ITERATION)
+    record = read_commit_record(root, ITERATION)
     # A between its record and its pointer, as B saw it:
-    commit.write_atomically(root, root.join(commit.POINTER_NAME), f"iter_{ITERATION - 1:09d}\n".encode())
+    commit.write_atomically(root, root.join(POINTER_NAME), f"iter_{ITERATION - 1:09d}\n".encode())
     before = _folder_files(s3_backend)
     replace = type(root.backend).replace_if_unchanged
 
     def mark_then_a_moves_the_pointer(self: Any, path: str, data: bytes, expected: Any) -> bool:
         done = replace(self, path, data, expected)
-        if data == commit._take_over_mark("b" * 32):
-            commit.write_atomically(root, root.join(commit.POINTER_NAME), f"iter_{ITERATION:09d}\n".encode())
+        if data == take_over_mark("b" * 32):
+            commit.write_atomically(root, root.join(POINTER_NAME), f"iter_{ITERATION:09d}\n".encode())
         return done
 
     monkeypatch.setattr(type(root.backend), "replace_if_unchanged", mark_then_a_moves_the_pointer)
     with pytest.raises(CheckpointExistsError):
         commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
     monkeypatch.undo()
-    assert commit.read_commit_record(root, ITERATION) == record
+    assert read_commit_record(root, ITERATION) == record
     assert _folder_files(s3_backend) == before
     target = _empty_like(_state(0, 0))
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
@@ -274,14 +276,14 @@ def test_once_a_save_took_the_folder_over_the_other_saves_commit_fails(
     with Checkpointer(backend.url, backend.storage_options) as ckpt:
         ckpt.save(ITERATION, **_state(0, 0))
     root = resolve(backend.url, backend.storage_options)
-    record = commit.read_commit_record(root, ITERATION)
+    record = read_commit_record(root, ITERATION)
     assert record is not None and record.save_id is not None
     a_files = _folder_files(backend)
     record_path = root.join(f"iter_{ITERATION:09d}", ".commit.json")
     fs = backend.fs
     fs.rm(record_path)  # A has not committed yet
     commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=None)
-    assert commit.read_commit_record(root, ITERATION) is None  # B's mark: not a commit
+    assert read_commit_record(root, ITERATION) is None  # B's mark: not a commit
     for path, data in a_files.items():  # A's late writes
         if path != record_path:
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -289,7 +291,7 @@ def test_once_a_save_took_the_folder_over_the_other_saves_commit_fails(
     with pytest.raises(CheckpointExistsError) as raised:
         commit.publish(root, ITERATION, record.keys, 1, save_id=record.save_id)
     assert backend.url in str(raised.value)
-    assert commit.read_commit_record(root, ITERATION) is None
+    assert read_commit_record(root, ITERATION) is None
     with Checkpointer(backend.url, backend.storage_options, overwrite=True) as ckpt:
         ckpt.save(ITERATION, **_state(1, 0))
         target = _empty_like(_state(1, 0))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, cli
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint import listing
 from dcp_fsspec.storage.urls import resolve
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -43,7 +43,7 @@ def other(tmp_path: Path) -> Path:
 
 def _assert_untouched(other: Path, before: dict[str, bytes]) -> None:
     assert _files(other / SEVEN) == before
-    assert commit.committed_iterations(resolve(str(other))) == [7]
+    assert listing.committed_iterations(resolve(str(other))) == [7]
 
 
 def _assert_link_removed(link: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -63,7 +63,7 @@ def test_prune_removes_a_link_to_another_runs_iteration_and_leaves_that_iteratio
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
     assert not os.path.lexists(run / SEVEN)
-    assert commit.committed_iterations(resolve(str(run))) == [9]
+    assert listing.committed_iterations(resolve(str(run))) == [9]
 
 
 def test_a_saves_retention_removes_a_link_to_another_runs_iteration_and_leaves_that_iteration_committed(
@@ -82,7 +82,7 @@ def test_a_saves_retention_removes_a_link_to_another_runs_iteration_and_leaves_t
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
     assert not os.path.lexists(run / SEVEN)
-    assert commit.committed_iterations(resolve(str(run))) == [9]
+    assert listing.committed_iterations(resolve(str(run))) == [9]
 
 
 def test_a_save_over_a_linked_iteration_folder_writes_a_folder_of_its_own_and_leaves_the_target(
@@ -97,4 +97,4 @@ def test_a_save_over_a_linked_iteration_folder_writes_a_folder_of_its_own_and_le
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
     assert (run / SEVEN).is_dir()
-    assert commit.committed_iterations(resolve(str(run))) == [5, 7]
+    assert listing.committed_iterations(resolve(str(run))) == [5, 7]
