@@ -46,7 +46,7 @@ from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_
 from ..storage.decoding import parse_metadata
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
 from ..storage.urls import Location
-from . import commit, layout, listing, pointer, retention
+from . import commit, deletion, layout, listing, pointer, retention
 from .events import CheckpointEvent
 from .merge import merge_metadata, rank_file_name
 from .options import DRAIN_EVERY, DRAIN_LATEST, DRAIN_POLICIES
@@ -139,6 +139,7 @@ def drain_iteration(
                 logger.info("not draining %s: %s already names the newer %s", src, pointer.pointer_url(durable),
                             layout.format_iteration(latest))  # fmt: skip
             return (), 0
+        deletion.remove_link(durable, iteration)  # before any write: a link there leads elsewhere
         if rank != 0:
             if per_node:
                 keys = _require_committed_locally(local, durable, iteration, job.token).keys
@@ -205,7 +206,7 @@ def _drain_and_commit(
         logger.info("overwriting %s, left by a drain that never finished (%s)", dst,
                     "another save's commit" if durable_record is not None else reason)  # fmt: skip
         if durable_record is not None:
-            durable.backend.call("rm", durable.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME))
+            deletion.uncommit_iterations(durable, [iteration])
     logger.info("draining %s to %s", src, dst)
     if per_node:
         nbytes = _copy_rank_data(local, durable, iteration, 0, workers)
@@ -323,13 +324,11 @@ def _remove_markers(durable: Location, iteration: int, world_size: int, keys: tu
         for key in keys
         for rank in range(1, world_size)
     ]
-    for path in paths:
-        try:
-            durable.backend.call("rm", path)
-        except FileNotFoundError:
-            pass
-        except (OSError, DcpFsspecError) as e:
-            logger.info("could not remove %s (harmless): %s", durable.url_of(path), e)
+    try:
+        durable.backend.remove_files(paths, within=durable.path)  # in bulk, never through a link
+    except (OSError, DcpFsspecError) as e:
+        folder = durable.url_of(layout.iteration_path(durable, iteration))
+        logger.info("could not remove the markers in %s (harmless): %s", folder, e)
 
 
 def _apply_retention(durable: Location, keep_last_n: int | None, iteration: int, latest: int | None) -> None:

@@ -2,7 +2,7 @@
 run's, or nobody's business of ours.
 
 Each test links a folder of ours to a committed iteration of another run, then runs one path
-that deletes (prune, a save's retention, a take-over). The other run
+that deletes (prune, a save's retention, a take-over, a drain to the durable tier). The other run
 must stay committed, byte for byte, and the link must be gone, with a warning naming it.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_fsspec import Checkpointer, cli
-from dcp_fsspec.checkpoint import listing
+from dcp_fsspec import Checkpointer, LocalTier, cli
+from dcp_fsspec.checkpoint import drain, listing
+from dcp_fsspec.checkpoint.record import read_commit_record
 from dcp_fsspec.storage.urls import resolve
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -85,16 +86,35 @@ def test_a_saves_retention_removes_a_link_to_another_runs_iteration_and_leaves_t
     assert listing.committed_iterations(resolve(str(run))) == [9]
 
 
+@pytest.mark.parametrize("through", ["a take-over", "a drain from the local tier"])
 def test_a_save_over_a_linked_iteration_folder_writes_a_folder_of_its_own_and_leaves_the_target(
-    tmp_path: Path, other: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, other: Path, caplog: pytest.LogCaptureFixture, through: str
 ) -> None:
     run = tmp_path / "run"
     _run(run, 5)
     (run / SEVEN).symlink_to(other / SEVEN)
     before = _files(other / SEVEN)
+    # Committed there but newer than this run's pointer: taken over; or the durable copy's folder.
+    tier = {"local_tier": LocalTier(str(tmp_path / "local"))} if through.startswith("a drain") else {}
     with caplog.at_level(logging.WARNING):
-        _run(run, 7)  # committed there, but newer than this run's pointer: taken over
+        _run(run, 7, **tier)
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
     assert (run / SEVEN).is_dir()
     assert listing.committed_iterations(resolve(str(run))) == [5, 7]
+
+
+def test_a_drains_other_rank_removes_a_link_standing_for_the_durable_iteration_folder_before_it_writes(
+    tmp_path: Path, other: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run, local = tmp_path / "run", resolve(str(tmp_path / "local"))
+    _run(tmp_path / "local", 7)  # a committed copy to drain, as a local tier holds one
+    run.mkdir()
+    (run / SEVEN).symlink_to(other / SEVEN)
+    before = _files(other / SEVEN)
+    job = drain.DrainJob(7, read_commit_record(local, 7).save_id)  # type: ignore[union-attr,arg-type]
+    with caplog.at_level(logging.WARNING):
+        drain.drain_iteration(local, resolve(str(run)), job, rank=1, world_size=2, keep_last_n=None)
+    _assert_untouched(other, before)
+    _assert_link_removed(run / SEVEN, caplog)
+    assert (run / SEVEN / drain.marker_name(1)).read_bytes() == job.token.encode()  # its marker, in a folder of its own
