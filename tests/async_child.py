@@ -53,7 +53,7 @@ def main() -> None:
         sync.save(1, trainer=STEP1)
     ckpt = Checkpointer(url, options, async_mode="async_with_pinned_mem")
     ckpt.save(2, trainer=STEP2)
-    print(f"SAVING {ckpt._background.pid}", flush=True)  # type: ignore[union-attr]
+    print(f"SAVING {ckpt._async.saver.pid}", flush=True)  # type: ignore[union-attr]
     threading.Event().wait(600)
 
 

@@ -112,14 +112,14 @@ def test_an_error_in_the_background_surfaces_at_the_next_call(s3_backend: Backen
     ckpt.save(4, trainer={"w": torch.ones(4)})  # ... or at finalize
     with pytest.raises(StorageError):
         ckpt.finalize()
-    assert ckpt._background is None  # stopped even though the last save failed
+    assert ckpt._async is not None and ckpt._async.saver is None  # stopped even though the last save failed
 
 
 def test_a_dead_background_process_is_reported_not_waited_for(local_backend: Backend) -> None:
     ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
     ckpt.save(1, trainer={"w": torch.ones(4)})
     ckpt.wait()
-    pid = ckpt._background.pid  # type: ignore[union-attr]
+    pid = ckpt._async.saver.pid  # type: ignore[union-attr]
     os.kill(pid, signal.SIGKILL)
     assert _wait_until_gone(pid)
     with pytest.raises(BackgroundSaveError, match="died") as info:
@@ -134,7 +134,7 @@ def test_a_dead_background_process_is_reported_not_waited_for(local_backend: Bac
 def test_finalize_waits_and_leaves_no_process_behind(local_backend: Backend) -> None:
     ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
     ckpt.save(7, trainer={"w": torch.randn(100_000)})
-    pid = ckpt._background.pid  # type: ignore[union-attr]
+    pid = ckpt._async.saver.pid  # type: ignore[union-attr]
     ckpt.finalize()
     assert _gone(pid)
     assert Checkpointer(local_backend.url).latest_checkpoint() == "iter_000000007"

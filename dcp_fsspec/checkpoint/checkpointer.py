@@ -10,37 +10,30 @@ the calls into those pieces, and the callbacks.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
 import uuid
 import warnings
-import weakref
-from collections.abc import Callable
-from functools import partial
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import BackgroundSaveError, InvalidURLError
 from ..storage.collector import collector_paused
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import ReaderSettings, WriterSettings
-from ..storage.urls import Location, redact_url, resolve
+from ..storage.urls import resolve
 from . import layout, listing, pointer
 from . import state as state_mod
 from ._collectives import Collectives
-from .background import BackgroundSaver, ThreadSaver
+from .async_saves import AsyncSaves, InFlight
+from .at_exit import EXIT_HOOK
 from .events import Callback, CheckpointEvent, report, tensor_nbytes
 from .loading import LoadPipeline
 from .options import LocalTier, ResumeOptions
 from .pipeline import SavePipeline, SaveSettings
 from .resume import MODEL_KEY
-from .staging import Stager
 from .tiers import LOCAL, TwoTiers
 
 logger = logging.getLogger(__name__)
@@ -129,22 +122,13 @@ class Checkpointer:
         for key in resume.keys_not_to_resume:
             layout.check_key(key)
         self._root = resolve(save_dirname, storage_options, retry=retry)
-        self._async_mode = async_mode
         self._on_event = on_event
         self._collectives = Collectives(process_group)
-        self._tiers: TwoTiers | None = None
+        self._tiers = None if local_tier is None else self._two_tiers(local_tier, keep_last_n, retry)
         # Where save() commits: save_dirname, or this rank's local tier (whose retention TwoTiers
         # applies), over the ranks that tier spans.
-        self._save_root = self._root
-        save_collectives = self._collectives
-        if local_tier is not None:
-            self._tiers = TwoTiers(
-                resolve(local_tier.dirname, local_tier.storage_options, retry=retry), self._root, self._collectives,
-                keep_last_n_local=local_tier.keep_last_n, keep_last_n=keep_last_n, drain=local_tier.drain,
-                on_drain_end=lambda event: report(event, self._on_event),
-            )  # fmt: skip
-            self._save_root, save_collectives = self._tiers.local, self._tiers.save_collectives
-            _EXIT_HOOK.register(self)  # a drain in flight at exit is waited for
+        self._save_root = self._root if self._tiers is None else self._tiers.local
+        save_collectives = self._collectives if self._tiers is None else self._tiers.save_collectives
         load_options = resume.load_storage_options if resume.load_storage_options is not None else storage_options
         self._loading = LoadPipeline(
             self._root,
@@ -161,16 +145,25 @@ class Checkpointer:
             retry=retry,
             writer=writer_settings or WriterSettings(),
         )
-        self._pending_end: tuple[int, tuple[str, ...], int, float] | None = None  # async save in flight
-        self._save_collectives = save_collectives
         self._pipeline = SavePipeline(self._save_settings, save_collectives, purge_in_background=True)
         self._closed = False
-        self._stager: Stager | None = None
-        self._background: BackgroundSaver | ThreadSaver | None = None
+        self._async: AsyncSaves | None = None
         if async_mode == ASYNC_PINNED:
+            self._async = AsyncSaves(
+                self._save_settings, self._pipeline, self._save_root, save_collectives, lambda: EXIT_HOOK.register(self)
+            )
             # Start the background process now (a collective, like construction itself), so the
             # first save() does not pay for spawning it.
-            self._background_saver()
+            self._async.start()
+
+    def _two_tiers(self, local_tier: LocalTier, keep_last_n: int | None, retry: RetryPolicy | None) -> TwoTiers:
+        tiers = TwoTiers(
+            resolve(local_tier.dirname, local_tier.storage_options, retry=retry), self._root, self._collectives,
+            keep_last_n_local=local_tier.keep_last_n, keep_last_n=keep_last_n, drain=local_tier.drain,
+            on_drain_end=lambda event: report(event, self._on_event),
+        )  # fmt: skip
+        EXIT_HOOK.register(self)  # a drain in flight at exit is waited for
+        return tiers
 
     @property
     def url(self) -> str:
@@ -204,27 +197,18 @@ class Checkpointer:
         for key in state:
             layout.check_key(key)
         start = time.perf_counter()
-        if self._async_mode == ASYNC_DISABLED:
-            state_dicts = self._stage(state)
-            nbytes = tensor_nbytes(state_dicts)
-            self._report("save_start", iteration, tuple(state_dicts), nbytes)
-            self._pipeline.run(iteration, state_dicts, self._save_token())
-            self._report("save_end", iteration, tuple(state_dicts), nbytes, time.perf_counter() - start)
-            if self._tiers is not None:
-                self._tiers.committed_locally(iteration)
-            return
-        # Asynchronous: the previous save must be done before its buffers are overwritten.
-        background = self._background_saver()
-        self._wait_local()
+        if self._async is not None:
+            # The previous save must be done before its buffers are overwritten.
+            self._async.start()
+            self._wait_local()
         state_dicts = self._stage(state)
-        nbytes = tensor_nbytes(state_dicts)
-        self._report("save_start", iteration, tuple(state_dicts), nbytes)
-        if self._stager is None:
-            self._stager = Stager()
-        staged = {k: self._stager.stage(v) for k, v in state_dicts.items()}
-        token = self._save_token()
-        self._surviving(lambda: background.submit(iteration, staged, token))
-        self._pending_end = (iteration, tuple(staged), nbytes, start)
+        done = InFlight(iteration, tuple(state_dicts), tensor_nbytes(state_dicts), start)
+        self._report("save_start", done.iteration, done.keys, done.nbytes)
+        if self._async is not None:
+            self._async.submit(iteration, state_dicts, self._save_token(), done)
+            return
+        self._pipeline.run(iteration, state_dicts, self._save_token())
+        self._committed(done)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the asynchronous save in flight (if any) is committed; raise its error.
@@ -243,15 +227,15 @@ class Checkpointer:
 
     def _wait_local(self, timeout: float | None = None) -> None:
         """Wait for the asynchronous save in flight; with a local tier, then start its drain."""
-        background = self._background
-        if background is not None:
-            self._surviving(lambda: background.wait(timeout))
-        pending, self._pending_end = self._pending_end, None
-        if pending is not None:
-            iteration, keys, nbytes, start = pending
-            self._report("save_end", iteration, keys, nbytes, time.perf_counter() - start)
-            if self._tiers is not None:
-                self._tiers.committed_locally(iteration)
+        done = None if self._async is None else self._async.wait(timeout)
+        if done is not None:
+            self._committed(done)
+
+    def _committed(self, done: InFlight) -> None:
+        """Report a committed save; with a local tier, start its drain."""
+        self._report("save_end", done.iteration, done.keys, done.nbytes, time.perf_counter() - done.started)
+        if self._tiers is not None:
+            self._tiers.committed_locally(done.iteration)
 
     def _save_token(self) -> str | None:
         """The token of the next save when this rank saves alone (per node): one for every rank,
@@ -265,31 +249,6 @@ class Checkpointer:
         url = self._save_root.url_of(layout.iteration_path(self._save_root, iteration))
         tier = None if self._tiers is None else LOCAL
         report(CheckpointEvent(kind, iteration, url, keys, nbytes, seconds, tier=tier), self._on_event)
-
-    def _surviving(self, call: Callable[[], None]) -> None:
-        """Run ``call``; if the background process died, forget it so the next save starts another."""
-        try:
-            call()
-        except BackgroundSaveError:
-            dead, self._background = self._background, None
-            if dead is not None:
-                dead.close()
-            raise
-
-    def _background_saver(self) -> BackgroundSaver | ThreadSaver:
-        if self._background is None:
-            if not self._save_root.backend.shared_across_processes:
-                # Another process cannot see this process's memory:// store.
-                if self._collectives.distributed:
-                    raise InvalidURLError(
-                        f"async_mode={self._async_mode!r} with several ranks cannot save to {self._save_root.url}: "
-                        "memory:// lives in one process; use a local path or an object store"
-                    )
-                self._background = ThreadSaver(self._pipeline.run)
-            else:
-                self._background = BackgroundSaver(self._save_settings, self._save_collectives)
-            _EXIT_HOOK.register(self)
-        return self._background
 
     def _stage(self, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Every key's state dict; every rank learns if any rank failed, before any write."""
@@ -363,17 +322,14 @@ class Checkpointer:
         if not self._closed:
             self._closed = True
             try:
-                if self._background is not None or self._tiers is not None:
+                if self._async is not None or self._tiers is not None:
                     try:
                         self.wait()
                     finally:
-                        if self._background is not None:
-                            self._background.close()
+                        if self._async is not None:
+                            self._async.close()
             finally:
                 self._pipeline.wait_for_purge()
-                self._background = None
-                if self._stager is not None:
-                    self._stager.close()
                 self._collectives.close()
 
     def _finish_at_exit(self, timeout: float) -> None:
@@ -384,8 +340,8 @@ class Checkpointer:
         """
         if self._closed:
             return
-        if self._pending_end is not None:
-            iteration = self._pending_end[0]
+        if self._async is not None and self._async.in_flight is not None:
+            iteration = self._async.in_flight.iteration
             logger.warning(
                 "the interpreter is exiting while iteration %d is being saved to %s; waiting up to %.0f s "
                 "for it to commit (call finalize() or use a `with` block to wait where you choose)",
@@ -408,7 +364,7 @@ class Checkpointer:
             logger.warning("could not finalize the Checkpointer for %s at exit: %s", self.url, e)
 
     def __del__(self) -> None:
-        if getattr(self, "_closed", True) or getattr(self, "_background", None) is None:
+        if getattr(self, "_closed", True) or getattr(self, "_async", None) is None:
             return
         warnings.warn(
             f"the Checkpointer for {self.url} was never finalized; call finalize() or use it in a "
@@ -428,33 +384,3 @@ class Checkpointer:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"cannot {what}: the Checkpointer for {self.url} was finalized")
-
-
-class _ExitHook:
-    """Checkpointers with a background saver, finished when the interpreter exits.
-
-    Registered with ``atexit`` when the first background saver starts, so it runs before
-    ``multiprocessing``'s own exit handler (handlers run last-registered first), which would
-    terminate the background process mid-save. Holds the checkpointers weakly.
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._open: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-        self._registered = False
-
-    def register(self, checkpointer: Checkpointer) -> None:
-        self._open.add(checkpointer)
-        if not self._registered:
-            atexit.register(self.run)
-            self._registered = True
-
-    def run(self) -> None:
-        for checkpointer in list(self._open):
-            checkpointer._finish_at_exit(self.timeout)
-
-
-# How long the interpreter's exit waits for an asynchronous save in flight.
-EXIT_WAIT_SECONDS = 600.0
-_EXIT_HOOK = _ExitHook(EXIT_WAIT_SECONDS)
-

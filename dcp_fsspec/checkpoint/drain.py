@@ -49,7 +49,7 @@ from ..storage.urls import Location
 from . import commit, deletion, layout, listing, pointer, retention
 from .events import CheckpointEvent
 from .merge import merge_metadata, rank_file_name
-from .options import DRAIN_EVERY, DRAIN_LATEST, DRAIN_POLICIES
+from .options import DRAIN_EVERY, DRAIN_POLICIES
 from .record import CommitRecord
 
 logger = logging.getLogger(__name__)

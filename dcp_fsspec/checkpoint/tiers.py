@@ -36,7 +36,8 @@ from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
 from . import commit, deletion, layout, listing, pointer, retention
 from ._collectives import Collectives
-from .drain import DRAIN_LATEST, Drainer, DrainJob
+from .drain import Drainer, DrainJob
+from .options import DRAIN_LATEST
 from .events import CheckpointEvent
 from .record import read_commit_record
 
