@@ -1,5 +1,6 @@
 # Quick start: `make demo` runs the main job on an embedded S3 server; `make test` runs the suite.
-# Each target creates its own virtual environment with a CPU build of torch first.
+# Each target creates its own virtual environment with a CPU build of torch first: .venv for the
+# suite and the benchmarks, .venv-demo and .venv-docs with only their extra.
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -8,9 +9,9 @@ PY     := $(VENV)/bin/python
 .PHONY: venv demo test bench mutation clean
 
 # torchtitan for its integration's tests, without its dependencies: its full requirements
-# (datasets<4.8) would hold fsspec and s3fs back, and pip backtracks for minutes over them.
-# These are what importing its checkpoint manager and optimizers needs (the [torchtitan] extra
-# is the full install, for users).
+# (datasets<4.8) would hold fsspec and s3fs back to 2026.2.0 for the whole suite. These are what
+# importing its checkpoint manager and optimizers needs (the [torchtitan] extra is the full
+# install, for users).
 TITAN  ?= torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3
 
 $(VENV)/.installed: pyproject.toml
@@ -22,8 +23,15 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-demo: venv
-	$(PY) -m dcp_fsspec demo
+# A venv for one light target: a CPU torch, then this checkout with only that target's extra.
+.venv-%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q "$(TORCH)"
+	.venv-$*/bin/python -m pip install -q -e ".[$*]"
+	touch $@
+
+demo: .venv-demo/.installed
+	.venv-demo/bin/python -m dcp_fsspec demo
 
 # The suite, under ten minutes on two cores. The slow multi-rank cases (marker `slow`) run too
 # under SLOW=1, which .ci/run sets: `make test SLOW=1` runs everything.
@@ -55,20 +63,13 @@ mutation: $(VENV)/.mutation
 	cd build/mutation && $(abspath $(PY)) ../../mutation/score.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-demo .venv-docs .pytest_cache
 
 # The documentation site (docs/, mkdocs.yml) into site/, in a venv of its own with the pinned
 # `docs` extra. --strict: a broken link or a docstring reference that does not resolve fails.
 # The charts it shows are committed; `python -m benchmarks.plot --check` fails when they no
 # longer match benchmarks/results/latest.json.
-DOCS_VENV ?= .venv-docs
 .PHONY: docs
-$(DOCS_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(DOCS_VENV)
-	$(DOCS_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(DOCS_VENV)/bin/python -m pip install -q -e ".[docs]"
-	touch $@
-
-docs: $(DOCS_VENV)/.installed
-	$(DOCS_VENV)/bin/python -m benchmarks.plot --check
-	$(DOCS_VENV)/bin/python -m mkdocs build --strict
+docs: .venv-docs/.installed
+	.venv-docs/bin/python -m benchmarks.plot --check
+	.venv-docs/bin/python -m mkdocs build --strict
