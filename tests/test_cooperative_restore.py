@@ -21,7 +21,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, ReaderSettings
+from dcp_fsspec import (
+    Checkpointer,
+    FsspecStorageReader,
+    FsspecStorageWriter,
+    ReaderSettings,
+)
 from dcp_fsspec.errors import ChecksumMismatchError, StorageError
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.retry import RetryPolicy
@@ -259,7 +264,10 @@ def test_hsdp_on_a_two_by_two_mesh_reads_each_shard_once_for_both_replicas(
 
 def _fsdp2_round_trip(rank: int, world_size: int, url: str, options: list[dict[str, Any]]) -> None:
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
 
     def model(seed: int) -> nn.Module:
