@@ -84,7 +84,7 @@ KILL_POINTS = {
     "a data file is half uploaded": KillPoint(
         {
             "local": "dcp_fsspec.storage.backends.local:LocalUpload.commit",
-            "s3": "dcp_fsspec.storage.backends.s3:S3MultipartUpload._send_part",
+            "s3": "dcp_fsspec.storage.backends.s3_uploads:S3MultipartUpload._send_part",
         },
         nth=2,
         blob=True,

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from dcp_fsspec.storage.backends.base import Versioned
-from dcp_fsspec.storage.backends.s3 import CHECKSUM_ALGORITHM, S3Backend, checksum_header
+from dcp_fsspec.storage.backends.s3 import S3Backend
+from dcp_fsspec.storage.backends.s3_uploads import CHECKSUM_ALGORITHM, checksum_header
 from dcp_fsspec.storage.retry import NO_RETRY
 from dcp_fsspec.storage.uploads import ByteBudget, publish_whole
 from tests.conftest import Backend
@@ -186,7 +187,7 @@ def test_over_https_payload_signing_chosen_by_the_user_is_left_as_it_is(s3_backe
 def test_a_request_body_is_read_as_views_of_its_buffers_not_copies() -> None:
     """aiohttp sends a body in 256 KiB reads; a joined body, or a read of a plain BytesIO,
     copies every byte again."""
-    from dcp_fsspec.storage.backends.s3 import _Body
+    from dcp_fsspec.storage.backends.s3_uploads import _Body
 
     buffers = [bytearray(os.urandom(n)) for n in (300 * 1024, 5, 600 * 1024)]
     body = _Body([memoryview(b) for b in buffers])

@@ -247,7 +247,7 @@ def test_a_put_waits_for_the_servers_go_ahead_only_when_its_body_is_large(
     PUT. A small save's PUTs go without it; a body of EXPECT_CONTINUE_FROM bytes or more keeps it."""
     from aiobotocore.httpsession import AIOHTTPSession
 
-    from dcp_fsspec.storage.backends.s3 import EXPECT_CONTINUE_FROM
+    from dcp_fsspec.storage.backends.s3_client import EXPECT_CONTINUE_FROM
 
     sent: list[tuple[str, int, bytes | None]] = []
     real_send = AIOHTTPSession.send
