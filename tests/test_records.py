@@ -11,6 +11,7 @@ import torch
 from dcp_fsspec.errors import RecordFormatError
 from dcp_fsspec.storage import records
 from dcp_fsspec.storage.archive import ArchiveFormat
+from dcp_fsspec.storage.record_pickle import TensorSpec
 from dcp_fsspec.storage.records import (
     descriptor_crc,
     encode_tensor,
@@ -132,17 +133,17 @@ def test_an_archive_this_module_cannot_reproduce_is_left_to_torch_save(monkeypat
 def test_a_spec_is_dense_exactly_when_its_strides_are_the_ones_torch_gives_a_new_tensor(size: tuple[int, ...]) -> None:
     t = torch.empty(size)
     numel = t.numel()
-    dense = records.TensorSpec(torch.float32, numel, 0, size, tuple(t.stride()))
+    dense = TensorSpec(torch.float32, numel, 0, size, tuple(t.stride()))
     assert dense.is_dense
     if len(size) >= 2:  # the same shape, transposed strides: not row-major (unless a dimension is 1)
         transposed = tuple(t.transpose(0, 1).contiguous().transpose(0, 1).stride())
-        spec = records.TensorSpec(torch.float32, numel, 0, size, transposed)
+        spec = TensorSpec(torch.float32, numel, 0, size, transposed)
         assert spec.is_dense == (transposed == tuple(t.stride()))
-    assert not records.TensorSpec(torch.float32, numel + 1, 0, size, tuple(t.stride())).is_dense
-    assert not records.TensorSpec(torch.float32, numel, 1, size, tuple(t.stride())).is_dense
+    assert not TensorSpec(torch.float32, numel + 1, 0, size, tuple(t.stride())).is_dense
+    assert not TensorSpec(torch.float32, numel, 1, size, tuple(t.stride())).is_dense
 
 
 def test_a_spec_counts_its_bytes_by_the_dtypes_element_size() -> None:
     for dtype in DTYPES:
-        spec = records.TensorSpec(dtype, 10, 0, (10,), (1,))
+        spec = TensorSpec(dtype, 10, 0, (10,), (1,))
         assert spec.nbytes == 10 * torch.empty((), dtype=dtype).element_size(), dtype

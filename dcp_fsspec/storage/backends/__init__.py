@@ -10,7 +10,7 @@ class name, imported on first use, like fsspec's own registry). A protocol missi
 table gets the generic :class:`~.base.Backend`: fsspec's buffered writer, one ``pipe_file`` for
 small files, ranged ``cat_file`` reads, and pointer updates serialized within one process
 (documented in the README as "other fsspec backends"). Adding a backend is one table entry and
-one module holding its quirks.
+the module holding its quirks (S3's are spread over ``s3*.py``, one concern each).
 """
 
 from __future__ import annotations
