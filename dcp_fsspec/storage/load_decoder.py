@@ -10,10 +10,11 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, MissingDriverError
@@ -22,11 +23,18 @@ from .cooperative import NeededRecord, record_fqns
 from .crc import crc32
 from .decoding import CRC_TAIL, RecordDecoder, RecordFault
 from .records import RecordLayout, tensor_bytes
-from .transforms import missing_package, untransform, untransformed_limit
+from .transforms import UndoQueue, missing_package, untransform, untransformed_limit
 from .trust import load_object
 
-if TYPE_CHECKING:  # the reader makes the decoders; only its type is needed here
-    from .reader import FsspecStorageReader
+
+class DecodingOptions(Protocol):
+    """What a decoder takes from the reader that makes it."""
+
+    verify_checksums: bool
+    trust_checkpoint: bool
+    transforms: Any  # torch's reader transforms (see :func:`~.transforms.reader_transforms`)
+    state_dict_metadata: dict[str, STORAGE_TYPES]
+    _undo_queue: UndoQueue | None
 
 
 @dataclass
@@ -44,7 +52,7 @@ class LoadDecoder(RecordDecoder):
     arrive. Otherwise the record is held whole and decoded once, then narrowed per item.
     """
 
-    def __init__(self, record: LoadRecord, planner: LoadPlanner, reader: FsspecStorageReader) -> None:
+    def __init__(self, record: LoadRecord, planner: LoadPlanner, reader: DecodingOptions) -> None:
         super().__init__(record, checksum=reader.verify_checksums)
         self.record = record
         self.planner = planner
