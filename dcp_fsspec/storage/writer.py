@@ -182,22 +182,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        if thread_count is not None:
-            if files_per_rank not in (_FILES_PER_RANK, thread_count):
-                raise ValueError(
-                    f"thread_count={thread_count} and files_per_rank={files_per_rank} name the same "
-                    "setting (files written at once per rank); give one of them"
-                )
-            files_per_rank = thread_count
-        if files_per_rank < 1:
-            raise ValueError(f"files_per_rank (thread_count) must be at least 1, got {files_per_rank}")
-        if file_syncs is not None and metadata_commits:
-            raise ValueError("file_syncs needs metadata_commits=False: the caller commits once they are done")
-        if serialization_format != SerializationFormat.TORCH_SAVE:
-            raise ValueError(
-                f"serialization_format={serialization_format} is not written by FsspecStorageWriter (only "
-                "TORCH_SAVE, DCP's record format); use torch's HuggingFaceStorageWriter for safetensors"
-            )
+        files_per_rank = _checked_settings(
+            files_per_rank, thread_count, file_syncs=file_syncs, metadata_commits=metadata_commits,
+            serialization_format=serialization_format,
+        )  # fmt: skip
         options = merge_storage_kwargs(type(self).__init__, storage_options, storage_kwargs)
         extensions = [*(_extensions or ()), *compression_extensions(compression, compression_level)]
         self.transforms = writer_transforms(extensions)
@@ -422,6 +410,35 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             upload.write(buffers)
             return None
         return write_transformed(self.transforms, item, buffers, upload.write)
+
+
+def _checked_settings(
+    files_per_rank: int, thread_count: int | None, *, file_syncs: FileSyncs | None, metadata_commits: bool,
+    serialization_format: SerializationFormat,
+) -> int:  # fmt: skip
+    """The files written at once per rank, once the writer's settings are checked together.
+
+    Raises:
+        ValueError: ``files_per_rank`` (or ``thread_count``) below 1, both given and different,
+            ``file_syncs`` with ``metadata_commits``, or a format other than ``TORCH_SAVE``.
+    """
+    if thread_count is not None:
+        if files_per_rank not in (_FILES_PER_RANK, thread_count):
+            raise ValueError(
+                f"thread_count={thread_count} and files_per_rank={files_per_rank} name the same "
+                "setting (files written at once per rank); give one of them"
+            )
+        files_per_rank = thread_count
+    if files_per_rank < 1:
+        raise ValueError(f"files_per_rank (thread_count) must be at least 1, got {files_per_rank}")
+    if file_syncs is not None and metadata_commits:
+        raise ValueError("file_syncs needs metadata_commits=False: the caller commits once they are done")
+    if serialization_format != SerializationFormat.TORCH_SAVE:
+        raise ValueError(
+            f"serialization_format={serialization_format} is not written by FsspecStorageWriter (only "
+            "TORCH_SAVE, DCP's record format); use torch's HuggingFaceStorageWriter for safetensors"
+        )
+    return files_per_rank
 
 
 def _write_tensor(upload: FileUpload, tensor: torch.Tensor, *, checksum: bool) -> None:
