@@ -420,10 +420,10 @@ def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committe
     for iteration in (5, 3):
         root.fs.rm(root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME))
         with pytest.raises(CheckpointNotFoundError) as raised:
-            commit.require_committed(root, 5, named_by="the pointer")
+            commit.require_committed(root, 5)  # named by the pointer
         committed = "['iter_000000003']" if iteration == 5 else "none"
         assert str(raised.value) == (
-            f"the pointer names {root.url_of(root.join('iter_000000005'))}, which has no .commit.json (its save "
+            f"{pointer.pointer_url(root)} names {root.url_of(root.join('iter_000000005'))}, which has no .commit.json (its save "
             f"never finished); committed iterations there: {committed}. Restore that folder, or rewrite "
             "latest_checkpoint.txt to name a committed iteration (or delete it to start over)"
         )

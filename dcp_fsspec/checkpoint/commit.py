@@ -122,13 +122,15 @@ def prepare_iteration(
     return Prepared(save_id, claimed=bool(claimed), taken_over=taken_over), survey
 
 
-def require_committed(root: Location, iteration: int, *, named_by: str) -> CommitRecord:
+def require_committed(root: Location, iteration: int, *, named_by: str | None = None) -> CommitRecord:
     """The commit record of ``iteration``, or a CheckpointNotFoundError naming ``named_by``.
 
     Args:
         root: the ``save_dirname`` location.
         iteration: the iteration that must be committed.
-        named_by: what pointed at it (the pointer URL), so the message names both.
+        named_by: who asked for it (``load(iteration=N)``), so the message names both and
+            advises another iteration; ``None``: the pointer named it, and the advice is to
+            restore the folder or rewrite the pointer.
     """
     record, reason = listing.inspect_iteration(root, iteration)
     if record is None:
@@ -137,7 +139,7 @@ def require_committed(root: Location, iteration: int, *, named_by: str) -> Commi
 
 
 def require_loadable(
-    root: Location, iteration: int, *, named_by: str, trust_checkpoint: bool = False
+    root: Location, iteration: int, *, named_by: str | None = None, trust_checkpoint: bool = False
 ) -> tuple[CommitRecord, FolderRead]:
     """:func:`require_committed` and :func:`require_saved_together` in two round trips: the
     commit record, then the folder's listing and every key's ``.metadata`` at once; returns
@@ -158,12 +160,13 @@ def require_loadable(
     return record, folder
 
 
-def _not_committed(root: Location, iteration: int, reason: str, named_by: str) -> CheckpointNotFoundError:
+def _not_committed(root: Location, iteration: int, reason: str, named_by: str | None) -> CheckpointNotFoundError:
     folder = root.url_of(layout.iteration_path(root, iteration))
     committed = [layout.format_iteration(i) for i in listing.committed_iterations(root)]
-    if named_by != pointer.pointer_url(root):  # load(iteration=N): another N is the way out
+    if named_by is not None:  # load(iteration=N): another N is the way out
         advice = "Load one of those (load(iteration=N))" if committed else "Save one first"
     else:
+        named_by = pointer.pointer_url(root)
         advice = (
             f"Restore that folder, or rewrite {POINTER_NAME} to name a committed iteration (or delete it to start over)"
         )

@@ -192,10 +192,10 @@ def _named_by_pointer(root: Location, trust_checkpoint: bool) -> Found | None:
     latest = pointer.read_pointer(root)
     if latest is None:
         return None
-    return _committed(root, latest, named_by=pointer.pointer_url(root), trust_checkpoint=trust_checkpoint)
+    return _committed(root, latest, named_by=None, trust_checkpoint=trust_checkpoint)
 
 
-def _committed(root: Location, iteration: int, *, named_by: str, trust_checkpoint: bool) -> Found:
+def _committed(root: Location, iteration: int, *, named_by: str | None, trust_checkpoint: bool) -> Found:
     record, read = commit.require_loadable(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint)
     keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
     metadata = {k: read.parsed.get(k, raw) for k, raw in read.metadata.items() if raw is not None}
