@@ -1,20 +1,21 @@
 """The save pipeline: what happens to staged state until it is a committed, named iteration.
 
-One save, read top to bottom in :meth:`SavePipeline.run`: rank 0 prepares the iteration's
-folder (:func:`.commit.prepare_iteration`: refusing to replace a committed one; taking over one that holds anything, a failed
-save's leftovers or a running save's files, with a mark that the other's commit cannot pass,
-before it clears it) → every rank
-writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` (a small state
-on one rank, to an object store: all keys at once; on local disk one after another, each file's
-fsync on a thread of its own meanwhile) → rank 0 commits
-and moves the pointer (:func:`.commit.publish`) → rank 0 applies retention (from what the
-preparation read beside its own questions, :class:`.listing.Survey`; it uncommits the old
-iterations; a :class:`~dcp_fsspec.Checkpointer`'s own pipeline deletes their files on a
-thread of its own, which the next save waits for). The pointer is read
-twice per save, at the preparation and in the compare-and-swap that moves it; retention takes
-the iteration the move left it on. A synchronous save, the background process of an
-asynchronous one and the thread that stands in for it run this same code, each building it
-from a picklable :class:`SaveSettings`.
+One save, read top to bottom in :meth:`SavePipeline.run`:
+
+1. Rank 0 prepares the iteration's folder (:func:`.commit.prepare_iteration`). It refuses to
+   replace a committed one. A folder that holds anything is taken over with a mark that another
+   save's commit cannot pass, then cleared.
+2. Every rank writes every key with :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter`.
+   A small state on one rank goes to an object store all keys at once; on local disk the keys go
+   one after another, each file's fsync on a thread of its own.
+3. Rank 0 commits and moves the pointer (:func:`.commit.publish`).
+4. Rank 0 applies retention from what step 1 read (:class:`.listing.Survey`). It uncommits old
+   iterations; a Checkpointer's own pipeline deletes their files on a thread, which the next save
+   waits for.
+
+The pointer is read twice per save: in step 1 and in step 3's compare-and-swap. A synchronous
+save, the background process of an asynchronous one and the thread that stands in for it run
+this same code, each building it from a picklable :class:`SaveSettings`.
 """
 
 from __future__ import annotations
