@@ -37,8 +37,8 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
               "delete all but the newest N committed iterations (never the latest)"),
     "to-torch": ("tools.convert", "main_to_torch",
                  "convert a checkpoint to one torch.save file"),
-    "to-safetensors": ("tools.convert", "main_to_safetensors",
-                       "convert a checkpoint's tensors to one .safetensors file (needs safetensors)"),
+    "to-safetensors": ("tools.safetensors_cli", "main",
+                       "export a checkpoint's tensors as sharded safetensors (a folder) or one .safetensors file"),
     "demo": ("demo", "main",
              "train a small model, checkpoint to an embedded S3, resume in a fresh process, compare bitwise"),
 }  # fmt: skip

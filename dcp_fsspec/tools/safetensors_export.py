@@ -1,0 +1,369 @@
+"""A streamed export of a DCP checkpoint to Hugging Face's sharded safetensors layout, on any URL.
+
+Every tensor's name, shape and dtype are in ``.metadata``, so the shards are planned before a
+byte is read. Each shard's header is written first; its tensors then stream behind it, a batch
+of at most ``buffer_bytes`` at a time, read with our ranged reader and written through our
+atomic uploads (multipart on S3). ``model.safetensors.index.json`` is written last, so a failed
+export leaves no index that names a missing shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..errors import CheckpointExistsError, UsageError
+from ..storage.failures import storage_errors
+from ..storage.reader import FsspecStorageReader
+from ..storage.uploads import ByteBudget, publish_whole
+from ..storage.urls import Location, resolve
+from . import targets
+from .convert import check_claimed_sizes
+from .progress import Progress, human_bytes
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's "5GB"
+DEFAULT_BUFFER_BYTES = 32 * MiB
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+MODEL_KEY = "model"  # the key of a Checkpointer iteration that is exported
+
+_PART_SIZE = 8 * MiB
+_UPLOAD_BUDGET = 32 * MiB
+
+# The safetensors name of each dtype the format holds.
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}  # fmt: skip
+# Output dtypes ``dtype=`` accepts, by the names the CLI takes.
+OUTPUT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+}  # fmt: skip
+
+KeyMap = Callable[[str], "str | None"]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor to export: its name in the checkpoint and in the output."""
+
+    fqn: str
+    name: str
+    shape: tuple[int, ...]
+    source_dtype: torch.dtype
+    dtype: torch.dtype
+
+    @property
+    def source_bytes(self) -> int:
+        return _numel(self.shape) * self.source_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class ExportResult:
+    """What an export read and wrote."""
+
+    src: str
+    out: str
+    shards: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    left_out: list[str] = field(default_factory=list)  # entries that are not tensors
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """Each entry left out, then what was written."""
+        written = (
+            f"wrote {self.out}: {len(self.shards)} shards, {self.tensors} tensors, "
+            f"{human_bytes(self.bytes_written)}, from {self.src} in {self.seconds:.1f} s"
+        )
+        return [*(f"left out {entry}: safetensors holds only tensors" for entry in self.left_out), written]
+
+
+def export_safetensors(
+    url: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+    *,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    key_map: KeyMap | None = None,
+    config: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Write the tensors at ``url`` as a sharded safetensors folder at ``out`` (both any URL).
+
+    A DCP checkpoint exports its tensors; an iteration folder or a save_dirname (its latest
+    iteration) exports its ``model`` key. Memory held is about ``buffer_bytes`` plus the
+    uploads in flight; a single tensor larger than ``buffer_bytes`` is held whole.
+
+    Args:
+        max_shard_size: the most tensor bytes in one shard; a larger tensor gets a shard of its own.
+        dtype: cast floating-point tensors to it (float32, float16 or bfloat16); others keep theirs.
+        key_map: the output name of each checkpoint name, or None to leave that tensor out.
+        config: a local ``config.json`` (or any URL) copied into ``out``.
+        overwrite: replace an existing ``out``.
+
+    Raises:
+        CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
+        UsageError: two names map to one, a bad ``dtype``, or a value ``dtype`` cannot hold.
+        CheckpointNotFoundError, CorruptCheckpointError, StorageError: as the reader raises them.
+    """
+    start = time.perf_counter()
+    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise UsageError(f"exporting to {os.fspath(out)}: dtype {dtype} is not float32, float16 or bfloat16")
+    if max_shard_size <= 0:
+        raise UsageError(f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}")
+    source = _source(resolve(url, storage_options))
+    target = _output_folder(resolve(out, out_storage_options), overwrite)
+    config_bytes = _read_config(config) if config is not None else None
+    reader = FsspecStorageReader(source.url, fs=source.fs)
+    metadata = reader.read_metadata()
+    check_claimed_sizes(metadata, source.url, None)
+    reader.set_up_storage_reader(metadata, True)
+    result = ExportResult(source.url, target.url)
+    entries = _entries(metadata, dtype, key_map or _same, target.url, result.left_out)
+    shards = _plan_shards(entries, max_shard_size)
+    if progress is not None:
+        progress.add_total(sum(e.source_bytes for e in entries))
+    weight_map: dict[str, str] = {}
+    for number, shard in enumerate(shards, 1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        result.bytes_written += _write_shard(reader, metadata, shard, target, file_name, buffer_bytes, progress)
+        result.shards.append(file_name)
+        weight_map.update((e.name, file_name) for e in shard)
+    if config_bytes is not None:
+        _write_small(target, CONFIG_NAME, config_bytes)
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_small(target, INDEX_NAME, json.dumps(index, indent=2).encode())
+    result.tensors = len(entries)
+    result.seconds = time.perf_counter() - start
+    logger.info("exported %s to %s (%s)", source.url, target.url, human_bytes(result.bytes_written))
+    return result
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _source(location: Location) -> Location:
+    """The DCP checkpoint to read: ``location`` itself, or an iteration's ``model`` key."""
+    target = targets.classify(location)
+    if target.kind == "checkpoint":
+        return target.location
+    run, iteration = targets.iteration_to_read(target, "export")
+    _, keys = targets.iteration_keys(run, iteration)
+    if MODEL_KEY not in keys:
+        raise UsageError(
+            f"{location.url} has no {MODEL_KEY!r} key (keys: {', '.join(keys) or 'none'}); "
+            "export one key's folder instead"
+        )
+    return targets.key_location(run, iteration, MODEL_KEY)
+
+
+def _output_folder(target: Location, overwrite: bool) -> Location:
+    with storage_errors("check", target.url):
+        exists = target.fs.exists(target.path)
+    if exists and not overwrite:
+        raise CheckpointExistsError(f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)")
+    if exists:
+        _remove_export(target)
+    with storage_errors("create", target.url):
+        target.backend.make_folder(target.path)
+    return target
+
+
+def _remove_export(target: Location) -> None:
+    """Remove a previous export's index first, then its shards, so no index names a missing shard."""
+    with storage_errors("replace", target.url):
+        index = posixpath.join(target.path, INDEX_NAME)
+        if target.fs.exists(index):
+            target.fs.rm(index)
+        for path in target.fs.glob(posixpath.join(target.path, "model-*-of-*.safetensors")):
+            target.fs.rm(path)
+
+
+def _read_config(config: str | os.PathLike[str]) -> bytes:
+    location = resolve(config, None)
+    with storage_errors("read", location.url):
+        data: bytes = location.fs.cat_file(location.path)
+    try:
+        json.loads(data)
+    except ValueError as e:
+        raise UsageError(f"{location.url} is not JSON ({e}); give a model's config.json") from e
+    return data
+
+
+def _entries(
+    metadata: Metadata, dtype: torch.dtype | None, key_map: KeyMap, url: str, left_out: list[str]
+) -> list[_Entry]:
+    """The tensors to export, in checkpoint order, with their output names and dtypes."""
+    entries: list[_Entry] = []
+    by_name: dict[str, str] = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            left_out.append(fqn)
+            continue
+        name = key_map(fqn)
+        if name is None:
+            continue
+        if name in by_name:
+            raise UsageError(
+                f"exporting to {url}: the key map gives {by_name[name]!r} and {fqn!r} the same name {name!r}; "
+                "map each tensor to its own name"
+            )
+        by_name[name] = fqn
+        source_dtype = meta.properties.dtype
+        if source_dtype not in _DTYPE_NAMES:
+            raise UsageError(f"exporting to {url}: {fqn!r} is {source_dtype}, which safetensors does not hold")
+        out_dtype = dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
+        entries.append(_Entry(fqn, name, tuple(meta.size), source_dtype, out_dtype))
+    return entries
+
+
+def _plan_shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
+    """Hugging Face's rule: fill a shard in order until the next tensor would pass the max."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+def _header(shard: list[_Entry]) -> bytes:
+    """The shard's length-prefixed JSON header, padded to 8 bytes as safetensors writes it."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in shard:
+        header[e.name] = {"dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write_shard(
+    reader: FsspecStorageReader, metadata: Metadata, shard: list[_Entry], target: Location, file_name: str,
+    buffer_bytes: int, progress: Progress | None,
+) -> int:  # fmt: skip
+    """Write one shard: its header, then its tensors a batch at a time. Returns its size."""
+    path = posixpath.join(target.path, file_name)
+    url = target.url_of(path)
+    with storage_errors("create", url):
+        upload = target.backend.new_upload(path, part_size=_PART_SIZE, budget=ByteBudget(_UPLOAD_BUDGET))
+    try:
+        with storage_errors("write", url):
+            upload.write([_header(shard)])
+        for batch in _batches(shard, buffer_bytes):
+            for entry, tensor in zip(batch, _read_batch(reader, metadata, batch)):
+                data = _cast(entry, tensor, url)
+                with storage_errors("write", url):
+                    upload.write([memoryview(data.view(torch.uint8).numpy()) if data.numel() else b""])
+                if progress is not None:
+                    progress.advance(entry.source_bytes)
+        with storage_errors("write", url):
+            upload.commit()
+    except BaseException:
+        upload.abort()
+        raise
+    return upload.size
+
+
+def _batches(shard: list[_Entry], buffer_bytes: int) -> Iterator[list[_Entry]]:
+    batch: list[_Entry] = []
+    size = 0
+    for entry in shard:
+        if batch and size + entry.source_bytes > buffer_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(entry)
+        size += entry.source_bytes
+    if batch:
+        yield batch
+
+
+def _read_batch(reader: FsspecStorageReader, metadata: Metadata, batch: list[_Entry]) -> list[torch.Tensor]:
+    """Load ``batch``'s tensors, and only those, with DCP's planner and our ranged reader."""
+    state_dict = {e.fqn: torch.empty(e.shape, dtype=e.source_dtype) for e in batch}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, metadata, True)  # type: ignore[arg-type]
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
+    reader.read_data(plan, planner).wait()
+    return [state_dict[e.fqn] for e in batch]
+
+
+def _cast(entry: _Entry, tensor: torch.Tensor, url: str) -> torch.Tensor:
+    """``tensor`` in the output dtype, refused where a finite value would become infinite."""
+    if entry.dtype == entry.source_dtype:
+        return tensor.contiguous()
+    cast = tensor.to(entry.dtype)
+    if bool((torch.isinf(cast) & torch.isfinite(tensor)).any()):
+        raise UsageError(
+            f"writing {url}: {entry.fqn!r} holds values beyond {entry.dtype}'s range; "
+            "export it in a wider dtype (--dtype float32 or bfloat16)"
+        )
+    return cast
+
+
+def _write_small(target: Location, name: str, data: bytes) -> None:
+    path = posixpath.join(target.path, name)
+    with storage_errors("write", target.url_of(path)):
+        publish_whole(target.backend.new_upload(path, part_size=_PART_SIZE, budget=ByteBudget(_UPLOAD_BUDGET)), [data])
+
+
+def load_key_map(url: str | os.PathLike[str]) -> KeyMap:
+    """A key map from a JSON file (any URL) of ``{checkpoint name: output name or null}``.
+
+    Names the file does not list keep their own.
+
+    Raises:
+        UsageError: the file is not a JSON object of strings (or nulls).
+    """
+    location = resolve(url, None)
+    with storage_errors("read", location.url):
+        data = location.fs.cat_file(location.path)
+    try:
+        mapping = json.loads(data)
+    except ValueError as e:
+        raise UsageError(f"{location.url} is not JSON ({e}); give {{\"checkpoint name\": \"output name\"}}") from e
+    if not isinstance(mapping, dict) or not all(v is None or isinstance(v, str) for v in mapping.values()):
+        raise UsageError(f"{location.url} is not a JSON object of names; give {{\"checkpoint name\": \"output name\"}}")
+    return lambda name: mapping.get(name, name)

@@ -1,0 +1,184 @@
+"""The streamed, sharded safetensors export (``dcp-fsspec to-safetensors SRC DST``) on real storage."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_fsspec import cli
+from dcp_fsspec.errors import CheckpointExistsError, UsageError
+from dcp_fsspec.storage.writer import FsspecStorageWriter
+from dcp_fsspec.tools.safetensors_export import INDEX_NAME, export_safetensors
+from tests.conftest import Backend
+from tests.test_verify import _run
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {
+        "embed.weight": torch.randn(64, 32),
+        "layers.0.attn.weight": torch.randn(32, 32),
+        "layers.0.mlp.weight": torch.randn(128, 32, dtype=torch.bfloat16),
+        "layers.0.mlp.bias": torch.randn(128, dtype=torch.bfloat16),
+        "steps": torch.arange(7),
+        "mask": torch.tensor([True, False, True]),
+        "norm.weight": torch.ones(32, dtype=torch.float16),
+    }
+
+
+def _save(url: str, state: dict[str, torch.Tensor], storage_options: dict[str, Any] | None = None) -> str:
+    dcp.save(state, storage_writer=FsspecStorageWriter(url, storage_options=storage_options))
+    return url
+
+
+def _read_export(backend: Backend, out: str) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    fs = backend.fs
+    index = json.loads(fs.cat_file(f"{out}/{INDEX_NAME}"))
+    shards = {name: safetensors_torch.load(fs.cat_file(f"{out}/{name}")) for name in sorted(set(index["weight_map"].values()))}
+    return index, shards
+
+
+def test_an_export_to_s3_loads_back_equal_with_every_key_once_and_shards_under_the_max(
+    tmp_path: Path, s3_backend: Backend
+) -> None:
+    state = _state()
+    src = _save(str(tmp_path / "ckpt"), state)
+    out = s3_backend.sub("hf")
+    max_shard = 9000
+    result = export_safetensors(src, out, out_storage_options=s3_backend.storage_options, max_shard_size=max_shard, buffer_bytes=4096)
+    index, shards = _read_export(s3_backend, out)
+    assert sorted(index["weight_map"]) == sorted(state) and len(shards) == len(result.shards) > 2
+    assert list(shards) == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    loaded = {k: v for shard in shards.values() for k, v in shard.items()}
+    assert len(loaded) == sum(len(s) for s in shards.values()) == len(state)
+    for name, tensor in state.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+        assert name in shards[index["weight_map"][name]]
+    for shard in shards.values():
+        assert len(shard) == 1 or sum(t.numel() * t.element_size() for t in shard.values()) <= max_shard
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_an_export_from_s3_to_s3_casts_floats_to_bf16_renames_keys_and_copies_the_config(
+    tmp_path: Path, s3_backend: Backend
+) -> None:
+    state = _state()
+    opts = s3_backend.storage_options
+    src = _save(s3_backend.sub("ckpt"), state, opts)
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "tiny"}')
+    out = s3_backend.sub("hf")
+    export_safetensors(src, out, opts, opts, dtype=torch.bfloat16, config=config,
+                       key_map=lambda n: None if n == "steps" else f"model.{n}")  # fmt: skip
+    index, shards = _read_export(s3_backend, out)
+    loaded = {k: v for shard in shards.values() for k, v in shard.items()}
+    assert sorted(loaded) == sorted(f"model.{n}" for n in state if n != "steps")
+    for name, tensor in state.items():
+        if name != "steps":
+            want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+            assert torch.equal(loaded[f"model.{name}"], want), name
+    assert json.loads(s3_backend.fs.cat_file(f"{out}/config.json")) == {"model_type": "tiny"}
+
+
+def test_the_cli_exports_a_checkpointer_run_s_model_key_to_a_folder(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend, tmp_path: Path
+) -> None:
+    training = _run(memory_backend, [1])
+    out = tmp_path / "hf"
+    code = cli.main(["to-safetensors", memory_backend.url, str(out), "--max-shard-size", "200", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(doc["shards"]) > 1
+    loaded: dict[str, torch.Tensor] = {}
+    for name in doc["shards"]:
+        loaded.update(safetensors_torch.load_file(str(out / name)))
+    model = training.model.state_dict()
+    assert sorted(loaded) == sorted(model)
+    assert all(torch.equal(loaded[k], v) for k, v in model.items())
+
+
+def test_an_existing_destination_without_overwrite_exits_2_naming_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    src = _save(str(tmp_path / "ckpt"), _state())
+    out = tmp_path / "hf"
+    out.mkdir()
+    with pytest.raises(CheckpointExistsError, match=str(out)):
+        export_safetensors(src, out)
+    assert cli.main(["to-safetensors", src, str(out)]) == 2
+    assert str(out) in capsys.readouterr().err
+    assert cli.main(["to-safetensors", src, str(out), "--overwrite"]) == 0
+    assert (out / INDEX_NAME).exists()
+
+
+def test_a_key_map_that_gives_two_tensors_one_name_exits_2_naming_both_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    src = _save(str(tmp_path / "ckpt"), _state())
+    key_map = tmp_path / "keys.json"
+    key_map.write_text(json.dumps({"embed.weight": "w", "norm.weight": "w"}))
+    out = tmp_path / "hf"
+    with pytest.raises(UsageError, match=str(out)) as raised:
+        export_safetensors(src, out, key_map=lambda n: "w" if n in ("embed.weight", "norm.weight") else n)
+    assert "'embed.weight'" in str(raised.value) and "'norm.weight'" in str(raised.value)
+    assert cli.main(["to-safetensors", src, str(out), "--key-map", str(key_map), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "'w'" in err
+    assert not (out / INDEX_NAME).exists() and not list(out.glob("*.safetensors"))
+
+
+def test_a_value_float16_cannot_hold_exits_2_naming_the_tensor_and_leaves_no_index(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    state = _state()
+    state["embed.weight"][3, 4] = 1e6
+    src = _save(str(tmp_path / "ckpt"), state)
+    out = tmp_path / "hf"
+    with pytest.raises(UsageError, match="embed.weight") as raised:
+        export_safetensors(src, out, dtype=torch.float16)
+    assert str(out) in str(raised.value)
+    assert cli.main(["to-safetensors", src, str(out), "--dtype", "fp16", "--overwrite"]) == 2
+    assert str(out) in capsys.readouterr().err and not (out / INDEX_NAME).exists()
+
+
+def test_a_single_safetensors_file_is_still_written_whole_and_refuses_folder_options(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    state = _state()
+    src = _save(str(tmp_path / "ckpt"), state)
+    out = tmp_path / "one.safetensors"
+    assert cli.main(["to-safetensors", src, str(out)]) == 0
+    loaded = safetensors_torch.load_file(str(out))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert cli.main(["to-safetensors", src, str(tmp_path / "two.safetensors"), "--dtype", "bf16"]) == 2
+    assert "two.safetensors" in capsys.readouterr().err
+
+
+_MEASURE = """
+import resource, sys
+from dcp_fsspec.tools.safetensors_export import export_safetensors
+import safetensors  # noqa: F401
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+export_safetensors(sys.argv[1], sys.argv[2], max_shard_size=100 * 2**20)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_a_256_mib_export_holds_a_fixed_buffer_not_a_shard_or_the_model(tmp_path: Path) -> None:
+    state = {f"layer.{i}.weight": torch.full((1024, 1024), float(i)) for i in range(64)}  # 4 MiB each
+    src = _save(str(tmp_path / "ckpt"), state)
+    del state
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-c", _MEASURE, src, str(out)], capture_output=True, text=True, check=True)
+    grew = int(done.stdout.split()[-1])
+    assert grew < 96 * 2**20, f"the export of {src} grew the peak RSS by {grew / 2**20:.0f} MiB"
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert len(index["weight_map"]) == 64 and len(set(index["weight_map"].values())) == 3
