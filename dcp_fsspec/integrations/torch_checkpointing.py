@@ -1,0 +1,342 @@
+"""torch_checkpointing's storage on any fsspec URL, through dcp_fsspec's backends.
+
+:class:`FsspecStorageConfig` goes in ``CheckpointManager.Config(storage_config=...)``. Every
+path the manager passes is taken relative to the config's ``url``. Writes are our uploads
+(multipart on S3), reads are ranged reads into the caller's memory, and every call retries
+and fails with our error types. A folder rename (the manager's commit) moves no bytes through
+this process: it is a rename where folders are real, a server-side copy on object stores.
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+from typing import Any
+
+from ._files import child, locate, require, write_file
+
+require("torch_checkpointing.storage.base_storage", "torch-checkpointing", "dcp_fsspec.integrations.torch_checkpointing")
+
+from torch_checkpointing.metadata_serialization import METADATA_FILE_NAME  # noqa: E402
+from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig  # noqa: E402
+
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError  # noqa: E402
+from ..storage.backends.base import InPlaceFiles, RangeReader  # noqa: E402
+from ..storage.failures import storage_errors  # noqa: E402
+from ..storage.uploads import ByteBudget, FileUpload  # noqa: E402
+from ..storage.urls import Location  # noqa: E402
+
+__all__ = ["FsspecStorage", "FsspecStorageConfig"]
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class FsspecStorageConfig(StorageConfig):
+    """Where torch_checkpointing's checkpoints live, and how to reach them.
+
+    Attributes:
+        url: the root every checkpoint path is relative to (``s3://bucket/run``, a local path).
+        storage_options: fsspec options for ``url`` (credentials, endpoint); kept out of ``repr``.
+        part_size: bytes per upload part (S3 multipart) and per ranged read.
+        read_workers: concurrent ranged reads when the manager fills a whole file.
+        copy_workers: concurrent server-side copies in a folder rename on an object store.
+    """
+
+    url: str
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    part_size: int = 16 * MiB
+    read_workers: int = 8
+    copy_workers: int = 8
+
+    def create_storage(self) -> FsspecStorage:
+        return FsspecStorage(self)
+
+
+class FsspecStorage(Storage):
+    """torch_checkpointing's ``Storage`` over one fsspec URL (see the module docstring)."""
+
+    def __init__(self, config: FsspecStorageConfig) -> None:
+        self._config = config
+        self._root = locate(config.url, config.storage_options)
+
+    @property
+    def mmap_fill_workers(self) -> int | None:
+        return self._config.read_workers
+
+    @property
+    def mmap_fill_chunk_bytes(self) -> int | None:
+        return self._config.part_size
+
+    # --- paths ------------------------------------------------------------------------------
+
+    def where(self, path: Path | str) -> Location:
+        """The location of ``path``: relative to the root URL, or the root URL itself below it.
+
+        Raises:
+            UsageError: ``path`` is outside the root URL or climbs out with ``..``.
+        """
+        given = PurePosixPath(path)
+        root = PurePosixPath(self._config.url)
+        if given == root or root in given.parents:
+            given = given.relative_to(root)
+        if given.is_absolute() or ".." in given.parts:
+            raise UsageError(
+                f"path {str(path)!r} is outside the storage's URL {self._root.url}: "
+                "give checkpoint paths relative to FsspecStorageConfig.url"
+            )
+        parts = [p for p in given.parts if p != "."]
+        return child(self._root, *parts) if parts else self._root
+
+    def remap_path(self, path: Path) -> str:
+        return self.where(path).url
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def stream_read(self, path: Path, read_args: ReadArgs | None = None) -> io.RawIOBase:
+        """A seekable stream of the file; read whole first unless ``read_args`` says not to."""
+        where = self.where(path)
+        known = read_args.known_size_bytes if read_args is not None else None
+        stream = RangedFile(where, self._size(where) if known is None else known)
+        if read_args is not None and not read_args.pre_read_full_file:
+            return stream
+        with stream:
+            whole = bytearray(stream.size)
+            self._fill(stream, memoryview(whole))
+        return io.BytesIO(whole)
+
+    def _fill(self, stream: RangedFile, view: memoryview) -> None:
+        """Fill ``view`` from the file's start with concurrent ranged reads."""
+        step = self._config.part_size
+        with ThreadPoolExecutor(self._config.read_workers, thread_name_prefix="tc-read") as pool:
+            for done in pool.map(lambda at: stream.read_at(at, view[at : at + step]), range(0, len(view), step)):
+                if done == 0:
+                    raise CorruptCheckpointError(f"{stream.where.url} is shorter than its listed size: it changed while read")
+
+    def getsize(self, path: Path) -> int:
+        return self._size(self.where(path))
+
+    def _size(self, where: Location) -> int:
+        try:
+            return int(where.backend.call("info", where.path)["size"])
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"no file at {where.url}: check the checkpoint path") from e
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def stream_write(self, path: Path) -> io.IOBase:
+        """A stream that publishes the file whole when closed, and not at all if its block fails."""
+        where = self.where(path)
+        backend = where.backend
+        backend.make_folder(posixpath.dirname(where.path))
+        part = self._config.part_size
+        with storage_errors("write", where.url):
+            upload = backend.new_upload(where.path, part_size=part, budget=ByteBudget(4 * part))
+        return UploadStream(where, upload)
+
+    def write(self, path: Path, data: Any) -> None:
+        write_file(self.where(path), memoryview(data).cast("B"), part_size=self._config.part_size)
+
+    def mkdir(self, path: Path, recursive: bool = True) -> None:
+        where = self.where(path)
+        where.backend.make_folder(where.path)
+
+    # --- deleting ---------------------------------------------------------------------------
+
+    def delete(self, path: Path) -> None:
+        where = self.where(path)
+        try:
+            where.backend.call("rm_file", where.path)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"no file to delete at {where.url}: check the path") from e
+        where.backend.invalidate(posixpath.dirname(where.path))
+
+    def rmdir(self, path: Path) -> None:
+        where = self.where(path)
+        where.backend.remove_trees([where.path], within=posixpath.dirname(where.path))
+
+    # --- the commit -------------------------------------------------------------------------
+
+    def rename(self, src_path: Path, dst_path: Path, is_directory: bool = False, background_cleanup: bool = False) -> None:
+        """Move a file or folder so its contents land at ``dst_path``, per ``Storage.rename``.
+
+        Where folders are real this is the store's rename. On object stores each object is
+        copied server-side, the checkpoint's metadata file last, then the source is deleted.
+        ``background_cleanup`` is accepted; the source is deleted before this returns.
+
+        Raises:
+            CheckpointExistsError: the destination is occupied (a ``FileExistsError``).
+            CheckpointNotFoundError: there is nothing at ``src_path``.
+        """
+        src, dst = self.where(src_path), self.where(dst_path)
+        backend = src.backend
+        backend.invalidate(posixpath.dirname(src.path))
+        if not exists(src):
+            raise CheckpointNotFoundError(f"nothing to rename at {src.url}: check the path")
+        if backend.call("isdir", src.path):
+            self._refuse_occupied(dst, allow_empty_folder=True)
+            files = backend.find(src.path)
+            if backend.real_folders:
+                backend.call("mv", src.path, dst.path)
+            else:
+                self._copy_all(src, dst, sorted(files, key=lambda f: posixpath.basename(f) == METADATA_FILE_NAME))
+                backend.remove_trees([src.path], within=posixpath.dirname(src.path))
+        else:
+            if exists(dst) and backend.call("isdir", dst.path):
+                raise CheckpointExistsError(f"cannot rename {src.url} onto the folder {dst.url}: delete it first")
+            self._move_file(src, dst)
+        backend.invalidate(posixpath.dirname(dst.path))
+
+    def _refuse_occupied(self, dst: Location, *, allow_empty_folder: bool) -> None:
+        backend = dst.backend
+        if not exists(dst):
+            return
+        if backend.call("isdir", dst.path) and allow_empty_folder and not backend.find(dst.path):
+            backend.remove_trees([dst.path], within=posixpath.dirname(dst.path))
+            return
+        raise CheckpointExistsError(
+            f"cannot rename onto {dst.url}: it is occupied, and a commit never overwrites; delete it first"
+        )
+
+    def _copy_all(self, src: Location, dst: Location, files: list[str]) -> None:
+        """Copy ``files`` (below ``src``) to the same places below ``dst``, server-side.
+
+        The last file is copied after all the others are in place."""
+        backend = src.backend
+        base = src.path.rstrip("/") + "/"
+
+        def copy(path: str) -> None:
+            backend.call("copy", path, posixpath.join(dst.path, path[len(base) :]))
+
+        *first, last = files or [""]
+        with ThreadPoolExecutor(self._config.copy_workers, thread_name_prefix="tc-copy") as pool:
+            list(pool.map(copy, first))
+        if last:
+            copy(last)
+
+    def _move_file(self, src: Location, dst: Location) -> None:
+        backend = src.backend
+        if backend.real_folders:
+            backend.call("mv", src.path, dst.path)
+            return
+        backend.call("copy", src.path, dst.path)
+        backend.call("rm_file", src.path)
+
+    # --- finding ----------------------------------------------------------------------------
+
+    def ls(self, path: Path) -> list[str]:
+        """The names (not paths) of the entries in the folder ``path``, read fresh."""
+        where = self.where(path)
+        where.backend.invalidate(where.path)
+        try:
+            entries = where.backend.call("ls", where.path, detail=False)
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"no folder at {where.url}: check the checkpoint path") from e
+        names = (posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).rstrip("/") != where.path)
+        return sorted(set(names))
+
+    def exists(self, path: Path) -> bool:
+        return exists(self.where(path))
+
+    def isdir(self, path: Path) -> bool:
+        where = self.where(path)
+        where.backend.invalidate(posixpath.dirname(where.path))
+        return bool(where.backend.call("isdir", where.path))
+
+
+def exists(where: Location) -> bool:
+    """Whether anything is at ``where``, with the cached listings of it and above it dropped."""
+    where.backend.invalidate(where.path)
+    return bool(where.backend.call("exists", where.path))
+
+
+class RangedFile(io.RawIOBase):
+    """A seekable read-only stream of one file, each read a ranged read into the caller's buffer."""
+
+    def __init__(self, where: Location, size: int) -> None:
+        super().__init__()
+        self.where = where
+        self.size = size
+        self._pos = 0
+        self._files: RangeReader = where.backend.in_place_files() or where.backend.range_reader()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        got = self.read_at(self._pos, view)
+        self._pos += got
+        return got
+
+    def read_at(self, offset: int, view: memoryview) -> int:
+        """Fill ``view`` from ``offset`` (up to the file's end): the bytes read."""
+        view = view[: max(0, min(len(view), self.size - offset))]
+        if not len(view):
+            return 0
+        with storage_errors("read", self.where.url):
+            try:
+                if isinstance(self._files, InPlaceFiles):
+                    return self._files.read_into(self.where.path, offset, view)
+                data = self._files.read(self.where.path, len(view), offset)
+            except FileNotFoundError as e:
+                raise CheckpointNotFoundError(f"no file at {self.where.url}: check the checkpoint path") from e
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._files.close()
+        super().close()
+
+
+class UploadStream(io.RawIOBase):
+    """A write stream over one upload: published when closed, aborted if its ``with`` block fails."""
+
+    def __init__(self, where: Location, upload: FileUpload) -> None:
+        super().__init__()
+        self._where = where
+        self._upload = upload
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        # A copy: the caller may reuse its buffer once write returns, before the part is sent.
+        chunk = bytes(memoryview(data).cast("B"))
+        with storage_errors("write", self._where.url):
+            self._upload.write([chunk])
+        return len(chunk)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if error is not None and not self.closed:
+            with storage_errors("abort the upload of", self._where.url):
+                self._upload.abort()
+            super().close()
+            return
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            with storage_errors("write", self._where.url):
+                self._upload.commit()
+            self._where.backend.invalidate(posixpath.dirname(self._where.path))
+        finally:
+            super().close()

@@ -1,0 +1,153 @@
+"""torch_checkpointing's ``CheckpointManager`` saving and loading through :class:`FsspecStorage`.
+
+The real package on moto S3 and local disk: a bit-exact round trip, a crash between staging and
+commit, and retention, listing and the latest-step lookup done through our storage alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import import_or_skip
+
+import_or_skip("torch_checkpointing", "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'")
+
+from torch_checkpointing import CheckpointManager  # noqa: E402
+
+from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, UsageError  # noqa: E402
+from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig  # noqa: E402
+from tests.ckpt_helpers import assert_equal  # noqa: E402
+from tests.conftest import Backend  # noqa: E402
+
+
+class Crash(RuntimeError):
+    """The failure injected between staging and commit."""
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(64, 33, generator=g), "h": torch.randn(7, generator=g).to(torch.bfloat16)},
+        "optim": {"step": torch.tensor(seed), "m": torch.randn(64, 33, generator=g)},
+        "step": seed,
+    }
+
+
+def _empty() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.zeros(64, 33), "h": torch.zeros(7, dtype=torch.bfloat16)},
+        "optim": {"step": torch.tensor(0), "m": torch.zeros(64, 33)},
+        "step": 0,
+    }
+
+
+def _manager(backend: Backend, **settings: Any) -> CheckpointManager:
+    config = CheckpointManager.Config.with_sync_save()
+    config.storage_config = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options, **settings)
+    return config.build()
+
+
+def _crashing_manager(backend: Backend) -> CheckpointManager:
+    def crash(args: Any) -> None:
+        raise Crash(f"injected before the commit of {args.path}")
+
+    config = CheckpointManager.Config.with_sync_save()
+    config.storage_config = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options)
+    config.pre_finalize_callback = crash
+    return config.build()
+
+
+@pytest.fixture(params=["local", "s3"])
+def tc_backend(request: pytest.FixtureRequest) -> Backend:
+    backend: Backend = request.getfixturevalue(f"{request.param}_backend")
+    return backend
+
+
+def test_a_saved_step_loads_back_bit_exact(tc_backend: Backend) -> None:
+    manager = _manager(tc_backend, part_size=4096)  # several parts and ranged reads per file
+    try:
+        manager.save("step_1", _state(1))
+        loaded = manager.load("step_1", into=_empty())
+    finally:
+        manager.close()
+    assert_equal(dict(loaded), _state(1))
+    storage = FsspecStorage(FsspecStorageConfig(url=tc_backend.url, storage_options=tc_backend.storage_options))
+    assert storage.ls(Path("")) == ["step_1"]
+
+
+def test_a_crash_between_staging_and_commit_leaves_the_previous_step_loadable(s3_backend: Backend) -> None:
+    manager = _manager(s3_backend)
+    try:
+        manager.save("step_1", _state(1))
+    finally:
+        manager.close()
+    crashing = _crashing_manager(s3_backend)
+    try:
+        with pytest.raises(Crash, match="tmp_step_2"):
+            crashing.save("step_2", _state(2))
+    finally:
+        crashing.close()
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    assert not storage.exists(Path("step_2")) and storage.exists(Path("tmp_step_2"))
+    reader = _manager(s3_backend)
+    try:
+        assert_equal(dict(reader.load("step_1", into=_empty())), _state(1))
+    finally:
+        reader.close()
+
+
+def test_retention_listing_and_the_latest_step_work_through_the_storage_on_s3(s3_backend: Backend) -> None:
+    manager = _manager(s3_backend)
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    try:
+        for step in (1, 2, 3):
+            manager.save(f"step_{step}", _state(step))
+        steps = sorted(storage.glob("step_*"), key=lambda name: int(name.split("_")[1]))
+        assert steps == ["step_1", "step_2", "step_3"]
+        for old in steps[:-2]:  # keep the last two
+            storage.rmdir(Path(old))
+        assert storage.ls(Path("")) == ["step_2", "step_3"]
+        assert storage.isdir(Path("step_3")) and not storage.isdir(Path("step_1"))
+        assert_equal(dict(manager.load(steps[-1], into=_empty())), _state(3))
+    finally:
+        manager.close()
+
+
+def test_a_folder_rename_never_overwrites_a_committed_step_and_names_its_url(s3_backend: Backend) -> None:
+    manager = _manager(s3_backend)
+    try:
+        manager.save("step_1", _state(1))
+        manager.save("step_2", _state(2))
+    finally:
+        manager.close()
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    with pytest.raises(CheckpointExistsError, match=f"{s3_backend.url}/step_2"):
+        storage.rename(Path("step_1"), Path("step_2"), is_directory=True)
+    assert storage.exists(Path("step_1"))
+
+
+def test_a_folder_rename_on_s3_moves_every_file_and_removes_the_source(s3_backend: Backend) -> None:
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage.write(Path("tmp_step_9/model_0.pt"), b"weights")
+    storage.write(Path("tmp_step_9/metadata.pkl"), b"metadata")
+    storage.rename(Path("tmp_step_9"), Path("step_9"), is_directory=True)
+    assert storage.ls(Path("step_9")) == ["metadata.pkl", "model_0.pt"]
+    assert storage.read(Path("step_9/model_0.pt")) == b"weights"
+    assert not storage.exists(Path("tmp_step_9"))
+
+
+def test_a_missing_file_is_not_found_naming_its_url(tc_backend: Backend) -> None:
+    storage = FsspecStorage(FsspecStorageConfig(url=tc_backend.url, storage_options=tc_backend.storage_options))
+    storage.mkdir(Path(""))
+    with pytest.raises(CheckpointNotFoundError, match=f"{tc_backend.url}/step_7/model_0.pt"):
+        storage.read(Path("step_7/model_0.pt"))
+
+
+def test_a_path_outside_the_url_is_refused_naming_the_url(local_backend: Backend) -> None:
+    storage = FsspecStorage(FsspecStorageConfig(url=local_backend.url))
+    with pytest.raises(UsageError, match=local_backend.url):
+        storage.exists(Path("/elsewhere/step_1"))
