@@ -135,18 +135,18 @@ def test_a_key_map_that_gives_two_tensors_one_name_exits_2_naming_both_and_write
     assert not (out / INDEX_NAME).exists() and not list(out.glob("*.safetensors"))
 
 
-def test_a_value_float16_cannot_hold_exits_2_naming_the_tensor_and_leaves_no_index(
+def test_a_value_float16_cannot_hold_exits_2_naming_the_tensor_and_leaves_nothing_written(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     state = _state()
-    state["embed.weight"][3, 4] = 1e6
+    state["layers.0.attn.weight"][3, 4] = 1e6  # in the second shard: the first is written by then
     src = _save(str(tmp_path / "ckpt"), state)
     out = tmp_path / "hf"
-    with pytest.raises(UsageError, match="embed.weight") as raised:
-        export_safetensors(src, out, dtype=torch.float16)
-    assert str(out) in str(raised.value)
-    assert cli.main(["to-safetensors", src, str(out), "--dtype", "fp16", "--overwrite"]) == 2
-    assert str(out) in capsys.readouterr().err and not (out / INDEX_NAME).exists()
+    with pytest.raises(UsageError, match="layers.0.attn.weight") as raised:
+        export_safetensors(src, out, dtype=torch.float16, max_shard_size=1)
+    assert str(out) in str(raised.value) and not out.exists()
+    assert cli.main(["to-safetensors", src, str(out), "--dtype", "fp16", "--max-shard-size", "1"]) == 2
+    assert str(out) in capsys.readouterr().err and not out.exists()
 
 
 def test_a_single_safetensors_file_is_still_written_whole_and_refuses_folder_options(

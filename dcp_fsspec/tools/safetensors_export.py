@@ -141,7 +141,8 @@ def export_safetensors(
     if max_shard_size <= 0:
         raise UsageError(f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}")
     source = _source(resolve(url, storage_options))
-    target = _output_folder(resolve(out, out_storage_options), overwrite)
+    target = resolve(out, out_storage_options)
+    existed = _check_output(target, overwrite)
     config_bytes = _read_config(config) if config is not None else None
     reader = FsspecStorageReader(source.url, fs=source.fs)
     metadata = reader.read_metadata()
@@ -149,23 +150,40 @@ def export_safetensors(
     reader.set_up_storage_reader(metadata, True)
     result = ExportResult(source.url, target.url)
     entries = _entries(metadata, dtype, key_map or _same, target.url, result.left_out)
-    shards = _plan_shards(entries, max_shard_size)
     if progress is not None:
         progress.add_total(sum(e.source_bytes for e in entries))
+    # Nothing is written before here: every check above leaves ``out`` as it was.
+    if existed:
+        _remove_export(target)
+    with storage_errors("create", target.url):
+        target.backend.make_folder(target.path)
+    try:
+        weight_map = _write_shards(reader, metadata, _plan_shards(entries, max_shard_size), target, buffer_bytes, result, progress)
+        if config_bytes is not None:
+            _write_small(target, CONFIG_NAME, config_bytes)
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
+        _write_small(target, INDEX_NAME, json.dumps(index, indent=2).encode())
+    except BaseException:
+        _remove_partial(target, [*result.shards, *([CONFIG_NAME] if config_bytes is not None else [])], remove_folder=not existed)
+        raise
+    result.tensors = len(entries)
+    result.seconds = time.perf_counter() - start
+    logger.info("exported %s to %s (%s)", source.url, target.url, human_bytes(result.bytes_written))
+    return result
+
+
+def _write_shards(
+    reader: FsspecStorageReader, metadata: Metadata, shards: list[list[_Entry]], target: Location,
+    buffer_bytes: int, result: ExportResult, progress: Progress | None,
+) -> dict[str, str]:  # fmt: skip
+    """Write every shard, counting each into ``result``; the index's weight map."""
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, 1):
         file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         result.bytes_written += _write_shard(reader, metadata, shard, target, file_name, buffer_bytes, progress)
         result.shards.append(file_name)
         weight_map.update((e.name, file_name) for e in shard)
-    if config_bytes is not None:
-        _write_small(target, CONFIG_NAME, config_bytes)
-    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_small(target, INDEX_NAME, json.dumps(index, indent=2).encode())
-    result.tensors = len(entries)
-    result.seconds = time.perf_counter() - start
-    logger.info("exported %s to %s (%s)", source.url, target.url, human_bytes(result.bytes_written))
-    return result
+    return weight_map
 
 
 def _same(name: str) -> str:
@@ -194,16 +212,13 @@ def _source(location: Location) -> Location:
     return targets.key_location(run, iteration, MODEL_KEY)
 
 
-def _output_folder(target: Location, overwrite: bool) -> Location:
+def _check_output(target: Location, overwrite: bool) -> bool:
+    """Whether ``target`` exists; refused unless ``overwrite``."""
     with storage_errors("check", target.url):
-        exists = target.fs.exists(target.path)
+        exists: bool = target.fs.exists(target.path)
     if exists and not overwrite:
         raise CheckpointExistsError(f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)")
-    if exists:
-        _remove_export(target)
-    with storage_errors("create", target.url):
-        target.backend.make_folder(target.path)
-    return target
+    return exists
 
 
 def _remove_export(target: Location) -> None:
@@ -214,6 +229,19 @@ def _remove_export(target: Location) -> None:
             target.fs.rm(index)
         for path in target.fs.glob(posixpath.join(target.path, "model-*-of-*.safetensors")):
             target.fs.rm(path)
+
+
+def _remove_partial(target: Location, names: list[str], *, remove_folder: bool) -> None:
+    """Remove what a failed export wrote; a failure here is logged, the export's error is raised."""
+    try:
+        for name in names:
+            path = posixpath.join(target.path, name)
+            if target.fs.exists(path):
+                target.fs.rm(path)
+        if remove_folder and target.backend.real_folders and not target.fs.ls(target.path):
+            target.fs.rmdir(target.path)
+    except OSError as e:
+        logger.warning("could not remove the partial export at %s: %s", target.url, e)
 
 
 def _read_config(config: str | os.PathLike[str]) -> bytes:
@@ -295,7 +323,7 @@ def _write_shard(
             for entry, tensor in zip(batch, _read_batch(reader, metadata, batch)):
                 data = _cast(entry, tensor, url)
                 with storage_errors("write", url):
-                    upload.write([memoryview(data.view(torch.uint8).numpy()) if data.numel() else b""])
+                    upload.write([data.reshape(-1).view(torch.uint8).numpy().data])
                 if progress is not None:
                     progress.advance(entry.source_bytes)
         with storage_errors("write", url):
@@ -323,7 +351,7 @@ def _read_batch(reader: FsspecStorageReader, metadata: Metadata, batch: list[_En
     """Load ``batch``'s tensors, and only those, with DCP's planner and our ranged reader."""
     state_dict = {e.fqn: torch.empty(e.shape, dtype=e.source_dtype) for e in batch}
     planner = DefaultLoadPlanner()
-    planner.set_up_planner(state_dict, metadata, True)  # type: ignore[arg-type]
+    planner.set_up_planner(state_dict, metadata, True)
     plan = reader.prepare_local_plan(planner.create_local_plan())
     plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
     reader.read_data(plan, planner).wait()
