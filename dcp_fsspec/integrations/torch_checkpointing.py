@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 from ._files import child, locate, require, write_file
 
@@ -107,7 +107,8 @@ class FsspecStorage(Storage):
         with stream:
             whole = bytearray(stream.size)
             self._fill(stream, memoryview(whole))
-        return io.BytesIO(whole)
+        # Their own local storage returns a BytesIO here as well: callers only read, readinto and seek.
+        return cast(io.RawIOBase, io.BytesIO(whole))
 
     def _fill(self, stream: RangedFile, view: memoryview) -> None:
         """Fill ``view`` from the file's start with concurrent ranged reads."""

@@ -45,20 +45,17 @@ def _empty() -> dict[str, Any]:
     }
 
 
-def _manager(backend: Backend, **settings: Any) -> CheckpointManager:
+def _manager(backend: Backend, *, crash: bool = False, **settings: Any) -> CheckpointManager:
+    """A synchronous manager on ``backend``; with ``crash``, each save fails before its commit."""
     config = CheckpointManager.Config.with_sync_save()
     config.storage_config = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options, **settings)
+    if crash:
+        config.pre_finalize_callback = _crash
     return config.build()
 
 
-def _crashing_manager(backend: Backend) -> CheckpointManager:
-    def crash(args: Any) -> None:
-        raise Crash(f"injected before the commit of {args.path}")
-
-    config = CheckpointManager.Config.with_sync_save()
-    config.storage_config = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options)
-    config.pre_finalize_callback = crash
-    return config.build()
+def _crash(args: Any) -> None:
+    raise Crash(f"injected before the commit of {args.path}")
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -85,7 +82,7 @@ def test_a_crash_between_staging_and_commit_leaves_the_previous_step_loadable(s3
         manager.save("step_1", _state(1))
     finally:
         manager.close()
-    crashing = _crashing_manager(s3_backend)
+    crashing = _manager(s3_backend, crash=True)
     try:
         with pytest.raises(Crash, match="tmp_step_2"):
             crashing.save("step_2", _state(2))
@@ -151,3 +148,17 @@ def test_a_path_outside_the_url_is_refused_naming_the_url(local_backend: Backend
     storage = FsspecStorage(FsspecStorageConfig(url=local_backend.url))
     with pytest.raises(UsageError, match=local_backend.url):
         storage.exists(Path("/elsewhere/step_1"))
+
+
+def test_an_async_save_writes_from_their_background_process_to_s3(s3_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MKL_SERVICE_FORCE_INTEL", "GNU")  # their process sets it in ours; undone after
+    config = CheckpointManager.Config.with_async_save()
+    config.storage_config = FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options)
+    manager = config.build()
+    try:
+        written = manager.save("step_5", _state(5))
+        assert written is not None
+        written.result(timeout=300)
+        assert_equal(dict(manager.load("step_5", into=_empty())), _state(5))
+    finally:
+        manager.close()
