@@ -182,3 +182,27 @@ def test_a_256_mib_export_holds_a_fixed_buffer_not_a_shard_or_the_model(tmp_path
     assert grew < 96 * 2**20, f"the export of {src} grew the peak RSS by {grew / 2**20:.0f} MiB"
     index = json.loads((out / INDEX_NAME).read_text())
     assert len(index["weight_map"]) == 64 and len(set(index["weight_map"].values())) == 3
+
+
+def test_a_tiny_gpt2_exported_with_a_key_map_and_its_config_loads_with_from_pretrained(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    trained = {f"decoder.{k}": v.clone() for k, v in model.state_dict().items()}  # a training framework's names
+    src = _save(str(tmp_path / "ckpt"), trained)
+    key_map = tmp_path / "keys.json"
+    key_map.write_text(json.dumps({name: name.removeprefix("decoder.") for name in trained}))
+    config.to_json_file(str(tmp_path / "config.json"))
+    out = tmp_path / "hf"
+    argv = ["to-safetensors", src, str(out), "--key-map", str(key_map), "--config", str(tmp_path / "config.json"),
+            "--max-shard-size", "20KB"]  # fmt: skip
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    tokens = torch.tensor([[1, 5, 7, 3]])
+    assert torch.equal(loaded(tokens).logits, model(tokens).logits)
