@@ -177,16 +177,21 @@ class S3Backend(Backend):
         Best effort: without the permission to list them, a bucket lifecycle rule
         (``AbortIncompleteMultipartUpload``) is what cleans them up.
         """
-        self._run(lambda: S3Removal(self).abort_uploads(folder, [folder]), folder, "delete")
+        removal = S3Removal(self)
+
+        async def abort() -> None:
+            await removal.abort_uploads(folder, await removal.uploads_under(folder, [folder]))
+
+        self._run(abort, folder, "delete")
 
     def remove_files(self, paths: Sequence[str], *, within: str) -> None:
         """DeleteObjects: 1,000 keys a request, a few requests at once (no listing)."""
         self._run(lambda: S3Removal(self).delete_keys([self.fs.split_path(p)[1] for p in paths], within), within, "delete")
 
     def remove_trees(self, paths: Sequence[str], *, within: str) -> None:
-        """A listing of each path (several at once), or for many paths one of ``within``;
-        DeleteObjects as in :meth:`remove_files`; one listing of the unfinished uploads under
-        ``within`` for all of them."""
+        """Two round trips: a listing of each path (or for many paths one of ``within``) and one
+        of the unfinished uploads under ``within``, at once; then DeleteObjects as in
+        :meth:`remove_files` and the aborts, at once."""
         self._run(lambda: S3Removal(self).trees(paths, within), within, "delete")
         self.invalidate(within)
 

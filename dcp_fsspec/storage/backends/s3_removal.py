@@ -33,17 +33,19 @@ class S3Removal:
         self.fs = backend.fs
 
     async def trees(self, paths: Sequence[str], within: str) -> None:
-        """Delete each of ``paths`` (all under ``within``) with every key under it, then abort
-        the unfinished uploads under them (one listing of ``within``'s for all)."""
+        """Delete each of ``paths`` (all under ``within``) with every key under it, and abort the
+        unfinished uploads under them: two round trips, the listings at once, then the deletes
+        and aborts at once (one listing of ``within``'s uploads for all)."""
         keys = [self.fs.split_path(p)[1] for p in paths]  # a path may be a file itself
+        uploads = self.uploads_under(within, paths)
         if len(paths) > LIST_EACH_UP_TO:
             under = tuple(key.rstrip("/") + "/" for key in keys)
-            keys += [key for key in await self.list_keys(within) if key.startswith(under)]
+            listed, pending = await asyncio.gather(self.list_keys(within), uploads)
+            keys += [key for key in listed if key.startswith(under)]
         else:
-            for listed in await _bounded([self.list_keys(p) for p in paths]):
-                keys += listed
-        await self.delete_keys(keys, within)
-        await self.abort_uploads(within, paths)
+            *lists, pending = await asyncio.gather(_bounded([self.list_keys(p) for p in paths]), uploads)
+            keys += [key for listed in lists[0] for key in listed]
+        await asyncio.gather(self.delete_keys(keys, within), self.abort_uploads(within, pending))
 
     async def list_keys(self, folder: str) -> list[str]:
         """Every key under ``folder``, one request per 1,000, fresh (no cache)."""
@@ -77,15 +79,24 @@ class S3Removal:
 
         await _bounded([delete(batch) for batch in batches])
 
-    async def abort_uploads(self, within: str, folders: Sequence[str]) -> None:
-        """Abort the unfinished multipart uploads under any of ``folders`` (best effort, logged)."""
+    async def uploads_under(self, within: str, folders: Sequence[str]) -> list[dict[str, str]]:
+        """The unfinished multipart uploads under any of ``folders`` (best effort: none, logged)."""
         bucket, prefix, _ = self.fs.split_path(within.rstrip("/") + "/")
         under = tuple(self.fs.split_path(f.rstrip("/") + "/")[1] for f in folders)
         try:
             listing = await self._request("list_multipart_uploads", within, Bucket=bucket, Prefix=prefix)
+        except (OSError, DcpFsspecError) as e:
+            logger.warning("could not list the unfinished uploads under %s: %s", self.backend.url_of(within), e)
+            return []
+        return [u for u in listing.get("Uploads", []) if u["Key"].startswith(under)]
+
+    async def abort_uploads(self, within: str, uploads: Sequence[dict[str, str]]) -> None:
+        """Abort ``uploads`` (from :meth:`uploads_under`; best effort, logged)."""
+        bucket = self.fs.split_path(within)[0]
+        try:
             await _bounded([
                 self._request("abort_multipart_upload", within, Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
-                for u in listing.get("Uploads", []) if u["Key"].startswith(under)
+                for u in uploads
             ])  # fmt: skip
         except (OSError, DcpFsspecError) as e:
             logger.warning("could not abort the unfinished uploads under %s: %s", self.backend.url_of(within), e)
