@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "dcp_fsspec"
 # Bottom up. A module may import from its own layer and the ones below it, never above.
 LAYERS = {"errors": 0, "storage": 1, "checkpoint": 2, "tools": 3, "integrations": 3, "cli": 4, "demo": 4, "local_s3": 4, "__main__": 4}
 # Training frameworks: only dcp_fsspec.integrations may import them, and nothing imports it.
-FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan", "ray")
+FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan", "torch_checkpointing", "ray")
 
 
 def _modules() -> dict[str, Path]:

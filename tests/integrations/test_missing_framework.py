@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("module", "framework", "extra"),
-    [("lightning", "lightning", "lightning"), ("hf", "transformers", "hf"), ("ray", "ray", "ray"), ("torchtitan", "torchtitan", "torchtitan")],
+    [("lightning", "lightning", "lightning"), ("hf", "transformers", "hf"), ("ray", "ray", "ray"), ("torchtitan", "torchtitan", "torchtitan"),
+     ("torch_checkpointing", "torch_checkpointing", "torch-checkpointing")],
 )
 def test_importing_an_integration_without_its_framework_names_the_extra_in_one_line(
     module: str, framework: str, extra: str

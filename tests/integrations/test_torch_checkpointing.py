@@ -162,3 +162,24 @@ def test_an_async_save_writes_from_their_background_process_to_s3(s3_backend: Ba
         assert_equal(dict(manager.load("step_5", into=_empty())), _state(5))
     finally:
         manager.close()
+
+
+def test_a_checkpoint_id_may_be_the_full_url_below_the_root(s3_backend: Backend) -> None:
+    manager = _manager(s3_backend)
+    try:
+        manager.save(f"{s3_backend.url}/step_4", _state(4))
+        assert_equal(dict(manager.load("step_4", into=_empty())), _state(4))
+    finally:
+        manager.close()
+
+
+def test_a_file_rename_replaces_the_file_and_refuses_a_folder_naming_it(s3_backend: Backend) -> None:
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage.write(Path("new.json"), b"new")
+    storage.write(Path("index.json"), b"old")
+    storage.write(Path("step_1/model_0.pt"), b"weights")
+    storage.rename(Path("new.json"), Path("index.json"))
+    assert storage.read(Path("index.json")) == b"new" and not storage.exists(Path("new.json"))
+    with pytest.raises(CheckpointExistsError, match=f"{s3_backend.url}/step_1"):
+        storage.rename(Path("index.json"), Path("step_1"))
+
