@@ -5,12 +5,15 @@ path the manager passes is taken relative to the config's ``url``. Writes are ou
 (multipart on S3), reads are ranged reads into the caller's memory, and every call retries
 and fails with our error types. A folder rename (the manager's commit) moves no bytes through
 this process: it is a rename where folders are real, a server-side copy on object stores.
+:func:`commit_by_marker` changes a manager's config to commit each step with a marker file
+instead, so nothing is copied at all.
 """
 
 from __future__ import annotations
 
 import io
 import posixpath
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -21,6 +24,8 @@ from ._files import child, locate, require, write_file
 
 require("torch_checkpointing.storage.base_storage", "torch-checkpointing", "dcp_fsspec.integrations.torch_checkpointing")
 
+from torch_checkpointing import CheckpointManager  # noqa: E402
+from torch_checkpointing.checkpoint_writer import CallbackArgs  # noqa: E402
 from torch_checkpointing.metadata_serialization import METADATA_FILE_NAME  # noqa: E402
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig  # noqa: E402
 
@@ -30,9 +35,11 @@ from ..storage.failures import storage_errors  # noqa: E402
 from ..storage.uploads import ByteBudget, FileUpload  # noqa: E402
 from ..storage.urls import Location  # noqa: E402
 
-__all__ = ["FsspecStorage", "FsspecStorageConfig"]
+__all__ = ["COMMIT_MARKER", "FsspecStorage", "FsspecStorageConfig", "commit_by_marker"]
 
 MiB = 1024 * 1024
+# The file that commits a step written in place (see commit_by_marker).
+COMMIT_MARKER = ".committed"
 
 
 @dataclass
@@ -243,6 +250,10 @@ class FsspecStorage(Storage):
     def exists(self, path: Path) -> bool:
         return exists(self.where(path))
 
+    def is_committed(self, path: Path) -> bool:
+        """Whether the step at ``path`` holds its commit marker (see :func:`commit_by_marker`)."""
+        return exists(self.where(Path(path) / COMMIT_MARKER))
+
     def isdir(self, path: Path) -> bool:
         where = self.where(path)
         where.backend.invalidate(posixpath.dirname(where.path))
@@ -253,6 +264,31 @@ def exists(where: Location) -> bool:
     """Whether anything is at ``where``, with the cached listings of it and above it dropped."""
     where.backend.invalidate(where.path)
     return bool(where.backend.call("exists", where.path))
+
+
+def commit_by_marker(config: CheckpointManager.Config) -> CheckpointManager.Config:
+    """``config`` changed to commit each step with a marker file instead of a folder rename.
+
+    Every rank writes in place at the step's final path. After the writer's barrier each rank
+    writes the empty file ``COMMIT_MARKER`` in the step, once any finalize callback already set
+    has run. A step without it is uncommitted: find steps with ``FsspecStorage.is_committed``.
+    Their ``load`` does not check the marker itself.
+    """
+    config.save.writer_config.write_to_temp_dir = False
+    config.finalize_callback = WriteMarker(config.finalize_callback)
+    return config
+
+
+@dataclass(frozen=True)
+class WriteMarker:
+    """The finalize callback of :func:`commit_by_marker`; a class so it pickles into their writer process."""
+
+    then: Callable[[CallbackArgs], None] | None = None
+
+    def __call__(self, args: CallbackArgs) -> None:
+        if self.then is not None:
+            self.then(args)
+        args.storage.write(Path(args.path) / COMMIT_MARKER, b"")
 
 
 class RangedFile(io.RawIOBase):

@@ -19,7 +19,7 @@ import_or_skip("torch_checkpointing", "the [torch-checkpointing] extra is not in
 from torch_checkpointing import CheckpointManager  # noqa: E402
 
 from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, UsageError  # noqa: E402
-from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig  # noqa: E402
+from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig, commit_by_marker  # noqa: E402
 from tests.ckpt_helpers import assert_equal  # noqa: E402
 from tests.conftest import Backend  # noqa: E402
 
@@ -45,13 +45,14 @@ def _empty() -> dict[str, Any]:
     }
 
 
-def _manager(backend: Backend, *, crash: bool = False, **settings: Any) -> CheckpointManager:
-    """A synchronous manager on ``backend``; with ``crash``, each save fails before its commit."""
+def _manager(backend: Backend, *, crash: bool = False, marker: bool = False, **settings: Any) -> CheckpointManager:
+    """A synchronous manager on ``backend``; with ``crash``, each save fails before its commit;
+    with ``marker``, steps are committed by a marker file."""
     config = CheckpointManager.Config.with_sync_save()
     config.storage_config = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options, **settings)
     if crash:
         config.pre_finalize_callback = _crash
-    return config.build()
+    return (commit_by_marker(config) if marker else config).build()
 
 
 def _crash(args: Any) -> None:
@@ -150,11 +151,14 @@ def test_a_path_outside_the_url_is_refused_naming_the_url(local_backend: Backend
         storage.exists(Path("/elsewhere/step_1"))
 
 
-def test_an_async_save_writes_from_their_background_process_to_s3(s3_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("marker", [False, True], ids=["rename", "marker"])
+def test_an_async_save_writes_from_their_background_process_to_s3(
+    s3_backend: Backend, monkeypatch: pytest.MonkeyPatch, marker: bool
+) -> None:
     monkeypatch.setenv("MKL_SERVICE_FORCE_INTEL", "GNU")  # their process sets it in ours; undone after
     config = CheckpointManager.Config.with_async_save()
     config.storage_config = FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options)
-    manager = config.build()
+    manager = (commit_by_marker(config) if marker else config).build()
     try:
         written = manager.save("step_5", _state(5))
         assert written is not None
@@ -162,6 +166,8 @@ def test_an_async_save_writes_from_their_background_process_to_s3(s3_backend: Ba
         assert_equal(dict(manager.load("step_5", into=_empty())), _state(5))
     finally:
         manager.close()
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    assert storage.is_committed(Path("step_5")) == marker
 
 
 def test_a_checkpoint_id_may_be_the_full_url_below_the_root(s3_backend: Backend) -> None:
@@ -183,3 +189,25 @@ def test_a_file_rename_replaces_the_file_and_refuses_a_folder_naming_it(s3_backe
     with pytest.raises(CheckpointExistsError, match=f"{s3_backend.url}/step_1"):
         storage.rename(Path("index.json"), Path("step_1"))
 
+
+
+def test_a_marker_commit_copies_nothing_and_a_crash_leaves_the_step_uncommitted(s3_backend: Backend) -> None:
+    manager = _manager(s3_backend, marker=True)
+    try:
+        manager.save("step_1", _state(1))
+    finally:
+        manager.close()
+    crashing = _manager(s3_backend, marker=True, crash=True)
+    try:
+        with pytest.raises(Crash, match="step_2"):
+            crashing.save("step_2", _state(2))
+    finally:
+        crashing.close()
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    assert storage.ls(Path("")) == ["step_1", "step_2"]  # written in place: no staging folder
+    assert storage.is_committed(Path("step_1")) and not storage.is_committed(Path("step_2"))
+    reader = _manager(s3_backend)
+    try:
+        assert_equal(dict(reader.load("step_1", into=_empty())), _state(1))
+    finally:
+        reader.close()
