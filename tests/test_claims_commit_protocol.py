@@ -28,7 +28,7 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     StorageError,
 )
-from dcp_fsspec.checkpoint import commit, deletion, layout, listing, pointer, retention
+from dcp_fsspec.checkpoint import commit, deletion, layout, listing, loadable, pointer, retention
 from dcp_fsspec.checkpoint.record import CommitRecord, read_commit_record
 from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.urls import Location, resolve
@@ -328,17 +328,17 @@ def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the
     the commit is never loaded as part of it; a record from before tokens (no save_id) is not checked."""
     _written_key(root, 5, save_id="a" * 32)
     record = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
-    commit.require_saved_together(root, record)  # whole: nothing to say
+    loadable.require_saved_together(root, record)  # whole: nothing to say
     _written_key(root, 5, save_id="b" * 32)  # a zombie of the same run rewrote the key
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.require_saved_together(root, record)
+        loadable.require_saved_together(root, record)
     metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
     assert str(raised.value) == (
         f"{root.url_of(root.join('iter_000000005'))} is not the checkpoint its .commit.json committed: "
         f"{metadata} was written by another save (save_id {'b' * 32!r}, not {'a' * 32!r}) (another process "
         "saved the same iteration into it); it is not loaded. Load another iteration, or delete this folder"
     )
-    commit.require_saved_together(root, CommitRecord(5, ("model",), 1, 0.0, save_id=None))
+    loadable.require_saved_together(root, CommitRecord(5, ("model",), 1, 0.0, save_id=None))
 
 
 def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_file(
@@ -363,7 +363,7 @@ def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_
 
     for name in ("find", "read_versioned", "call"):
         monkeypatch.setattr(backend_type, name, counted(name))
-    commit.require_saved_together(root, record)
+    loadable.require_saved_together(root, record)
     # One listing and one read of the key's .metadata (each, on a generic backend, the one
     # call to the store it makes), nothing per data file.
     assert sorted(c for c in calls if c not in ("call:find", "call:cat_file")) == ["find", "read_versioned"]
@@ -391,8 +391,8 @@ def test_a_commit_unpickles_nothing_outside_the_allow_list_from_a_keys_metadata(
     # A load the user told to trust the checkpoint (trust_checkpoint=True) checks it in full.
     record = CommitRecord(5, ("model",), 1, 0.0, save_id="a" * 32)
     with pytest.raises(CorruptCheckpointError):
-        commit.require_saved_together(root, record)
-    commit.require_saved_together(root, record, trust_checkpoint=True)
+        loadable.require_saved_together(root, record)
+    loadable.require_saved_together(root, record, trust_checkpoint=True)
 
 
 def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_naming_it(
@@ -420,7 +420,7 @@ def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committe
     for iteration in (5, 3):
         root.fs.rm(root.join(layout.format_iteration(iteration), COMMIT_RECORD_NAME))
         with pytest.raises(CheckpointNotFoundError) as raised:
-            commit.require_committed(root, 5)  # named by the pointer
+            loadable.require_committed(root, 5)  # named by the pointer
         committed = "['iter_000000003']" if iteration == 5 else "none"
         assert str(raised.value) == (
             f"{pointer.pointer_url(root)} names {root.url_of(root.join('iter_000000005'))}, which has no .commit.json (its save "
@@ -549,7 +549,7 @@ def test_a_record_naming_another_token_than_its_keys_carry_is_not_loaded(root: L
     record = read_commit_record(root, 5)
     assert record is not None and record.save_id == "f" * 32
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.require_saved_together(root, record)
+        loadable.require_saved_together(root, record)
     metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
     assert f"{metadata} was written by another save (save_id {theirs!r}, not {'f' * 32!r})" in str(raised.value)
 

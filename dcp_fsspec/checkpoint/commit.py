@@ -4,8 +4,8 @@ A save prepares its folder (:func:`prepare_iteration`: a claim on a clean one, a
 on one that holds anything), every rank writes, then rank 0 :func:`publish`\\ es: it writes the
 commit record (:mod:`.record`) once every key is this save's, then moves the pointer
 (:mod:`.pointer`). A folder left by a crash at any point is never taken for a checkpoint.
-Loads check the same rules (:func:`require_loadable`). Reading folders is :mod:`.listing`'s;
-deleting them is :mod:`.deletion`'s.
+Loads check the same rules (:mod:`.loadable`). Reading folders is :mod:`.listing`'s; deleting
+them is :mod:`.deletion`'s.
 
 This module says *what* must be atomic and in which order; *how* each store does it (a rename,
 a conditional PUT, a lock on the folder) is the storage backend's (:mod:`dcp_fsspec.storage.backends`):
@@ -16,17 +16,17 @@ Every storage call is retried by the location's ``RetryPolicy``.
 from __future__ import annotations
 
 import logging
-import posixpath
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError
 from ..storage.backends import Versioned
-from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
+from ..storage.names import METADATA_NAME
 from ..storage.urls import Location
 from . import deletion, layout, listing, pointer
+from .loadable import first_key_problem
 from .at_once import at_once
 from .listing import FolderRead, Survey
 from .record import CommitRecord, parse_record, read_commit_record, record_path, take_over_mark
@@ -80,7 +80,6 @@ def prepare_iteration(
         StorageError: the backend failed.
     """
     folder_path = layout.iteration_path(root, iteration)
-    folder = root.url_of(folder_path)
     latest, record, present, *surveyed = at_once([
         partial(pointer.read_pointer, root),
         partial(read_commit_record, root, iteration),
@@ -88,6 +87,32 @@ def prepare_iteration(
         *([Survey.listing_read(root)] if keep_last_n is not None else []),
     ], one_by_one=root.answers_locally)  # fmt: skip
     survey = surveyed[0] if surveyed else None
+    record, taken_over, unpublished = _what_is_there(root, iteration, latest, record, present, overwrite=overwrite)
+    take: Callable[[], bool | None]
+    if taken_over:
+        take = partial(take_over_iteration, root, iteration, save_id, replacing=record, unpublished=unpublished)
+    else:
+        take = partial(claim_iteration, root, iteration, save_id)
+    # Beside it, the records retention will want (other folders: independent of this one).
+    reads = [] if survey is None or keep_last_n is None else survey.record_reads(root, keep_last_n, iteration)
+    claimed = at_once([take, *reads], one_by_one=root.answers_locally)[0]
+    return Prepared(save_id, claimed=bool(claimed), taken_over=taken_over), survey
+
+
+def _what_is_there(
+    root: Location, iteration: int, latest: int | None, record: CommitRecord | None, present: bool, *, overwrite: bool
+) -> tuple[CommitRecord | None, bool, bool]:
+    """Whether the save may go on in ``iteration``'s folder, said and logged.
+
+    Returns:
+        The folder's commit record, whether the folder must be taken over (it holds anything),
+        and whether that record is unpublished (its save died before moving the pointer) and
+        may be replaced as such.
+
+    Raises:
+        CheckpointExistsError: see :func:`prepare_iteration`.
+    """
+    folder = root.url_of(layout.iteration_path(root, iteration))
     if latest is not None and latest > iteration and not overwrite:
         raise CheckpointExistsError(
             f"cannot save {folder}: {pointer.pointer_url(root)} already names the newer "
@@ -110,95 +135,7 @@ def prepare_iteration(
     elif reason != "does not exist":
         logger.info("clearing %s, left by a save that never committed (%s)", folder, reason)
     taken_over = record is not None or reason != "does not exist"
-    take: Callable[[], bool | None]
-    if taken_over:
-        unpublished = unpublished and not overwrite  # replaced only if still unpublished
-        take = partial(take_over_iteration, root, iteration, save_id, replacing=record, unpublished=unpublished)
-    else:
-        take = partial(claim_iteration, root, iteration, save_id)
-    # Beside it, the records retention will want (other folders: independent of this one).
-    reads = [] if survey is None or keep_last_n is None else survey.record_reads(root, keep_last_n, iteration)
-    claimed = at_once([take, *reads], one_by_one=root.answers_locally)[0]
-    return Prepared(save_id, claimed=bool(claimed), taken_over=taken_over), survey
-
-
-def require_committed(root: Location, iteration: int, *, named_by: str | None = None) -> CommitRecord:
-    """The commit record of ``iteration``, or a CheckpointNotFoundError naming ``named_by``.
-
-    Args:
-        root: the ``save_dirname`` location.
-        iteration: the iteration that must be committed.
-        named_by: who asked for it (``load(iteration=N)``), so the message names both and
-            advises another iteration; ``None``: the pointer named it, and the advice is to
-            restore the folder or rewrite the pointer.
-    """
-    record, reason = listing.inspect_iteration(root, iteration)
-    if record is None:
-        raise _not_committed(root, iteration, str(reason), named_by)
-    return record
-
-
-def require_loadable(
-    root: Location, iteration: int, *, named_by: str | None = None, trust_checkpoint: bool = False
-) -> tuple[CommitRecord, FolderRead]:
-    """:func:`require_committed` and :func:`require_saved_together` in two round trips: the
-    commit record, then the folder's listing and every key's ``.metadata`` at once; returns
-    the record and what was read of the folder (a load parses those ``.metadata`` again rather
-    than reading them again).
-
-    Raises:
-        CheckpointNotFoundError: ``iteration`` is not committed (the message names ``named_by``).
-        CorruptCheckpointError: the record, or a key's ``.metadata``, is not this save's.
-        StorageError: the backend failed.
-    """
-    record = read_commit_record(root, iteration) or require_committed(root, iteration, named_by=named_by)
-    folder = listing.read_folder(root, iteration, record.keys)
-    unfinished = folder.unfinished(record.keys)
-    if unfinished:
-        raise _not_committed(root, iteration, listing.lacks_metadata(root, iteration, unfinished[0]), named_by)
-    require_saved_together(root, record, trust_checkpoint=trust_checkpoint, folder=folder)
-    return record, folder
-
-
-def _not_committed(root: Location, iteration: int, reason: str, named_by: str | None) -> CheckpointNotFoundError:
-    folder = root.url_of(layout.iteration_path(root, iteration))
-    committed = [layout.format_iteration(i) for i in listing.committed_iterations(root)]
-    if named_by is not None:  # load(iteration=N): another N is the way out
-        advice = "Load one of those (load(iteration=N))" if committed else "Save one first"
-    else:
-        named_by = pointer.pointer_url(root)
-        advice = (
-            f"Restore that folder, or rewrite {POINTER_NAME} to name a committed iteration (or delete it to start over)"
-        )
-    return CheckpointNotFoundError(
-        f"{named_by} names {folder}, which {reason}; committed iterations there: {committed or 'none'}. {advice}"
-    )
-
-
-def require_saved_together(
-    root: Location, record: CommitRecord, *, trust_checkpoint: bool = False, folder: FolderRead | None = None
-) -> None:
-    """Check that every key ``record`` lists is the save that wrote ``record`` (its token).
-
-    A folder two saves of one iteration wrote into is never loaded as one checkpoint. A record
-    written before tokens existed (no ``save_id``) is not checked. ``folder``: the folder as the
-    caller read it (:func:`read_folder`), else it is read here.
-
-    Raises:
-        CorruptCheckpointError: a key's ``.metadata`` carries another save's token, or names a
-            missing file; the message names the URL.
-        StorageError: the backend failed.
-    """
-    if record.save_id is None:
-        return
-    folder = listing.read_folder(root, record.iteration, record.keys) if folder is None else folder
-    problem = _first_key_problem(root, record.iteration, record.keys, record.save_id, folder, trust_checkpoint=trust_checkpoint)
-    if problem is not None:
-        raise CorruptCheckpointError(
-            f"{root.url_of(layout.iteration_path(root, record.iteration))} is not the checkpoint its {COMMIT_RECORD_NAME} committed: {problem} (another "
-            "process saved the same iteration into it); it is not loaded. Load another iteration, "
-            "or delete this folder"
-        )
+    return record, taken_over, unpublished and not overwrite  # replaced only if still unpublished
 
 
 def publish(
@@ -322,7 +259,7 @@ def commit_record(
             f"cannot commit {folder_url}: key {key!r} at {url} has no {METADATA_NAME}, so its save "
             "did not finish; save the iteration again"
         )
-    problem = None if save_id is None else _first_key_problem(root, iteration, keys, save_id, folder)
+    problem = None if save_id is None else first_key_problem(root, iteration, keys, save_id, folder)
     if problem is not None:
         raise CheckpointExistsError(
             f"cannot commit {folder_url}: {problem}, so another process is saving the same "
@@ -344,39 +281,6 @@ def commit_record(
             "not committed. Give each run its own save_dirname"
         )
     return record
-
-
-def _first_key_problem(
-    root: Location, iteration: int, keys: tuple[str, ...], save_id: str, folder: FolderRead, *, trust_checkpoint: bool = False
-) -> str | None:
-    """Why the first of ``keys`` (in order) that is not the save ``save_id`` wrote is not, in
-    words; ``None`` if every key is.
-
-    A key is that save's when its ``.metadata`` (as ``folder`` read it) carries ``save_id`` and
-    every data file it names is there (in ``folder``'s listing, or confirmed one by one).
-    ``trust_checkpoint``: unpickle ``.metadata`` in full (see :func:`~dcp_fsspec.storage.decoding.parse_metadata`).
-
-    Raises:
-        CorruptCheckpointError: a ``.metadata`` is not DCP metadata.
-        StorageError: the backend failed.
-    """
-    from ..storage.decoding import parse_metadata  # needs torch; ls, prune and cp never get here
-
-    for key in keys:
-        key_folder = layout.key_path(root, iteration, key)
-        url = root.url_of(posixpath.join(key_folder, METADATA_NAME))
-        raw = folder.metadata[key]
-        if raw is None:
-            return f"{url} does not exist"
-        meta = folder.parsed[key] = parse_metadata(raw, url, trust_checkpoint=trust_checkpoint)
-        stored = meta.storage_meta
-        if stored is None or stored.save_id != save_id:
-            return f"{url} was written by another save (save_id {getattr(stored, 'save_id', None)!r}, not {save_id!r})"
-        for name in sorted({info.relative_path for info in (meta.storage_data or {}).values()}):
-            file_path = posixpath.join(key_folder, name)
-            if file_path not in folder.listed and not listing.exists(root, file_path):
-                return f"{root.url_of(file_path)}, which {url} names, is missing"
-    return None
 
 
 def claim_iteration(root: Location, iteration: int, save_id: str) -> bool:

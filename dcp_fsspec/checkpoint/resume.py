@@ -27,7 +27,7 @@ from ..storage.names import METADATA_NAME, POINTER_NAME
 from ..storage.reader import FsspecStorageReader
 from ..storage.settings import ReaderSettings
 from ..storage.urls import Location
-from . import commit, layout, listing, pointer
+from . import layout, listing, loadable, pointer
 from .options import ResumeOptions
 
 MODEL_KEY = "model"
@@ -196,7 +196,7 @@ def _named_by_pointer(root: Location, trust_checkpoint: bool) -> Found | None:
 
 
 def _committed(root: Location, iteration: int, *, named_by: str | None, trust_checkpoint: bool) -> Found:
-    record, read = commit.require_loadable(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint)
+    record, read = loadable.require_loadable(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint)
     keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
     metadata = {k: read.parsed.get(k, raw) for k, raw in read.metadata.items() if raw is not None}
     sizes = {k: read.sizes_in(layout.key_path(root, iteration, k)) for k in record.keys}

@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from ..errors import CorruptCheckpointError, DcpFsspecError, DrainError, StorageError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
-from . import commit, deletion, layout, listing, pointer, retention
+from . import deletion, layout, listing, loadable, pointer, retention
 from ._collectives import Collectives
 from .drain import Drainer, DrainJob
 from .options import DRAIN_LATEST
@@ -95,7 +95,7 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, st
             if record is None:
                 continue
             try:
-                commit.require_saved_together(local, record, trust_checkpoint=trust_checkpoint)
+                loadable.require_saved_together(local, record, trust_checkpoint=trust_checkpoint)
             except CorruptCheckpointError as e:
                 logger.warning("not resuming from the local copy %s: %s", layout.format_iteration(iteration), e)
                 continue
