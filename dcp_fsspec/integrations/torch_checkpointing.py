@@ -185,7 +185,7 @@ class FsspecStorage(Storage):
         backend.invalidate(posixpath.dirname(src.path))
         if not exists(src):
             raise CheckpointNotFoundError(f"nothing to rename at {src.url}: check the path")
-        if backend.call("isdir", src.path):
+        if is_folder(src):
             self._refuse_occupied(dst, allow_empty_folder=True)
             files = backend.find(src.path)
             if backend.real_folders:
@@ -194,7 +194,7 @@ class FsspecStorage(Storage):
                 self._copy_all(src, dst, sorted(files, key=lambda f: posixpath.basename(f) == METADATA_FILE_NAME))
                 backend.remove_trees([src.path], within=posixpath.dirname(src.path))
         else:
-            if exists(dst) and backend.call("isdir", dst.path):
+            if is_folder(dst):
                 raise CheckpointExistsError(f"cannot rename {src.url} onto the folder {dst.url}: delete it first")
             self._move_file(src, dst)
         backend.invalidate(posixpath.dirname(dst.path))
@@ -203,7 +203,7 @@ class FsspecStorage(Storage):
         backend = dst.backend
         if not exists(dst):
             return
-        if backend.call("isdir", dst.path) and allow_empty_folder and not backend.find(dst.path):
+        if is_folder(dst) and allow_empty_folder and not backend.find(dst.path):
             backend.remove_trees([dst.path], within=posixpath.dirname(dst.path))
             return
         raise CheckpointExistsError(
@@ -255,9 +255,7 @@ class FsspecStorage(Storage):
         return exists(self.where(Path(path) / COMMIT_MARKER))
 
     def isdir(self, path: Path) -> bool:
-        where = self.where(path)
-        where.backend.invalidate(posixpath.dirname(where.path))
-        return bool(where.backend.call("isdir", where.path))
+        return is_folder(self.where(path))
 
 
 def exists(where: Location) -> bool:
@@ -289,6 +287,15 @@ class WriteMarker:
         if self.then is not None:
             self.then(args)
         args.storage.write(Path(args.path) / COMMIT_MARKER, b"")
+
+
+def is_folder(where: Location) -> bool:
+    """Whether ``where`` is a folder (on object stores: a prefix with objects below it), read fresh."""
+    where.backend.invalidate(where.path)
+    try:
+        return bool(where.backend.call("info", where.path)["type"] == "directory")
+    except FileNotFoundError:
+        return False
 
 
 class RangedFile(io.RawIOBase):

@@ -1,7 +1,8 @@
 """torch_checkpointing's ``CheckpointManager`` saving and loading through :class:`FsspecStorage`.
 
-The real package on moto S3 and local disk: a bit-exact round trip, a crash between staging and
-commit, and retention, listing and the latest-step lookup done through our storage alone.
+The real package: a bit-exact round trip on local disk, memory://, moto S3, the GCS emulator and
+Azurite; on S3 a crash between staging and commit, the marker commit, an async save from their
+writer process, and retention, listing and the latest-step lookup through our storage alone.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _crash(args: Any) -> None:
     raise Crash(f"injected before the commit of {args.path}")
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "memory", "s3", "gcs", "azure"])
 def tc_backend(request: pytest.FixtureRequest) -> Backend:
     backend: Backend = request.getfixturevalue(f"{request.param}_backend")
     return backend
