@@ -120,10 +120,14 @@ class FsspecStorage(Storage):
     def _fill(self, stream: RangedFile, view: memoryview) -> None:
         """Fill ``view`` from the file's start with concurrent ranged reads."""
         step = self._config.part_size
+
+        def fill(at: int) -> None:
+            want = min(step, len(view) - at)
+            if stream.read_at(at, view[at : at + want]) < want:
+                raise CorruptCheckpointError(f"{stream.where.url} is shorter than its listed size: it changed while read")
+
         with ThreadPoolExecutor(self._config.read_workers, thread_name_prefix="tc-read") as pool:
-            for done in pool.map(lambda at: stream.read_at(at, view[at : at + step]), range(0, len(view), step)):
-                if done == 0:
-                    raise CorruptCheckpointError(f"{stream.where.url} is shorter than its listed size: it changed while read")
+            list(pool.map(fill, range(0, len(view), step)))
 
     def getsize(self, path: Path) -> int:
         return self._size(self.where(path))

@@ -18,8 +18,9 @@ from tests.conftest import import_or_skip
 import_or_skip("torch_checkpointing", "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'")
 
 from torch_checkpointing import CheckpointManager  # noqa: E402
+from torch_checkpointing.storage.base_storage import ReadArgs  # noqa: E402
 
-from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, UsageError  # noqa: E402
+from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError  # noqa: E402
 from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig, commit_by_marker  # noqa: E402
 from tests.ckpt_helpers import assert_equal  # noqa: E402
 from tests.conftest import Backend  # noqa: E402
@@ -212,3 +213,11 @@ def test_a_marker_commit_copies_nothing_and_a_crash_leaves_the_step_uncommitted(
         assert_equal(dict(reader.load("step_1", into=_empty())), _state(1))
     finally:
         reader.close()
+
+
+def test_a_file_shorter_than_its_stated_size_is_corrupt_naming_its_url(local_backend: Backend) -> None:
+    storage = FsspecStorage(FsspecStorageConfig(url=local_backend.url, part_size=4))
+    storage.mkdir(Path("step_1"))
+    storage.write(Path("step_1/model_0.pt"), b"0123456789")
+    with pytest.raises(CorruptCheckpointError, match=f"{local_backend.url}/step_1/model_0.pt"):
+        storage.stream_read(Path("step_1/model_0.pt"), ReadArgs(known_size_bytes=11))
