@@ -57,6 +57,27 @@ def _manager(backend: Backend, *, crash: bool = False, marker: bool = False, **s
     return (commit_by_marker(config) if marker else config).build()
 
 
+def _storage(backend: Backend) -> FsspecStorage:
+    return FsspecStorage(FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options))
+
+
+def _save(backend: Backend, step: int, **options: Any) -> None:
+    """Save ``_state(step)`` as ``step_<step>`` with a manager of its own (see ``_manager``)."""
+    manager = _manager(backend, **options)
+    try:
+        manager.save(f"step_{step}", _state(step))
+    finally:
+        manager.close()
+
+
+def _assert_loads(backend: Backend, step: int) -> None:
+    manager = _manager(backend)
+    try:
+        assert_equal(dict(manager.load(f"step_{step}", into=_empty())), _state(step))
+    finally:
+        manager.close()
+
+
 def _crash(args: Any) -> None:
     raise Crash(f"injected before the commit of {args.path}")
 
@@ -75,34 +96,22 @@ def test_a_saved_step_loads_back_bit_exact(tc_backend: Backend) -> None:
     finally:
         manager.close()
     assert_equal(dict(loaded), _state(1))
-    storage = FsspecStorage(FsspecStorageConfig(url=tc_backend.url, storage_options=tc_backend.storage_options))
+    storage = _storage(tc_backend)
     assert storage.ls(Path("")) == ["step_1"]
 
 
 def test_a_crash_between_staging_and_commit_leaves_the_previous_step_loadable(s3_backend: Backend) -> None:
-    manager = _manager(s3_backend)
-    try:
-        manager.save("step_1", _state(1))
-    finally:
-        manager.close()
-    crashing = _manager(s3_backend, crash=True)
-    try:
-        with pytest.raises(Crash, match="tmp_step_2"):
-            crashing.save("step_2", _state(2))
-    finally:
-        crashing.close()
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    _save(s3_backend, 1)
+    with pytest.raises(Crash, match="tmp_step_2"):
+        _save(s3_backend, 2, crash=True)
+    storage = _storage(s3_backend)
     assert not storage.exists(Path("step_2")) and storage.exists(Path("tmp_step_2"))
-    reader = _manager(s3_backend)
-    try:
-        assert_equal(dict(reader.load("step_1", into=_empty())), _state(1))
-    finally:
-        reader.close()
+    _assert_loads(s3_backend, 1)
 
 
 def test_retention_listing_and_the_latest_step_work_through_the_storage_on_s3(s3_backend: Backend) -> None:
     manager = _manager(s3_backend)
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage = _storage(s3_backend)
     try:
         for step in (1, 2, 3):
             manager.save(f"step_{step}", _state(step))
@@ -124,14 +133,14 @@ def test_a_folder_rename_never_overwrites_a_committed_step_and_names_its_url(s3_
         manager.save("step_2", _state(2))
     finally:
         manager.close()
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage = _storage(s3_backend)
     with pytest.raises(CheckpointExistsError, match=f"{s3_backend.url}/step_2"):
         storage.rename(Path("step_1"), Path("step_2"), is_directory=True)
     assert storage.exists(Path("step_1"))
 
 
 def test_a_folder_rename_on_s3_moves_every_file_and_removes_the_source(s3_backend: Backend) -> None:
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage = _storage(s3_backend)
     storage.write(Path("tmp_step_9/model_0.pt"), b"weights")
     storage.write(Path("tmp_step_9/metadata.pkl"), b"metadata")
     storage.rename(Path("tmp_step_9"), Path("step_9"), is_directory=True)
@@ -141,7 +150,7 @@ def test_a_folder_rename_on_s3_moves_every_file_and_removes_the_source(s3_backen
 
 
 def test_a_missing_file_is_not_found_naming_its_url(tc_backend: Backend) -> None:
-    storage = FsspecStorage(FsspecStorageConfig(url=tc_backend.url, storage_options=tc_backend.storage_options))
+    storage = _storage(tc_backend)
     storage.mkdir(Path(""))
     with pytest.raises(CheckpointNotFoundError, match=f"{tc_backend.url}/step_7/model_0.pt"):
         storage.read(Path("step_7/model_0.pt"))
@@ -168,7 +177,7 @@ def test_an_async_save_writes_from_their_background_process_to_s3(
         assert_equal(dict(manager.load("step_5", into=_empty())), _state(5))
     finally:
         manager.close()
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage = _storage(s3_backend)
     assert storage.is_committed(Path("step_5")) == marker
 
 
@@ -182,7 +191,7 @@ def test_a_checkpoint_id_may_be_the_full_url_below_the_root(s3_backend: Backend)
 
 
 def test_a_file_rename_replaces_the_file_and_refuses_a_folder_naming_it(s3_backend: Backend) -> None:
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage = _storage(s3_backend)
     storage.write(Path("new.json"), b"new")
     storage.write(Path("index.json"), b"old")
     storage.write(Path("step_1/model_0.pt"), b"weights")
@@ -194,25 +203,13 @@ def test_a_file_rename_replaces_the_file_and_refuses_a_folder_naming_it(s3_backe
 
 
 def test_a_marker_commit_copies_nothing_and_a_crash_leaves_the_step_uncommitted(s3_backend: Backend) -> None:
-    manager = _manager(s3_backend, marker=True)
-    try:
-        manager.save("step_1", _state(1))
-    finally:
-        manager.close()
-    crashing = _manager(s3_backend, marker=True, crash=True)
-    try:
-        with pytest.raises(Crash, match="step_2"):
-            crashing.save("step_2", _state(2))
-    finally:
-        crashing.close()
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    _save(s3_backend, 1, marker=True)
+    with pytest.raises(Crash, match="step_2"):
+        _save(s3_backend, 2, marker=True, crash=True)
+    storage = _storage(s3_backend)
     assert storage.ls(Path("")) == ["step_1", "step_2"]  # written in place: no staging folder
     assert storage.is_committed(Path("step_1")) and not storage.is_committed(Path("step_2"))
-    reader = _manager(s3_backend)
-    try:
-        assert_equal(dict(reader.load("step_1", into=_empty())), _state(1))
-    finally:
-        reader.close()
+    _assert_loads(s3_backend, 1)
 
 
 def test_a_file_shorter_than_its_stated_size_is_corrupt_naming_its_url(local_backend: Backend) -> None:
