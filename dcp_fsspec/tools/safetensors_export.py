@@ -41,6 +41,8 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 MODEL_KEY = "model"  # the key of a Checkpointer iteration that is exported
 
+_ALIGN = 64  # each tensor's offset in a batch's buffer
+_ALWAYS_MAPPED = 33 * MiB  # above glibc's largest mmap threshold (32 MiB)
 _PART_SIZE = 8 * MiB
 _UPLOAD_BUDGET = 32 * MiB
 
@@ -320,8 +322,7 @@ def _write_shard(
         with storage_errors("write", url):
             upload.write([_header(shard)])
         for batch in _batches(shard, buffer_bytes):
-            for entry, tensor in zip(batch, _read_batch(reader, metadata, batch)):
-                data = _cast(entry, tensor, url)
+            for entry, data in zip(batch, _read_batch(reader, metadata, batch, url)):
                 with storage_errors("write", url):
                     upload.write([data.reshape(-1).view(torch.uint8).numpy().data])
                 if progress is not None:
@@ -347,28 +348,54 @@ def _batches(shard: list[_Entry], buffer_bytes: int) -> Iterator[list[_Entry]]:
         yield batch
 
 
-def _read_batch(reader: FsspecStorageReader, metadata: Metadata, batch: list[_Entry]) -> list[torch.Tensor]:
-    """Load ``batch``'s tensors, and only those, with DCP's planner and our ranged reader."""
-    state_dict = {e.fqn: torch.empty(e.shape, dtype=e.source_dtype) for e in batch}
+def _read_batch(reader: FsspecStorageReader, metadata: Metadata, batch: list[_Entry], url: str) -> list[torch.Tensor]:
+    """Load ``batch``'s tensors, and only those, with DCP's planner and our ranged reader.
+
+    Returns them in the output dtype, all views of one buffer.
+    """
+    sources, outputs = _carve(batch)
+    state_dict = {e.fqn: t for e, t in zip(batch, sources)}
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state_dict, metadata, True)
     plan = reader.prepare_local_plan(planner.create_local_plan())
     plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
     reader.read_data(plan, planner).wait()
-    return [state_dict[e.fqn] for e in batch]
+    for entry, source, output in zip(batch, sources, outputs):
+        if output is not source:
+            _cast_into(entry, source, output, url)
+    return outputs
 
 
-def _cast(entry: _Entry, tensor: torch.Tensor, url: str) -> torch.Tensor:
-    """``tensor`` in the output dtype, refused where a finite value would become infinite."""
-    if entry.dtype == entry.source_dtype:
-        return tensor.contiguous()
-    cast = tensor.to(entry.dtype)
-    if bool((torch.isinf(cast) & torch.isfinite(tensor)).any()):
+def _carve(batch: list[_Entry]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each entry's source tensor and output tensor (the same where the dtype stays), in one buffer.
+
+    One allocation per batch, of at least :data:`_ALWAYS_MAPPED` bytes: glibc maps those and
+    unmaps them on free. Many smaller ones in turn fragment its heap, and the RSS creeps up
+    toward the model's size.
+    """
+    layout: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
+    end = 0
+    for e in batch:
+        for dtype in (e.source_dtype, e.dtype) if e.dtype != e.source_dtype else (e.source_dtype,):
+            layout.append((end, dtype, e.shape))
+            end += -(-_numel(e.shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    flat = torch.empty(max(end, _ALWAYS_MAPPED), dtype=torch.uint8)
+    views = iter([flat[o : o + _numel(shape) * d.itemsize].view(d).view(shape) for o, d, shape in layout])
+    sources, outputs = [], []
+    for e in batch:
+        sources.append(next(views))
+        outputs.append(next(views) if e.dtype != e.source_dtype else sources[-1])
+    return sources, outputs
+
+
+def _cast_into(entry: _Entry, source: torch.Tensor, output: torch.Tensor, url: str) -> None:
+    """Copy ``source`` into ``output``'s dtype, refused where a finite value would become infinite."""
+    output.copy_(source)
+    if bool((torch.isinf(output) & torch.isfinite(source)).any()):
         raise UsageError(
             f"writing {url}: {entry.fqn!r} holds values beyond {entry.dtype}'s range; "
             "export it in a wider dtype (--dtype float32 or bfloat16)"
         )
-    return cast
 
 
 def _write_small(target: Location, name: str, data: bytes) -> None:
