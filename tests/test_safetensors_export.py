@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import cli
-from dcp_fsspec.errors import CheckpointExistsError, UsageError
+from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
 from dcp_fsspec.storage.writer import FsspecStorageWriter
 from dcp_fsspec.tools.safetensors_export import INDEX_NAME, export_safetensors
 from tests.conftest import Backend
@@ -206,3 +206,16 @@ def test_a_tiny_gpt2_exported_with_a_key_map_and_its_config_loads_with_from_pret
         assert torch.equal(loaded.state_dict()[name], tensor), name
     tokens = torch.tensor([[1, 5, 7, 3]])
     assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+def test_an_iteration_that_is_not_committed_exits_3_naming_it_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend, tmp_path: Path
+) -> None:
+    _run(memory_backend, [1])
+    folder = memory_backend.sub("iter_000000001")
+    memory_backend.fs.rm_file(f"{folder}/.commit.json")
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointNotFoundError, match=folder):
+        export_safetensors(folder, out)
+    assert cli.main(["to-safetensors", folder, str(out)]) == 3
+    assert folder in capsys.readouterr().err and not out.exists()

@@ -350,9 +350,9 @@ class _Output(io.RawIOBase):
 # --- the subcommands -----------------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to write (any fsspec URL or local path)") -> None:
     source = ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
-    _cli.add_standard_arguments(parser, source, ("out", "the file to write (any fsspec URL or local path)"), destination=True)
+    _cli.add_standard_arguments(parser, source, ("out", out_help), destination=True)
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     _cli.add_trust_flag(parser)
     parser.add_argument(

@@ -30,7 +30,9 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    convert.add_arguments(parser)
+    convert.add_arguments(
+        parser, "the folder to write (any fsspec URL or local path); a name ending in .safetensors is one file"
+    )
     parser.add_argument(
         "--max-shard-size", default=None, metavar="SIZE",
         help=f"the most tensor bytes in one shard, e.g. 5GB or 500MiB (default: {DEFAULT_MAX_SHARD_SIZE})",
@@ -55,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
             args.url, args.out, source_options, out_options,
             max_shard_size=max_shard_size, dtype=OUTPUT_DTYPES[args.dtype] if args.dtype else None,
             key_map=load_key_map(args.key_map) if args.key_map else None, config=args.config,
-            overwrite=args.overwrite, progress=progress,
+            overwrite=args.overwrite, progress=progress, trust_checkpoint=args.trust,
         )  # fmt: skip
     _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK

@@ -23,7 +23,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..errors import CheckpointExistsError, UsageError
+from ..checkpoint import layout, listing
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
 from ..storage.failures import storage_errors
 from ..storage.reader import FsspecStorageReader
 from ..storage.uploads import ByteBudget, publish_whole
@@ -118,6 +119,7 @@ def export_safetensors(
     overwrite: bool = False,
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     progress: Progress | None = None,
+    trust_checkpoint: bool = False,
 ) -> ExportResult:
     """Write the tensors at ``url`` as a sharded safetensors folder at ``out`` (both any URL).
 
@@ -131,6 +133,8 @@ def export_safetensors(
         key_map: the output name of each checkpoint name, or None to leave that tensor out.
         config: a local ``config.json`` (or any URL) copied into ``out``.
         overwrite: replace an existing ``out``.
+        trust_checkpoint: unpickle ``.metadata`` in full (runs any code it holds); by default
+            only DCP metadata's classes load.
 
     Raises:
         CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
@@ -146,7 +150,7 @@ def export_safetensors(
     target = resolve(out, out_storage_options)
     existed = _check_output(target, overwrite)
     config_bytes = _read_config(config) if config is not None else None
-    reader = FsspecStorageReader(source.url, fs=source.fs)
+    reader = FsspecStorageReader(source.url, fs=source.fs, trust_checkpoint=trust_checkpoint)
     metadata = reader.read_metadata()
     check_claimed_sizes(metadata, source.url, None)
     reader.set_up_storage_reader(metadata, True)
@@ -205,7 +209,13 @@ def _source(location: Location) -> Location:
     if target.kind == "checkpoint":
         return target.location
     run, iteration = targets.iteration_to_read(target, "export")
-    _, keys = targets.iteration_keys(run, iteration)
+    record, why_not = listing.inspect_iteration(run, iteration)
+    if record is None:
+        raise CheckpointNotFoundError(
+            f"{run.url_of(layout.iteration_path(run, iteration))} {why_not}, so it is not committed and not "
+            f"exported; export a committed iteration (see `dcp-fsspec ls {run.url}`)"
+        )
+    keys = list(record.keys)
     if MODEL_KEY not in keys:
         raise UsageError(
             f"{location.url} has no {MODEL_KEY!r} key (keys: {', '.join(keys) or 'none'}); "
