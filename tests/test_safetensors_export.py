@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import cli
-from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
+from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from dcp_fsspec.storage.safetensors_reader import SafetensorsStorageReader
 from dcp_fsspec.storage.writer import FsspecStorageWriter
 from dcp_fsspec.tools.safetensors_export import INDEX_NAME, export_safetensors
 from tests.conftest import Backend
@@ -219,3 +220,50 @@ def test_an_iteration_that_is_not_committed_exits_3_naming_it_and_writes_nothing
         export_safetensors(folder, out)
     assert cli.main(["to-safetensors", folder, str(out)]) == 3
     assert folder in capsys.readouterr().err and not out.exists()
+
+
+# -- the import: a safetensors folder on any URL, loaded with dcp.load ----------------------------
+
+
+def test_dcp_load_reads_an_exported_folder_on_s3_back_bit_exact(tmp_path: Path, s3_backend: Backend) -> None:
+    state = _state()
+    out = s3_backend.sub("hf")
+    export_safetensors(_save(str(tmp_path / "ckpt"), state), out, None, s3_backend.storage_options, max_shard_size=9000)
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, storage_reader=SafetensorsStorageReader(out, s3_backend.storage_options))
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_header_claiming_more_bytes_than_its_tensor_is_refused_naming_the_shard(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    export_safetensors(_save(str(tmp_path / "ckpt"), {"w": torch.ones(4)}), out)
+    shard = out / "model-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes().replace(b"[4]", b"[9]"))
+    with pytest.raises(CorruptCheckpointError, match=str(shard)):  # what dcp.load reports, unwrapped
+        SafetensorsStorageReader(str(out)).read_metadata()
+
+
+def test_a_folder_without_safetensors_is_not_found_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match=str(tmp_path)):
+        SafetensorsStorageReader(str(tmp_path)).read_metadata()
+
+
+def _load_sharded(rank: int, world_size: int, folder: str, expected: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    placements = {"embed.weight": [Shard(0)], "layers.0.attn.weight": [Shard(1)]}  # rows, then columns
+    state = {k: distribute_tensor(torch.zeros_like(expected[k]), mesh, placements[k]) for k in placements}
+    dcp.load(state, storage_reader=SafetensorsStorageReader(folder))
+    for name, tensor in state.items():
+        assert torch.equal(tensor.full_tensor(), expected[name]), name
+
+
+def test_two_ranks_load_dtensor_shards_of_an_exported_folder_bit_exact(tmp_path: Path) -> None:
+    from tests.distributed import run_ranks
+
+    state = _state()
+    out = str(tmp_path / "hf")
+    export_safetensors(_save(str(tmp_path / "ckpt"), state), out)
+    run_ranks(_load_sharded, 2, tmp_path, out, state)
