@@ -636,7 +636,10 @@ def _fsdp_resume(
     training = _fsdp_training(1)
     tiers: list[str | None] = []
     local = None if locals_ is None else locals_[rank]
-    with Checkpointer(url, options, local_tier=LocalTier(local), on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None) as ckpt:
+    local_tier = None if local is None else LocalTier(local)
+    with Checkpointer(
+        url, options, local_tier=local_tier, on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None
+    ) as ckpt:
         iteration = ckpt.load(**training.keys())
     training.after_load()
     state = training.full_state()
