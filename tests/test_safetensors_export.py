@@ -267,3 +267,17 @@ def test_two_ranks_load_dtensor_shards_of_an_exported_folder_bit_exact(tmp_path:
     out = str(tmp_path / "hf")
     export_safetensors(_save(str(tmp_path / "ckpt"), state), out)
     run_ranks(_load_sharded, 2, tmp_path, out, state)
+
+
+def test_a_key_map_that_is_not_json_and_a_shard_size_that_is_not_a_size_exit_2_naming_them(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    src = _save(str(tmp_path / "ckpt"), _state())
+    key_map = tmp_path / "keys.json"
+    key_map.write_text("{not json")
+    out = str(tmp_path / "hf")
+    assert cli.main(["to-safetensors", src, out, "--key-map", str(key_map)]) == 2
+    err = capsys.readouterr().err
+    assert f"{key_map} is not JSON" in err
+    assert cli.main(["to-safetensors", src, out, "--max-shard-size", "5 parsecs"]) == 2
+    assert "--max-shard-size '5 parsecs'" in capsys.readouterr().err and not Path(out).exists()
