@@ -13,7 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import cli
-from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from dcp_fsspec.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UsageError,
+)
 from dcp_fsspec.storage.safetensors_reader import SafetensorsStorageReader
 from dcp_fsspec.storage.writer import FsspecStorageWriter
 from dcp_fsspec.tools.safetensors_export import INDEX_NAME, export_safetensors
@@ -80,7 +85,7 @@ def test_an_export_from_s3_to_s3_casts_floats_to_bf16_renames_keys_and_copies_th
     out = s3_backend.sub("hf")
     export_safetensors(src, out, opts, opts, dtype=torch.bfloat16, config=config,
                        key_map=lambda n: None if n == "steps" else f"model.{n}")  # fmt: skip
-    index, shards = _read_export(s3_backend, out)
+    _, shards = _read_export(s3_backend, out)
     loaded = {k: v for shard in shards.values() for k, v in shard.items()}
     assert sorted(loaded) == sorted(f"model.{n}" for n in state if n != "steps")
     for name, tensor in state.items():

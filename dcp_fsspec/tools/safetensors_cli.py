@@ -12,7 +12,12 @@ import re
 from ..errors import UsageError
 from . import _cli, convert
 from .progress import Progress
-from .safetensors_export import DEFAULT_MAX_SHARD_SIZE, OUTPUT_DTYPES, export_safetensors, load_key_map
+from .safetensors_export import (
+    DEFAULT_MAX_SHARD_SIZE,
+    OUTPUT_DTYPES,
+    export_safetensors,
+    load_key_map,
+)
 
 # The options only a folder export takes, by their argparse names.
 _FOLDER_ONLY = {"max_shard_size": "--max-shard-size", "dtype": "--dtype", "key_map": "--key-map", "config": "--config"}
