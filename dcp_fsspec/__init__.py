@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ResumeOptions": ".checkpoint.options",
     "RetryPolicy": ".storage.retry",
     "SafeLoadPlanner": ".storage.trust",
+    "SafetensorsStorageReader": ".storage.safetensors_reader",
     "StorageError": ".errors",
     "VerifyProblem": ".storage.verification",
     "VerifyReport": ".storage.verification",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     )
     from .storage.reader import FsspecStorageReader
     from .storage.retry import RetryPolicy
+    from .storage.safetensors_reader import SafetensorsStorageReader
     from .storage.settings import ReaderSettings, WriterSettings
     from .storage.trust import SafeLoadPlanner
     from .storage.verification import VerifyProblem, VerifyReport

@@ -194,7 +194,7 @@ def test_decompression_runs_on_the_readers_pool_not_fsspecs_event_loop(
         threads.append(threading.current_thread().name)
         return real(*args)
 
-    monkeypatch.setattr("dcp_fsspec.storage.reader.untransform", noting_the_thread)
+    monkeypatch.setattr("dcp_fsspec.storage.load_decoder.untransform", noting_the_thread)
     loaded = load({k: torch.zeros(4096) for k in state}, s3_backend)
     assert len(threads) == 12 and all(name.startswith("dcp-fsspec-undo") for name in threads), threads
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
