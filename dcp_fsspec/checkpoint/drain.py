@@ -1,32 +1,24 @@
 """The drain: copying locally committed iterations to the durable ``save_dirname``, one at a time.
 
-With a local tier, a save commits under ``local_dirname`` first; every rank's :class:`Drainer`
-then copies, in a background thread, the files of that iteration that rank wrote (its own data
-files, ``__{rank}_*.distcp``; rank 0 also every ``.metadata`` and any file no other rank owns)
-to ``save_dirname``, by the storage layer's concurrent uploads (:mod:`dcp_fsspec.storage.copying`),
-without re-serialising anything. The background threads run no collective (training may be
-running its own on the same groups): each rank ``r > 0`` says it is done by writing a marker,
-``.drained.{r}`` holding the save's token, into the durable iteration folder; rank 0 copies its
-own data files, waits (bounded) for every other rank's marker, copies the ``.metadata`` files
-last, and commits the iteration there with the same rules as a direct save
-(:func:`.commit.publish`: every key's ``.metadata`` carries the save's token and names files
-that are there, the commit record is created, the pointer moves by compare-and-swap, never
-backwards), then removes the markers. Only a committed local iteration is copied: rank 0 reads
-its token from the local commit record and hands it to every rank.
+With a local tier a save commits under its ``dirname`` first; then every rank's :class:`Drainer`
+does, in a background thread that runs no collective:
 
-With per-node local disks (``per_node``: each rank's local tier is a checkpoint of its own
-share, saved without collectives, see :mod:`.tiers`) every rank checks that its own local copy is
-committed, uploads its data files renamed ``__{rank}_*`` (:func:`.merge.rank_file_name`) and, before its
-marker, each key's ``.metadata`` as ``{key}/.drained.{rank}.metadata``; rank 0 merges them with its
-own into the one global ``.metadata`` per key (:func:`.merge.merge_metadata`), commits, and removes
-those files with the markers. The durable copy is a plain checkpoint either way.
+1. Each rank copies the files of that iteration it wrote (rank 0 also every ``.metadata`` and any
+   file no other rank owns), by concurrent uploads, without re-serialising anything.
+2. Each rank ``r > 0`` writes a marker, ``.drained.{r}`` holding the save's token, into the
+   durable iteration folder. Rank 0 waits for every marker, bounded in time.
+3. Rank 0 copies the ``.metadata`` files last and commits the iteration with the rules of a
+   direct save (:func:`.commit.publish`), then removes the markers.
 
-One drain runs at a time on each rank. Saves faster than drains follow the policy: ``"every"``
-makes the next submit wait for the drain in flight (every iteration goes up), ``"latest"``
-drops waiting iterations (the caller decides which, the same on every rank: see
-:meth:`Drainer.paused`). A failed drain does not stop training: its error is kept, returned by
-the next :meth:`Drainer.submit` (the caller warns) and raised by :meth:`Drainer.wait`, until a
-later drain succeeds.
+Only a committed local iteration is copied. With per-node local disks (see :mod:`.tiers`) each
+rank uploads its data files renamed ``__{rank}_*`` and its share of each ``.metadata``; rank 0
+merges them into one global ``.metadata`` per key (:mod:`.merge`). The durable copy is a plain
+checkpoint either way.
+
+Saves faster than drains follow the policy: ``"every"`` makes the next submit wait for the
+drain in flight; ``"latest"`` drops waiting iterations (the same on every rank: see
+:meth:`Drainer.paused`). A failed drain does not stop training: the next :meth:`Drainer.submit`
+returns its error (the caller warns) and :meth:`Drainer.wait` raises it, until a drain succeeds.
 """
 
 from __future__ import annotations
@@ -141,16 +133,7 @@ def drain_iteration(
             return (), 0
         deletion.remove_link(durable, iteration)  # before any write: a link there leads elsewhere
         if rank != 0:
-            if per_node:
-                keys = _require_committed_locally(local, durable, iteration, job.token).keys
-                nbytes = _copy_rank_data(local, durable, iteration, rank, workers)
-                _upload_metadata_parts(local, durable, iteration, rank, keys)
-            else:
-                nbytes = _copy_own(local, durable, iteration, rank, world_size, lambda name: True, workers)
-            durable.backend.write_small_atomic(durable.join(layout.format_iteration(iteration), marker_name(rank)),
-                                               job.token.encode())  # fmt: skip
-            logger.debug("copied rank %d's files of %s to %s", rank, src, dst)
-            return (), nbytes
+            return (), _copy_and_mark(local, durable, job, rank, world_size, workers, per_node)
         return _drain_and_commit(local, durable, job, world_size, keep_last_n, marker_wait, workers, per_node)
     except DrainError:
         raise
@@ -159,6 +142,24 @@ def drain_iteration(
             f"could not copy {src} to the durable tier {dst}: {e}; the pointer {pointer.pointer_url(durable)} "
             "stays on its previous iteration, the local copy is kept, and the next save drains again"
         ) from e
+
+
+def _copy_and_mark(
+    local: Location, durable: Location, job: DrainJob, rank: int, world_size: int, workers: int, per_node: bool
+) -> int:
+    """A rank other than 0: copy its files, then leave its marker for rank 0; the bytes copied."""
+    iteration = job.iteration
+    if per_node:
+        keys = _require_committed_locally(local, durable, iteration, job.token).keys
+        nbytes = _copy_rank_data(local, durable, iteration, rank, workers)
+        _upload_metadata_parts(local, durable, iteration, rank, keys)
+    else:
+        nbytes = _copy_own(local, durable, iteration, rank, world_size, lambda name: True, workers)
+    durable.backend.write_small_atomic(durable.join(layout.format_iteration(iteration), marker_name(rank)),
+                                       job.token.encode())  # fmt: skip
+    logger.debug("copied rank %d's files of %s to %s", rank, local.url_of(layout.iteration_path(local, iteration)),
+                 durable.url_of(layout.iteration_path(durable, iteration)))  # fmt: skip
+    return nbytes
 
 
 def _require_committed_locally(
