@@ -82,3 +82,12 @@ class DrainError(StorageError):
 
 class BackgroundSaveError(DcpFsspecError, RuntimeError):
     """The background save process died or could not start."""
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` where Python has it (3.11+); on 3.10 the note is kept in
+    ``__notes__`` unprinted, rather than failing while an error is being reported."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]

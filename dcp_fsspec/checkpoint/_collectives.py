@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
-from ..errors import DcpFsspecError
+from ..errors import DcpFsspecError, add_note
 
 T = TypeVar("T")
 
@@ -82,7 +82,7 @@ class Collectives:
             raise error
         for rank, other in enumerate(errors):
             if other is not None:
-                other.add_note(f"(raised on rank {rank})")
+                add_note(other, f"(raised on rank {rank})")
                 raise other
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from ..errors import BackgroundSaveError
+from ..errors import BackgroundSaveError, add_note
 from ..storage.urls import redact_url
 from ._collectives import Collectives, _picklable
 from .handles import HandleReceiver, HandleSender
@@ -152,7 +152,7 @@ class BackgroundSaver:
             _replay(records)
         if kind == "error":
             error, trace = payload
-            error.add_note(f"(raised in the background save process for {self._url})\n{trace}")
+            add_note(error, f"(raised in the background save process for {self._url})\n{trace}")
             raise error
         if kind != expected:  # pragma: no cover - a protocol bug
             raise BackgroundSaveError(f"background saver for {self._url} sent {kind!r}, expected {expected!r}")

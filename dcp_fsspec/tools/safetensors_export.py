@@ -143,10 +143,7 @@ def export_safetensors(
         CheckpointNotFoundError, CorruptCheckpointError, StorageError: as the reader raises them.
     """
     start = time.perf_counter()
-    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise UsageError(f"exporting to {os.fspath(out)}: dtype {dtype} is not float32, float16 or bfloat16")
-    if max_shard_size <= 0:
-        raise UsageError(f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}")
+    _check_options(out, dtype, max_shard_size)
     source = _source(resolve(url, storage_options))
     target = resolve(out, out_storage_options)
     existed = _check_output(target, overwrite)
@@ -166,10 +163,7 @@ def export_safetensors(
         target.backend.make_folder(target.path)
     try:
         weight_map = _write_shards(reader, metadata, _plan_shards(entries, max_shard_size), target, buffer_bytes, result, progress)
-        if config_bytes is not None:
-            _write_small(target, CONFIG_NAME, config_bytes)
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_small(target, INDEX_NAME, json.dumps(index, indent=2).encode())
+        _write_index(target, entries, weight_map, config_bytes)
     except BaseException:
         _remove_partial(target, [*result.shards, *([CONFIG_NAME] if config_bytes is not None else [])], remove_folder=not existed)
         raise
@@ -177,6 +171,21 @@ def export_safetensors(
     result.seconds = time.perf_counter() - start
     logger.info("exported %s to %s (%s)", source.url, target.url, human_bytes(result.bytes_written))
     return result
+
+
+def _check_options(out: str | os.PathLike[str], dtype: torch.dtype | None, max_shard_size: int) -> None:
+    if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise UsageError(f"exporting to {os.fspath(out)}: dtype {dtype} is not float32, float16 or bfloat16")
+    if max_shard_size <= 0:
+        raise UsageError(f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}")
+
+
+def _write_index(target: Location, entries: list[_Entry], weight_map: dict[str, str], config_bytes: bytes | None) -> None:
+    """``config.json`` if given, then the index: written last, it marks the export complete."""
+    if config_bytes is not None:
+        _write_small(target, CONFIG_NAME, config_bytes)
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_small(target, INDEX_NAME, json.dumps(index, indent=2).encode())
 
 
 def _write_shards(
