@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import s3fs
 
 from dcp_fsspec import cli, errors
 from dcp_fsspec.tools import _cli
@@ -50,6 +51,9 @@ def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup either
+    # fsspec reuses a filesystem made with the same options: one an earlier test made while the
+    # environment held credentials would still carry them.
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _one_or_two_lines(text: str) -> list[str]:
