@@ -46,15 +46,24 @@ class Prepared(NamedTuple):
             file names (else names holding the token).
         taken_over: the folder held something and this save's mark now stands in its commit
             record's place (see :func:`take_over_iteration`).
+        base: an incremental save's base: the iteration the pointer named, when older than
+            this one, with the keys its record lists (``None``: none, or not incremental).
     """
 
     save_id: str
     claimed: bool
     taken_over: bool
+    base: CommitRecord | None = None
 
 
 def prepare_iteration(
-    root: Location, iteration: int, save_id: str, *, overwrite: bool = False, keep_last_n: int | None = None
+    root: Location,
+    iteration: int,
+    save_id: str,
+    *,
+    overwrite: bool = False,
+    keep_last_n: int | None = None,
+    incremental: bool = False,
 ) -> tuple[Prepared, Survey | None]:
     """Rank 0, first in a save: make ``iteration``'s folder this save's.
 
@@ -70,6 +79,7 @@ def prepare_iteration(
         overwrite: a committed ``iteration``, or one older than the pointer, may be replaced.
         keep_last_n: retention's, if any: then ``save_dirname``'s listing and the records
             retention will want are read beside the questions above (the returned :class:`Survey`).
+        incremental: the base's record is read beside the claim (:attr:`Prepared.base`).
 
     Returns:
         What every rank needs, and what retention needs (``None`` without ``keep_last_n``).
@@ -95,8 +105,11 @@ def prepare_iteration(
         take = partial(claim_iteration, root, iteration, save_id)
     # Beside it, the records retention will want (other folders: independent of this one).
     reads = [] if survey is None or keep_last_n is None else survey.record_reads(root, keep_last_n, iteration)
-    claimed = at_once([take, *reads], one_by_one=root.answers_locally)[0]
-    return Prepared(save_id, claimed=bool(claimed), taken_over=taken_over), survey
+    has_base = incremental and latest is not None and latest < iteration
+    base_read = [partial(read_commit_record, root, latest)] if has_base else []
+    claimed, *answers = at_once([take, *base_read, *reads], one_by_one=root.answers_locally)
+    base = answers[0] if has_base else None
+    return Prepared(save_id, claimed=bool(claimed), taken_over=taken_over, base=base), survey
 
 
 def _what_is_there(

@@ -1,8 +1,8 @@
 """Where iterations live under ``save_dirname``: folder names, and finding the folders.
 
 An iteration's folder is ``iter_`` and the iteration zero-padded to nine digits
-(``iter_000000005``); every key saved with it is a DCP checkpoint in a subfolder
-(``iter_000000005/model/``). A per-node local tier holds one ``rank{r}`` folder per rank, each
+(``iter_000000005``, spelled in :mod:`~dcp_fsspec.storage.names`); every key saved with it is a
+DCP checkpoint in a subfolder (``iter_000000005/model/``). A per-node local tier holds one ``rank{r}`` folder per rank, each
 laid out the same way. This module owns the regexes for those names, torch-free so the tools can
 read them. It does not know
 what makes a folder *committed* (``commit`` does, from one listing of ``save_dirname``): its
@@ -15,15 +15,12 @@ import posixpath
 import re
 
 from ..errors import StorageError
+from ..storage.names import ITERATION_DIGITS as _ITERATION_DIGITS
+from ..storage.names import ITERATION_PREFIX
+from ..storage.names import ITERATION_RE as _ITERATION_RE
+from ..storage.names import MAX_ITERATION_DIGITS as _MAX_ITERATION_DIGITS
 from ..storage.urls import Location
 
-ITERATION_PREFIX = "iter_"
-_ITERATION_DIGITS = 9
-# At most 18 digits: every iteration fits an int64, and a name read from storage (the pointer, a
-# listing) is never handed to int() at a length where that costs time or raises. ASCII digits
-# only: int() would also read other scripts' digits, naming a folder that is not the one found.
-_MAX_ITERATION_DIGITS = 18
-_ITERATION_RE = re.compile(rf"iter_([0-9]{{{_ITERATION_DIGITS},{_MAX_ITERATION_DIGITS}}})")
 # Key names become folder names on every backend, so they stay portable and never collide with
 # DCP's hidden ``.metadata`` or with our own hidden files.
 _KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")

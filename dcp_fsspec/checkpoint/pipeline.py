@@ -56,6 +56,8 @@ class SaveSettings:
         keep_last_n: how many committed iterations retention keeps; ``None`` keeps all.
         overwrite: an iteration that is already committed may be replaced.
         verify_before_commit: rank 0 re-reads every key and checks every CRC-32 before the commit.
+        incremental: a record whose bytes the last committed iteration holds is not written
+            again; the new key's ``.metadata`` refers to them (:mod:`~dcp_fsspec.storage.content_hashes`).
         retry: how storage calls are retried (every writer's and the commit's).
         writer: the tuning of every :class:`FsspecStorageWriter`.
     """
@@ -65,6 +67,7 @@ class SaveSettings:
     keep_last_n: int | None = None
     overwrite: bool = False
     verify_before_commit: bool = False
+    incremental: bool = False
     retry: RetryPolicy | None = DEFAULT_RETRY
     writer: WriterSettings = WriterSettings()
 
@@ -119,7 +122,7 @@ class SavePipeline:
         # The save's token, from rank 0 to every rank: in every data file's name and every
         # key's .metadata, and checked at the commit, so a save commits only what it wrote.
         prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration, save_id or uuid.uuid4().hex))
-        syncs = self._write_keys(iteration, staged, prepared.save_id, unique_file_names=not prepared.claimed)
+        syncs = self._write_keys(iteration, staged, prepared, unique_file_names=not prepared.claimed)
         latest = self._publish(iteration, keys, prepared, syncs)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
             survey, self._survey = self._survey, None
@@ -133,12 +136,13 @@ class SavePipeline:
         """Rank 0: make the iteration's folder this save's (:func:`.commit.prepare_iteration`);
         keep what it read for retention, which only rank 0 applies."""
         prepared, self._survey = commit.prepare_iteration(
-            self._root, iteration, save_id, overwrite=self.settings.overwrite, keep_last_n=self.settings.keep_last_n
-        )
+            self._root, iteration, save_id, overwrite=self.settings.overwrite, keep_last_n=self.settings.keep_last_n,
+            incremental=self.settings.incremental,
+        )  # fmt: skip
         return prepared
 
     def _write_keys(
-        self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str, *, unique_file_names: bool
+        self, iteration: int, staged: dict[str, dict[str, Any]], prepared: commit.Prepared, *, unique_file_names: bool
     ) -> FileSyncs | None:
         """Write every key: side by side where :meth:`_keys_at_once` allows, else one after another.
 
@@ -155,7 +159,7 @@ class SavePipeline:
         syncs = self._root.backend.file_syncs(writer.files_per_rank) if writer.sync_files else None
 
         def write(key: str) -> None:
-            self._write_key(iteration, key, staged[key], save_id, unique_file_names=unique_file_names, syncs=syncs)
+            self._write_key(iteration, key, staged[key], prepared, unique_file_names=unique_file_names, syncs=syncs)
 
         try:
             if self._keys_at_once(staged):
@@ -191,18 +195,24 @@ class SavePipeline:
         iteration: int,
         key: str,
         state_dict: dict[str, Any],
-        save_id: str,
+        prepared: commit.Prepared,
         *,
         unique_file_names: bool,
         syncs: FileSyncs | None,
     ) -> None:
         url = self._root.url_of(layout.key_path(self._root, iteration, key))
+        base = prepared.base
+        base_url = None
+        if base is not None and key in base.keys:
+            base_url = self._root.url_of(layout.key_path(self._root, base.iteration, key))
         writer = FsspecStorageWriter(
             url,
             fs=self._root.fs,  # the pipeline's own: not one built from the URL again per key
             retry=self.settings.retry,
-            save_id=save_id,
+            save_id=prepared.save_id,
             unique_file_names=unique_file_names,
+            incremental=self.settings.incremental,
+            base=base_url,
             # Not the storage writer's default (True, torch's): the iteration was cleared at
             # prepare, so a key's .metadata here now is another save's, and must stay: the
             # writer refuses before it writes a byte over that key's files.

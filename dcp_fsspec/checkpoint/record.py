@@ -22,6 +22,10 @@ _RECORD_FORMAT = 1
 # it may replace) puts in the commit record's place before it deletes anything: the field naming
 # that save's token. Only that save may replace it with a record.
 _TAKEN_OVER_BY = "taken_over_by"
+# What retention puts in the record's place when it lets go of an iteration whose files later
+# iterations of an incremental run still refer to: the iteration no longer loads, but those
+# files stay, and references to them stay valid (see :func:`referable`).
+_RETIRED = "retired"
 # A record is a few hundred bytes (a key name each); anything far bigger was not written by us,
 # and is not parsed (json's nesting depth is bounded by its length).
 _MAX_RECORD_BYTES = 1024 * 1024
@@ -60,7 +64,7 @@ def record_path(root: Location, iteration: int) -> str:
 
 def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
     """The commit record of ``iteration``, or ``None`` when its folder has none (or a save's
-    take-over mark in its place: that save has not committed).
+    take-over mark, or retention's retired mark, in its place: not an iteration to load).
 
     Raises:
         CorruptCheckpointError: the record exists but is not one we wrote.
@@ -72,7 +76,7 @@ def read_commit_record(root: Location, iteration: int) -> CommitRecord | None:
 
 
 def parse_record(root: Location, path: str, raw: bytes | None) -> CommitRecord | None:
-    """The record ``raw`` holds; ``None`` for nothing or a take-over mark.
+    """The record ``raw`` holds; ``None`` for nothing, a take-over mark or a retired mark.
 
     Raises:
         CorruptCheckpointError: ``raw`` is neither (named by ``path``'s URL).
@@ -90,7 +94,7 @@ def parse_record(root: Location, path: str, raw: bytes | None) -> CommitRecord |
                 f"its format is {doc.get('format')!r}, this dcp_fsspec reads format {_RECORD_FORMAT}: "
                 "written by another version or another program; upgrade dcp_fsspec to read it"
             )
-        if isinstance(doc.get(_TAKEN_OVER_BY), str):
+        if isinstance(doc.get(_TAKEN_OVER_BY), str) or doc.get(_RETIRED) is True:
             return None
         if not isinstance(doc["keys"], list):
             raise TypeError("not an object with a list of keys")
@@ -109,3 +113,25 @@ def parse_record(root: Location, path: str, raw: bytes | None) -> CommitRecord |
 def take_over_mark(save_id: str) -> bytes:
     """What the save ``save_id`` puts in the record's place when it takes a folder over."""
     return json.dumps({"format": _RECORD_FORMAT, _TAKEN_OVER_BY: save_id}).encode()
+
+
+def retired_mark(record: CommitRecord) -> bytes:
+    """What retention puts in ``record``'s place when later iterations still refer to its files."""
+    doc = json.loads(record.to_json())
+    doc[_RETIRED] = True
+    return json.dumps(doc, indent=1).encode()
+
+
+def referable(root: Location, iteration: int) -> bool:
+    """Whether another iteration may refer to ``iteration``'s files: it is committed, or retired
+    by retention with the files referred to kept.
+
+    Raises:
+        CorruptCheckpointError: its record is not one we wrote.
+        StorageError: the backend failed.
+    """
+    path = record_path(root, iteration)
+    raw = root.backend.read_versioned(path).data
+    if parse_record(root, path, raw) is not None:
+        return True
+    return raw is not None and json.loads(raw).get(_RETIRED) is True

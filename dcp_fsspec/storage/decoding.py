@@ -16,6 +16,7 @@ walks fetched spans onto the records they hold.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard, TypeVar
@@ -43,6 +44,7 @@ from .crc import crc32
 from .failures import storage_errors
 from .fetch import Span
 from .names import metadata_name, relative_path_problem
+from .references import is_reference, reference_problem
 from .records import RecordLayout, descriptor_crc, parse_layout, tensor_from_record
 from .trust import unpickle_metadata
 from .urls import Location
@@ -69,6 +71,7 @@ def read_metadata(
     trust_checkpoint: bool = False,
     extents: bool = True,
     max_entries: int | None = None,
+    references: bool = False,
 ) -> Metadata:
     """Read, unpickle and check the ``.metadata`` of the DCP checkpoint at ``location``.
 
@@ -78,6 +81,7 @@ def read_metadata(
         trust_checkpoint: unpickle any class it names (see :func:`parse_metadata`).
         extents: check each record's offset and length too (see :func:`check_metadata`).
         max_entries: refuse it past this many entries or records (see :func:`parse_metadata`).
+        references: allow references to sibling checkpoints (see :func:`check_metadata`).
 
     Raises:
         CheckpointNotFoundError: there is no ``.metadata``: no committed checkpoint here.
@@ -98,11 +102,17 @@ def read_metadata(
             else f"{url!r} does not exist (the save never finished, or the URL is wrong)"
         )
         raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
-    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint, extents=extents, max_entries=max_entries)
+    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint, extents=extents, max_entries=max_entries, references=references)
 
 
 def parse_metadata(
-    raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True, max_entries: int | None = None
+    raw: bytes,
+    url: str,
+    *,
+    trust_checkpoint: bool = False,
+    extents: bool = True,
+    max_entries: int | None = None,
+    references: bool = False,
 ) -> Metadata:
     """Unpickle ``.metadata``'s bytes, read from ``url`` (named in errors), and check what they say.
 
@@ -122,17 +132,19 @@ def parse_metadata(
     metadata = unpickle_metadata(raw, url, trust_checkpoint=trust_checkpoint, max_entries=max_entries)
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url!r} does not hold DCP metadata (found {type(metadata).__name__})")
-    check_metadata(metadata, url, extents=extents)
+    check_metadata(metadata, url, extents=extents, references=references)
     return metadata
 
 
-def check_metadata(metadata: Metadata, url: str, *, extents: bool = True) -> None:
+def check_metadata(metadata: Metadata, url: str, *, extents: bool = True, references: bool = False) -> None:
     """Check that ``metadata`` (from ``url``) is shaped as DCP writes it, so that nothing reading it
     fails later with a misleading error, reads outside the checkpoint folder, or reads nothing.
 
     Args:
         extents: check that each record lies at an offset >= 0 and has a length > 0. Without
             it, :func:`extent_error` checks that later.
+        references: a data file may also be a sibling checkpoint's (``../step-10/…``); another
+            iteration's same key (``../../iter_N/key/…``) always may (see :mod:`.references`).
 
     Raises:
         CorruptCheckpointError: naming the entry and what is wrong with it.
@@ -167,7 +179,7 @@ def check_metadata(metadata: Metadata, url: str, *, extents: bool = True) -> Non
             raise bad(fqn, f"has storage info of type {type(info).__name__}")
         path = info.relative_path
         if path not in checked_paths:
-            problem = relative_path_problem(path)
+            problem = _stored_path_problem(path, url, references)
             if problem is not None:
                 raise bad(fqn, f"names the data file {path!r}, which is outside the checkpoint folder: {problem}")
             checked_paths.add(path)
@@ -179,6 +191,16 @@ def check_metadata(metadata: Metadata, url: str, *, extents: bool = True) -> Non
             not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)
         ):
             raise bad(fqn, f"has transform descriptors {descriptors!r}, not a list of strings")
+
+
+def _stored_path_problem(path: object, metadata_url: str, siblings: bool) -> str | None:
+    """Why a data file named in the ``.metadata`` at ``metadata_url`` may not be read; None if it may.
+
+    Inside the checkpoint folder, or a reference of an allowed shape (:mod:`.references`).
+    """
+    if isinstance(path, str) and is_reference(path):
+        return reference_problem(path, posixpath.dirname(metadata_url), siblings=siblings)
+    return relative_path_problem(path)
 
 
 def extent_error(metadata: Metadata, url: str) -> CorruptCheckpointError | None:

@@ -1,7 +1,7 @@
 """The names of the files dcp_fsspec reads and writes, spelled once.
 
 DCP's own (``.metadata``, ``__{rank}_{n}.distcp``), the commit protocol's (``.commit.json`` in
-an iteration folder, ``latest_checkpoint.txt`` beside the iteration folders), and the one
+an iteration folder ``iter_000000005``, ``latest_checkpoint.txt`` beside them), and the one
 scheme for temporary names: every file written under a temporary name first (local files,
 SFTP uploads, the pointer) is ``.{name}.{random}.tmp`` in the final name's folder, so readers,
 listings and copies can recognise and skip them with :func:`is_temporary`. And the one rule for a
@@ -12,13 +12,24 @@ inside its folder (:func:`relative_path_problem`).
 from __future__ import annotations
 
 import posixpath
+import re
 import uuid
 
 METADATA_NAME = ".metadata"  # DCP's: written last, by the coordinator; its presence commits a key
 DATA_SUFFIX = ".distcp"
+# An incremental save's content hashes, beside .metadata and written just before it.
+CONTENT_HASHES_NAME = ".content_hashes.json"
 COMMIT_RECORD_NAME = ".commit.json"
 POINTER_NAME = "latest_checkpoint.txt"
 _TEMP_SUFFIX = ".tmp"
+
+ITERATION_PREFIX = "iter_"
+ITERATION_DIGITS = 9
+# At most 18 digits: every iteration fits an int64, and a name read from storage (the pointer, a
+# listing) is never handed to int() at a length where that costs time or raises. ASCII digits
+# only: int() would also read other scripts' digits, naming a folder that is not the one found.
+MAX_ITERATION_DIGITS = 18
+ITERATION_RE = re.compile(rf"{ITERATION_PREFIX}([0-9]{{{ITERATION_DIGITS},{MAX_ITERATION_DIGITS}}})")
 
 
 def metadata_name(rank: int | None = None) -> str:

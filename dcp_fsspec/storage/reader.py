@@ -43,6 +43,8 @@ from .decoding import extent_error, feed_records, metadata_url, parse_metadata, 
 from .backends.base import InPlaceFiles
 from .fetch import Span, fetch_in_order, plan_spans
 from .load_decoder import LoadDecoder, LoadRecord
+from .names import METADATA_NAME
+from .references import referenced_folders
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .settings import merge_storage_kwargs
 from .transforms import UndoQueue, reader_transforms
@@ -103,6 +105,10 @@ class FsspecStorageReader(UrlBound, StorageReader):
             read by rank 0 and broadcast (:mod:`~dcp_fsspec.storage.cooperative`). Every rank of
             the group must load together, with the group ``dcp.load`` is given. ``None``: off.
         process_group: the group of a cooperative load; ``None``: the default group.
+        references: follow references into sibling checkpoints (``../step-10/…``), which a save
+            with ``FsspecStorageWriter(base=…)`` writes beside its base; each must be a committed
+            checkpoint. References into another iteration of a :class:`~dcp_fsspec.Checkpointer`
+            run are followed either way. ``False``: no data file outside the folder is read.
         **storage_kwargs: torch ``FsspecReader``-style storage options (``anon=True``), merged
             into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
 
@@ -129,6 +135,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         trust_checkpoint: bool = False,
         cooperative: bool | None = None,
         process_group: dist.ProcessGroup | None = None,
+        references: bool = False,
         _extension_registry: ExtensionRegistry | None = None,
         **storage_kwargs: Any,
     ) -> None:
@@ -143,6 +150,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         self.threads = threads
         self.cooperative = bool(cooperative)
         self.process_group = process_group
+        self.references = references
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.state_dict_metadata: dict[str, STORAGE_TYPES] = {}  # bounds what a transformed record expands to
         self.load_id = uuid.uuid4().hex
@@ -179,14 +187,17 @@ class FsspecStorageReader(UrlBound, StorageReader):
             # is there but damaged or refused is not a reason to read another file instead.
             raise self.metadata_failure
         rank = kwargs.get("rank")
-        read = partial(read_metadata, self.location, rank, trust_checkpoint=self.trust_checkpoint, extents=False)
+        read = partial(read_metadata, self.location, rank, trust_checkpoint=self.trust_checkpoint, extents=False,
+                       references=self.references)  # fmt: skip
         group = self._group() if rank is None else None
         try:
             if group is None:
                 metadata = read()
             else:
                 url = metadata_url(self.location)
-                metadata = share_metadata(read, partial(parse_metadata, url=url, trust_checkpoint=self.trust_checkpoint, extents=False), group)
+                parse = partial(parse_metadata, url=url, trust_checkpoint=self.trust_checkpoint, extents=False,
+                                references=self.references)  # fmt: skip
+                metadata = share_metadata(read, parse, group)
         except CheckpointNotFoundError:
             raise
         except DcpFsspecError as e:
@@ -229,7 +240,9 @@ class FsspecStorageReader(UrlBound, StorageReader):
         """
         needed = self._needed_ends(plan)
         if needed:
-            self._check_sizes(needed, self._listed_sizes({posixpath.dirname(rel) for rel in needed}))
+            sizes = self._listed_sizes({posixpath.dirname(rel) for rel in needed})
+            self._check_references(referenced_folders(needed), sizes)
+            self._check_sizes(needed, sizes)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -335,6 +348,16 @@ class FsspecStorageReader(UrlBound, StorageReader):
                     name = posixpath.basename(str(entry["name"]).rstrip("/"))
                     sizes[posixpath.join(folder, name)] = int(entry.get("size") or 0)
         return sizes
+
+    def _check_references(self, folders: set[str], sizes: dict[str, int]) -> None:
+        """Every checkpoint this one refers to (an incremental save's base) is committed."""
+        for folder in sorted(folders):
+            if posixpath.join(folder, METADATA_NAME) not in sizes:
+                raise CorruptCheckpointError(
+                    f"the checkpoint {self.location.url!r} refers to records of "
+                    f"{self.location.url_of(self.location.join(folder))!r}, which is not a committed checkpoint "
+                    "(no .metadata): it was deleted or never finished; nothing was loaded. Load another checkpoint"
+                )
 
     def _check_sizes(self, needed: dict[str, tuple[int, str]], sizes: dict[str, int]) -> None:
         for rel, (end, fqn) in sorted(needed.items()):

@@ -201,7 +201,11 @@ def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedReco
     ``checksum``: compute the data's CRC-32 for the record (else the record stores 0, which
     torch's readers do not check and ours skip).
     """
-    framed = frame_tensor(tensor)
+    return encode_framed(frame_tensor(tensor), checksum=checksum)
+
+
+def encode_framed(framed: FramedTensor, *, checksum: bool = True) -> EncodedRecord:
+    """The record of a framed tensor (:func:`frame_tensor`), its CRC-32 computed here."""
     crc = crc32(framed.data, 0) if checksum and len(framed.data) else 0
     return EncodedRecord(framed.header, framed.data, framed.trailer(crc), crc, framed.tensor)
 

@@ -90,8 +90,13 @@ class Location:
     secret_url: str = field(default="", repr=False, compare=False)
 
     def join(self, *names: str) -> str:
-        """The path of ``names`` below the root (always ``/``-separated)."""
-        return posixpath.join(self.path, *names)
+        """The path of ``names`` below the root (always ``/``-separated).
+
+        A name that starts with ``..`` (a reference into a sibling checkpoint, checked where it
+        was read: :mod:`.references`) is resolved, as object stores know no ``..``.
+        """
+        path = posixpath.join(self.path, *names)
+        return posixpath.normpath(path) if names and names[0].startswith("../") else path
 
     @cached_property
     def backend(self) -> Backend:

@@ -26,7 +26,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.futures import Future
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from . import names
 from .collector import collector_paused
-from .records import encode_tensor, frame_tensor
+from .content_hashes import BaseRecord, base_prefix, encode_hashes, read_base, record_digest
+from .records import FramedTensor, encode_framed, frame_tensor
 from .failures import storage_errors
 from .file_syncs import FileSyncs
 from .retry import DEFAULT_RETRY, RetryPolicy
@@ -42,7 +43,7 @@ from .backends import Versioned
 from .settings import merge_storage_kwargs
 from .transforms import compression_extensions, write_transformed, writer_transforms
 from .uploads import ByteBudget, FileUpload
-from .urls import UrlBound
+from .urls import UrlBound, resolve
 
 # torch writes this version into .metadata; keep in step so its readers see the same thing.
 DCP_VERSION = "1.0.0"
@@ -137,6 +138,13 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             (less staging latency, the state's size in host memory kept); reuse the writer.
         serialization_format: torch's; only ``SerializationFormat.TORCH_SAVE`` (the DCP record
             format this writer streams). For safetensors use torch's ``HuggingFaceStorageWriter``.
+        incremental: digest every record (xxh3-128) and store the digests beside ``.metadata``
+            (``.content_hashes.json``), so that a later save can name this one as its ``base``.
+        base: an earlier checkpoint of the same run to save incrementally against (implies
+            ``incremental``): a record whose entry and digest are the base's is not written
+            again, and ``.metadata`` refers to the base's bytes instead (``../step-10/…``). It must
+            be a sibling folder (``run/step-10`` for ``run/step-20``), or the same key of another
+            iteration of a :class:`~dcp_fsspec.Checkpointer` run; keep it as long as this one.
         _extensions: torch's experimental stream transforms (``[ZStandard()]``, an
             ``StreamTransformExtension`` of your own), applied to every record in the writer's
             file threads, in torch's order and with torch's descriptors. With ``compression`` too,
@@ -146,7 +154,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
 
     Raises:
         ValueError: ``files_per_rank`` (or ``thread_count``) below 1, both given and different,
-            an unknown ``compression`` or ``serialization_format``.
+            an unknown ``compression`` or ``serialization_format``, a ``base`` that is not a
+            sibling checkpoint.
         TypeError: an ``_extensions`` entry that is not a ``StreamTransformExtension``; a
             storage keyword that looks like a misspelt keyword of this class.
         MissingDriverError: ``compression="zstd"`` without the ``zstandard`` package.
@@ -177,6 +186,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         per_thread_copy_ahead: int = 10_000_000,
         cache_staged_state_dict: bool = False,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        incremental: bool = False,
+        base: str | os.PathLike[str] | None = None,
         _extensions: Sequence[StreamTransformExtension] | None = None,
         **storage_kwargs: Any,
     ) -> None:
@@ -190,6 +201,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         extensions = [*(_extensions or ()), *compression_extensions(compression, compression_level)]
         self.transforms = writer_transforms(extensions)
         self._bind(path, options, fs, retry)
+        self.incremental = incremental or base is not None
+        self.base = None if base is None else resolve(base, options, fs or self.location.fs, retry=retry)
+        if self.base is not None:
+            base_prefix(self.location.path, self.base)  # a base it cannot refer to: said now
         self.overwrite = overwrite
         self.files_per_rank = files_per_rank
         self.part_size = part_size
@@ -260,7 +275,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 "overwrite=True to replace it or choose another URL"
             )
         if self.rank is not None and not self.use_collectives:
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._prefix(self.rank)))
+            plan = dataclasses.replace(plan, storage_data=self._storage_prefix(self.rank, plan, self._base_records()))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -271,8 +286,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             with storage_errors("remove the old", self.location.url_of(metadata_path), also=(Exception,)):
                 if backend.call("exists", metadata_path):
                     backend.call("rm_file", metadata_path)
+        base = self._base_records()
         return [
-            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_StoragePrefix(self._prefix(i)))
+            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=self._storage_prefix(i, plan, base))
             for i, plan in enumerate(plans)
         ]
 
@@ -287,13 +303,14 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             bins = [[item] for item in plan.items]
         budget = ByteBudget(self.max_inflight_bytes)
         backend = self.location.backend
-        jobs = [(names.data_file_name(prefix.prefix, n), items) for n, items in enumerate(bins)]
+        base = prefix.base if isinstance(prefix, _IncrementalPrefix) else {}
+        jobs = [(names.data_file_name(prefix.prefix, n), items, base) for n, items in enumerate(bins)]
         results: list[WriteResult] = []
         # A rank may have nothing to write (DCP gives each replicated item to one rank only).
         workers = max(1, min(len(jobs), self.files_per_rank))
         if workers == 1:  # one file at a time (a small key's one file): no thread to start
-            for name, items in jobs:
-                results.extend(self._write_file(budget, name, items, planner))
+            for name, items, base in jobs:
+                results.extend(self._write_file(budget, name, items, planner, base))
         else:
             results = self._write_files_at_once(workers, budget, jobs, planner)
         if self.sync_files and self.metadata_commits:
@@ -303,12 +320,12 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         return done
 
     def _write_files_at_once(
-        self, workers: int, budget: ByteBudget, jobs: list[tuple[str, list[WriteItem]]], planner: SavePlanner
+        self, workers: int, budget: ByteBudget, jobs: list[tuple[str, list[WriteItem], _BaseRecords]], planner: SavePlanner
     ) -> list[WriteResult]:
         """Write each job's file on ``workers`` threads; raise the first failure once all finished."""
         results: list[WriteResult] = []
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp-fsspec-write") as pool:
-            futures = [pool.submit(self._write_file, budget, name, items, planner) for name, items in jobs]
+            futures = [pool.submit(self._write_file, budget, name, items, planner, base) for name, items, base in jobs]
             errors = []
             for f in futures:
                 try:
@@ -323,9 +340,12 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``.metadata`` (the commit point): every rank's data is already written."""
         metadata.version = DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+        written = [wr for rank_results in results for wr in rank_results]
+        metadata.storage_data = {wr.index: _unhashed(wr.storage_data) for wr in written}
         metadata.storage_meta = self.storage_meta()
         path, backend, data = self._metadata_path(), self.location.backend, pickle.dumps(metadata)
+        if self.incremental:
+            self._write_content_hashes({wr.index: wr.storage_data.digest for wr in written})
         with storage_errors("write", self.location.url_of(path), also=(ValueError,)):
             # Created, never replaced: .metadata was absent (or removed, with overwrite) before
             # any data was written, so one that is here now is another save's, finished first
@@ -361,10 +381,46 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         name: str,
         items: list[WriteItem],
         planner: SavePlanner,
+        base: _BaseRecords,
     ) -> list[WriteResult]:
+        """Write ``items`` into the data file ``name``, but not those ``base`` holds already.
+
+        The file is created at the first record to write: one whose records all stay in the
+        base is never created.
+        """
         path = self.location.join(name)
+        upload: FileUpload | None = None
+        results = []
+        try:
+            for item in items:
+                data = planner.resolve_data(item)
+                framed = _framed(item, data)
+                digest = _digest(data, framed) if self.incremental else None
+                known = base.get(item.index)
+                if known is not None and known.digest == digest:
+                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=_Hashed(known.info, known.digest)))
+                    continue
+                if upload is None:
+                    upload = self._new_upload(path, budget)
+                offset = upload.size
+                descriptors = self._write_record(upload, item, data, framed)
+                length = upload.size - offset
+                info = _StorageInfo(name, offset, length, transform_descriptors=descriptors)
+                stored = info if digest is None else _Hashed(info, digest)
+                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=stored))
+            if upload is not None:
+                upload.commit()
+        except BaseException as e:
+            if upload is not None:
+                upload.abort()
+            if isinstance(e, OSError) and not isinstance(e, DcpFsspecError):
+                raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
+            raise
+        return results
+
+    def _new_upload(self, path: str, budget: ByteBudget) -> FileUpload:
         with storage_errors("create", self.location.url_of(path)):
-            upload: FileUpload = self.location.backend.new_upload(
+            return self.location.backend.new_upload(
                 path,
                 part_size=self.part_size,
                 budget=budget,
@@ -372,44 +428,95 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 multipart_threshold=self.multipart_threshold,
                 syncs=self.file_syncs,
             )
-        results = []
-        try:
-            for item in items:
-                offset = upload.size
-                descriptors = self._write_record(upload, item, planner.resolve_data(item))
-                length = upload.size - offset
-                info = _StorageInfo(name, offset, length, transform_descriptors=descriptors)
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
-            upload.commit()
-        except BaseException as e:
-            upload.abort()
-            if isinstance(e, OSError) and not isinstance(e, DcpFsspecError):
-                raise StorageError(f"cannot write {self.location.url_of(path)!r}: {e}") from e
-            raise
-        return results
 
-
-    def _write_record(self, upload: FileUpload, item: WriteItem, data: Any) -> list[str] | None:
+    def _write_record(self, upload: FileUpload, item: WriteItem, data: Any, framed: FramedTensor | None) -> list[str] | None:
         """Append one item's record to ``upload``, through the transforms if there are any.
 
+        ``framed``: the tensor's record as :func:`_framed` made it; ``None`` for an object's bytes.
         Returns the record's transform descriptors, ``None`` without transforms (as torch stores
         them: older readers never see the field).
         """
-        if item.type == WriteItemType.BYTE_IO:
-            if not isinstance(data, io.BytesIO):
-                raise TypeError(f"DCP resolved BYTE_IO item {item.index.fqn!r} to {type(data).__name__}")
+        if framed is None:
             buffers: list[bytes | memoryview] = [data.getbuffer()]
+        elif not self.transforms.extensions:
+            _write_tensor(upload, framed, checksum=self.checksums)
+            return None
         else:
-            if not isinstance(data, torch.Tensor):
-                raise TypeError(f"DCP resolved tensor item {item.index.fqn!r} to {type(data).__name__}")
-            if not self.transforms.extensions:
-                _write_tensor(upload, data, checksum=self.checksums)
-                return None
-            buffers = encode_tensor(data, checksum=self.checksums).buffers()
+            buffers = encode_framed(framed, checksum=self.checksums).buffers()
         if not self.transforms.extensions:
             upload.write(buffers)
             return None
         return write_transformed(self.transforms, item, buffers, upload.write)
+
+    # --- incremental saves ----------------------------------------------------------------
+
+    def _base_records(self) -> dict[MetadataIndex, BaseRecord]:
+        """The coordinator: the base's records this save may refer to (none without a base)."""
+        if self.base is None:
+            return {}
+        with storage_errors("read the base", self.base.url):
+            return read_base(self.base, self.location.path, self._transform_names)
+
+    def _storage_prefix(self, rank: int, plan: SavePlan, base: dict[MetadataIndex, BaseRecord]) -> _StoragePrefix:
+        """Rank ``rank``'s file prefix, with the base's records of the items it writes."""
+        prefix = self._prefix(rank)
+        if not self.incremental:
+            return _StoragePrefix(prefix)
+        return _IncrementalPrefix(prefix, {item.index: base[item.index] for item in plan.items if item.index in base})
+
+    def _write_content_hashes(self, digests: dict[MetadataIndex, bytes]) -> None:
+        """The coordinator, just before ``.metadata``: every entry's digest, bound to this save."""
+        path = self.location.join(names.CONTENT_HASHES_NAME)
+        data = encode_hashes(digests, self._transform_names, self.save_id)
+        with storage_errors("write", self.location.url_of(path), also=(ValueError,)):
+            # Its folder is synced with .metadata's, which is written next.
+            self.location.backend.write_small_atomic(path, data, fsync=self.sync_files, sync_folder=False, syncs=self.file_syncs)
+
+    @property
+    def _transform_names(self) -> list[str]:
+        return [ext.get_descriptor() for ext in self.transforms.extensions]
+
+
+_BaseRecords = dict[MetadataIndex, BaseRecord]
+
+
+@dataclasses.dataclass
+class _IncrementalPrefix(_StoragePrefix):
+    """A rank's file prefix, with the base's records of the items it writes (from the coordinator)."""
+
+    base: _BaseRecords = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hashed:
+    """An incremental save's storage info of one record, with its digest for the coordinator."""
+
+    info: _StorageInfo
+    digest: bytes
+
+
+def _unhashed(stored: _StorageInfo | _Hashed) -> _StorageInfo:
+    return stored.info if isinstance(stored, _Hashed) else stored
+
+
+def _framed(item: WriteItem, data: Any) -> FramedTensor | None:
+    """The tensor record of a tensor item (``None`` for an object's bytes), its type checked.
+
+    Raises:
+        TypeError: DCP resolved the item to something else than its type says.
+    """
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise TypeError(f"DCP resolved BYTE_IO item {item.index.fqn!r} to {type(data).__name__}")
+        return None
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"DCP resolved tensor item {item.index.fqn!r} to {type(data).__name__}")
+    return frame_tensor(data)
+
+
+def _digest(data: Any, framed: FramedTensor | None) -> bytes:
+    """The content digest of one record: its header (dtype and shape) and bytes, or an object's bytes."""
+    return record_digest([data.getbuffer()] if framed is None else [framed.header, framed.data])
 
 
 def _checked_settings(
@@ -441,10 +548,9 @@ def _checked_settings(
     return files_per_rank
 
 
-def _write_tensor(upload: FileUpload, tensor: torch.Tensor, *, checksum: bool) -> None:
-    """Append ``tensor``'s record to ``upload``. Its CRC-32 comes from the upload, which computes
+def _write_tensor(upload: FileUpload, record: FramedTensor, *, checksum: bool) -> None:
+    """Append a tensor's record to ``upload``. Its CRC-32 comes from the upload, which computes
     it in the pass it makes over the bytes anyway (S3 checksums every request body)."""
-    record = frame_tensor(tensor)
     upload.write([record.header])
     crc = 0
     if checksum and len(record.data):
