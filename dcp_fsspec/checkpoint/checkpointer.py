@@ -71,6 +71,10 @@ class Checkpointer:
         process_group: the group the checkpoint spans; default: every rank.
         verify_before_commit: before the pointer moves, rank 0 reads back every file of the
             iteration and checks every tensor's CRC-32 (costs one full read of the checkpoint).
+        incremental: a tensor whose bytes equal those of the last committed iteration is not
+            written again: the new iteration refers to the stored bytes (a frozen base, an
+            adapter fine-tune). Retention keeps what kept iterations refer to; ``dcp-fsspec cp``
+            makes a self-contained copy. See docs/incremental.md.
         on_event: called with each :class:`CheckpointEvent`: ``save_start``, ``save_end`` (once
             committed; for asynchronous saves when the training process next learns of it),
             ``load_end``, and with a local tier ``drain_end`` (in the drain thread, on rank 0, its
@@ -81,15 +85,9 @@ class Checkpointer:
         writer_settings: the tuning of every writer, the background process's included, and the
             one place to ask for compression (``WriterSettings(compression="zstd")``); default
             ``WriterSettings()`` (:mod:`dcp_fsspec.storage.settings`).
-        reader_settings: the tuning of every reader; default ``ReaderSettings()``.
-        trust_checkpoint: what :meth:`load` reads (``save_dirname`` and ``load_path``) was written
-            by you: unpickle ``.metadata`` and non-tensor entries in full, whatever classes they
-            name, which runs any code they hold. By default only DCP metadata's classes, and for
-            non-tensor entries what ``torch.load(weights_only=True)`` constructs (plain values,
-            tensors, ``torch.serialization.add_safe_globals``), are loaded; anything else is a
-            ``CorruptCheckpointError`` naming it. Its own keyword, not a ``ReaderSettings`` field:
-            it is a decision about the checkpoint's source rather than tuning, and it governs the
-            load planner (non-tensor entries) as well as the reader.
+        reader_settings: the tuning of every reader, and whether what :meth:`load` reads
+            (``save_dirname`` and ``load_path``) is trusted
+            (``ReaderSettings(trust_checkpoint=True)``); default ``ReaderSettings()``.
 
     Raises:
         ValueError: an unknown ``async_mode``, or ``keep_last_n`` below 1.
@@ -108,11 +106,11 @@ class Checkpointer:
         overwrite: bool = False,
         process_group: dist.ProcessGroup | None = None,
         verify_before_commit: bool = False,
+        incremental: bool = False,
         on_event: Callback | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         writer_settings: WriterSettings | None = None,
         reader_settings: ReaderSettings | None = None,
-        trust_checkpoint: bool = False,
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
@@ -134,7 +132,7 @@ class Checkpointer:
             self._root,
             load_root=None if resume.load_path is None else resolve(resume.load_path, load_options, retry=retry),
             collectives=self._collectives, options=resume, reader_settings=reader_settings or ReaderSettings(),
-            retry=retry, trust_checkpoint=trust_checkpoint, tiers=self._tiers, on_event=on_event,
+            retry=retry, tiers=self._tiers, on_event=on_event,
         )  # fmt: skip
         self._save_settings = SaveSettings(
             self._save_root.secret_url,  # the background process connects by itself: keep the password
@@ -142,6 +140,7 @@ class Checkpointer:
             keep_last_n=keep_last_n if local_tier is None else None,
             overwrite=overwrite,
             verify_before_commit=verify_before_commit,
+            incremental=incremental,
             retry=retry,
             writer=writer_settings or WriterSettings(),
         )

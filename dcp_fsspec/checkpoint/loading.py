@@ -54,9 +54,9 @@ class LoadPipeline:
         load_root: ``load_path``, if any.
         collectives: the ranks that load together.
         options: what to resume and from where.
-        reader_settings: the tuning of every reader.
+        reader_settings: the tuning of every reader; its ``trust_checkpoint`` also governs
+            the load planner and the resume checks.
         retry: how storage calls are retried.
-        trust_checkpoint: unpickle ``.metadata`` and non-tensor entries in full.
         tiers: the two tiers, when the Checkpointer has a local tier.
         on_event: receives the ``load_end`` event.
     """
@@ -70,7 +70,6 @@ class LoadPipeline:
         options: ResumeOptions,
         reader_settings: ReaderSettings,
         retry: RetryPolicy | None,
-        trust_checkpoint: bool,
         tiers: TwoTiers | None,
         on_event: Callback | None,
     ) -> None:
@@ -84,7 +83,7 @@ class LoadPipeline:
         # What one rank reads by itself (the resume rules, a local tier) is never cooperative.
         self._settings_alone = dataclasses.replace(reader_settings, cooperative=False)
         self._retry = retry
-        self._trust_checkpoint = trust_checkpoint
+        self._trust_checkpoint = reader_settings.trust_checkpoint
         self._tiers = tiers
         self._on_event = on_event
 
@@ -144,8 +143,7 @@ class LoadPipeline:
         plan: resume.ResumePlan | None = None
         error: Exception | None = None
         try:  # each rank its own local tier
-            facts = resume.gather(local, None, wanted, self._options, self._settings_alone, iteration=choice[0],
-                                  trust_checkpoint=self._trust_checkpoint)  # fmt: skip
+            facts = resume.gather(local, None, wanted, self._options, self._settings_alone, iteration=choice[0])
             plan = resume.plan_resume(facts, wanted, self._options)
         except Exception as e:  # re-raised below, on every rank
             error = e
@@ -177,9 +175,8 @@ class LoadPipeline:
     def _decide(self, iteration: int | None, wanted: list[str]) -> resume.ResumePlan | None:
         """On rank 0: what to read, or None for a fresh start (said, or refused)."""
         facts = resume.gather(
-            self._root, self._load_root, wanted, self._options, self._settings_alone,
-            iteration=iteration, trust_checkpoint=self._trust_checkpoint,
-        )  # fmt: skip
+            self._root, self._load_root, wanted, self._options, self._settings_alone, iteration=iteration
+        )
         plan = resume.plan_resume(facts, wanted, self._options)
         if plan is None:
             self._start_fresh(facts.leftovers)
@@ -245,8 +242,7 @@ class LoadPipeline:
         together = self._collectives.distributed and tier != LOCAL
         settings = self._settings_together if together else self._settings_alone
         reader_options = dict(
-            fs=source.fs, retry=self._retry, trust_checkpoint=self._trust_checkpoint,
-            process_group=self._collectives.group, **settings.as_kwargs(),
+            fs=source.fs, retry=self._retry, process_group=self._collectives.group, **settings.as_kwargs(),
         )  # fmt: skip
         # The model first: optimizers are restored by the names of its parameters.
         ordered = [(k, plan.keys[k]) for k in sorted(plan.keys, key=lambda k: k != MODEL_KEY)]

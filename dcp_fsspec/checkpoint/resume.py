@@ -154,7 +154,6 @@ def gather(
     reader: ReaderSettings,
     *,
     iteration: int | None = None,
-    trust_checkpoint: bool = False,
 ) -> ResumeFacts:
     """Ask storage what :func:`plan_resume` needs: a few calls, on rank 0.
 
@@ -163,10 +162,10 @@ def gather(
         load_root: the ``load_path`` location, if any.
         wanted: the keys ``load`` should restore.
         options: which keys ``load_path`` provides (only those are looked for there).
-        reader: the reader's tuning, for reading a single checkpoint's ``.metadata``.
+        reader: the reader's tuning, for reading a single checkpoint's ``.metadata``; with
+            ``trust_checkpoint``, every ``.metadata`` is unpickled in full.
         iteration: read this committed iteration of ``save_dirname`` instead of the one the
             pointer names (``load(iteration=N)``); ``load_path`` is then not looked at.
-        trust_checkpoint: unpickle that ``.metadata`` in full (the Checkpointer's keyword).
 
     Raises:
         CheckpointNotFoundError: a pointer (or ``iteration``) names a folder that is not a
@@ -175,6 +174,7 @@ def gather(
             checkpoint's ``.metadata`` is damaged.
         StorageError: the backend failed.
     """
+    trust_checkpoint = reader.trust_checkpoint
     if iteration is not None:
         named_by = f"load(iteration={iteration}) for {root.url}"
         return ResumeFacts(_committed(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint))
@@ -184,7 +184,7 @@ def gather(
     leftovers = _leftovers(root)
     if load_root is None:
         return ResumeFacts(None, leftovers=leftovers)
-    found = _look_at_load_path(load_root, load_path_keys(wanted, options), reader, trust_checkpoint)
+    found = _look_at_load_path(load_root, load_path_keys(wanted, options), reader)
     return ResumeFacts(None, found, leftovers)
 
 
@@ -225,11 +225,11 @@ def _leftovers(root: Location) -> str | None:
     return f"{len(names)} entries that are not iteration folders ({shown})"
 
 
-def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings, trust_checkpoint: bool) -> Found:
-    entries = _checkpoint_entries(source, reader, trust_checkpoint)
+def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings) -> Found:
+    entries = _checkpoint_entries(source, reader)
     if entries is not None:
         return Found(CHECKPOINT, source.url, source.url, entries=entries)
-    pointed = _named_by_pointer(source, trust_checkpoint)
+    pointed = _named_by_pointer(source, reader.trust_checkpoint)
     if pointed is not None:
         return pointed
     saved = {
@@ -240,11 +240,11 @@ def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings
     return Found(FOLDER, source.url, source.url, layout.parse_iteration(source.path), saved)
 
 
-def _checkpoint_entries(source: Location, reader: ReaderSettings, trust_checkpoint: bool) -> tuple[str, ...] | None:
+def _checkpoint_entries(source: Location, reader: ReaderSettings) -> tuple[str, ...] | None:
     """The entry names in the ``.metadata`` of a single DCP checkpoint at ``source``, or None."""
     try:
         metadata = FsspecStorageReader(
-            source.url, fs=source.fs, retry=source.retry, trust_checkpoint=trust_checkpoint, **reader.as_kwargs()
+            source.url, fs=source.fs, retry=source.retry, **reader.as_kwargs()
         ).read_metadata()
     except CheckpointNotFoundError:
         return None

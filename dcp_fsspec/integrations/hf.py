@@ -58,7 +58,7 @@ class FsspecTrainer(Trainer):
             when to save, as usual; ``args.save_total_limit`` is the retention (newest kept).
         checkpoint_url: where iterations go (``s3://bucket/run/ckpt``, a local folder, …).
         storage_options: fsspec options for ``checkpoint_url`` (credentials, endpoint).
-        async_mode, writer_settings, reader_settings, retry, trust_checkpoint: as the
+        async_mode, writer_settings, reader_settings, retry: as the
             :class:`~dcp_fsspec.Checkpointer`'s.
     """
 
@@ -71,14 +71,12 @@ class FsspecTrainer(Trainer):
         writer_settings: WriterSettings | None = None,
         reader_settings: ReaderSettings | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
-        trust_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.checkpointer = Checkpointer(
             checkpoint_url, storage_options, async_mode=async_mode, keep_last_n=self.args.save_total_limit,
             writer_settings=writer_settings, reader_settings=reader_settings, retry=retry,
-            trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
         self._resuming: tuple[str, int] | None = None  # (the local folder given to the Trainer, iteration)
 

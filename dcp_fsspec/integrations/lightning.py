@@ -165,13 +165,10 @@ class _ShardedStrategy:
         writer_settings: WriterSettings | None = None,
         reader_settings: ReaderSettings | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
-        trust_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._shards = _ShardedStorage(
-            type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry, trust_checkpoint
-        )
+        self._shards = _ShardedStorage(type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry)
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is written; raise its error."""
@@ -195,10 +192,11 @@ class FsspecModelParallelStrategy(_ShardedStrategy, ModelParallelStrategy):
             ``"async"``: a save copies the shards to CPU memory and writes them in a background
             thread (``dcp.async_save``); the next save, a load and teardown wait for it first
             and raise its error.
-        writer_settings, reader_settings: the tuning of our writer and reader.
+        writer_settings: the tuning of our writer.
+        reader_settings: the tuning of our reader. Its ``trust_checkpoint=True`` loads
+            non-tensor entries and ``meta.pt`` in full (runs any code they hold): only for
+            checkpoints you wrote. Default: ``weights_only`` loading.
         retry: how storage calls are retried.
-        trust_checkpoint: load non-tensor entries and ``meta.pt`` in full (runs any code they
-            hold): only for checkpoints you wrote. Default: ``weights_only`` loading.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -206,7 +204,7 @@ class FsspecModelParallelStrategy(_ShardedStrategy, ModelParallelStrategy):
         shards = self._shards
         self.checkpoint_io = FsspecCheckpointIO(
             shards.storage_options, async_mode=shards.async_mode, retry=shards.retry,
-            trust_checkpoint=shards.trust_checkpoint,
+            trust_checkpoint=shards.reader_settings.trust_checkpoint,
         )  # fmt: skip
 
     def save_checkpoint(
@@ -266,7 +264,7 @@ class FsspecFabricModelParallelStrategy(_ShardedStrategy, FabricModelParallelStr
     Args:
         *args, **kwargs: Fabric's ``ModelParallelStrategy``'s own (``parallelize_fn``,
             ``data_parallel_size``, …); ``save_distributed_checkpoint`` must stay ``True``.
-        storage_options, async_mode, writer_settings, reader_settings, retry, trust_checkpoint:
+        storage_options, async_mode, writer_settings, reader_settings, retry:
             as for :class:`FsspecModelParallelStrategy`.
 
     Raises:
@@ -378,7 +376,6 @@ class _ShardedStorage:
         writer_settings: WriterSettings | None,
         reader_settings: ReaderSettings | None,
         retry: RetryPolicy | None,
-        trust_checkpoint: bool,
     ) -> None:
         _check_async_mode(async_mode)
         self.owner = owner  # the strategy's class name, for errors
@@ -387,7 +384,6 @@ class _ShardedStorage:
         self.writer_settings = writer_settings or WriterSettings()
         self.reader_settings = reader_settings or ReaderSettings()
         self.retry = retry
-        self.trust_checkpoint = trust_checkpoint
         self._save_in_flight: Future[Any] | None = None
         self._url_in_flight = ""
         self._save_group: dist.ProcessGroup | None = None
@@ -445,10 +441,10 @@ class _ShardedStorage:
         shards: dict[str, Any] = {model_key: get_model_state_dict(model)}
         shards.update({key: get_optimizer_state_dict(model, opt) for key, opt in optimizers.items()})
         reader = FsspecStorageReader(
-            url, self.storage_options, retry=self.retry, trust_checkpoint=self.trust_checkpoint,
-            **self.reader_settings.as_kwargs(),
-        )  # fmt: skip
-        planner = SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=self.trust_checkpoint)
+            url, self.storage_options, retry=self.retry, **self.reader_settings.as_kwargs()
+        )
+        trusted = self.reader_settings.trust_checkpoint
+        planner = SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=trusted)
         blocking(
             lambda: dcp.load(shards, storage_reader=reader, planner=planner), f"loading {where.url}", reader=reader
         )
@@ -456,7 +452,7 @@ class _ShardedStorage:
         for key, optimizer in optimizers.items():
             options = StateDictOptions(cpu_offload=True)
             set_optimizer_state_dict(model, optimizer, optim_state_dict=shards[key], options=options)
-        safe = not self.trust_checkpoint if weights_only is None else weights_only
+        safe = not trusted if weights_only is None else weights_only
         meta: dict[str, Any] = _torch_load(read_file(child(where, META_FILE)), safe)
         return meta
 

@@ -78,7 +78,7 @@ class RayTrainCheckpointer:
         load_path: where a run that has no checkpoint of its own starts from (Ray Train v2's
             replacement for ``resume_from_checkpoint``): another run's ``result.checkpoint``,
             or the URL of an iteration folder; read with ``storage_options``.
-        writer_settings, reader_settings, retry, trust_checkpoint, verify_before_commit: as the
+        writer_settings, reader_settings, retry, verify_before_commit: as the
             :class:`~dcp_fsspec.Checkpointer`'s (compression goes in ``writer_settings``).
 
     Raises:
@@ -95,7 +95,6 @@ class RayTrainCheckpointer:
         writer_settings: WriterSettings | None = None,
         reader_settings: ReaderSettings | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
-        trust_checkpoint: bool = False,
         verify_before_commit: bool = False,
     ) -> None:
         context = ray.train.get_context()
@@ -108,7 +107,7 @@ class RayTrainCheckpointer:
         self.checkpointer = Checkpointer(
             _fsspec_url(self._filesystem, self._path), storage_options,
             resume=ResumeOptions(load_path=load_path, load_training_state=True), overwrite=True, retry=retry,
-            writer_settings=writer_settings, reader_settings=reader_settings, trust_checkpoint=trust_checkpoint,
+            writer_settings=writer_settings, reader_settings=reader_settings,
             verify_before_commit=verify_before_commit,
         )  # fmt: skip
 

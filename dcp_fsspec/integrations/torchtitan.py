@@ -81,14 +81,13 @@ class FsspecCheckpointManager(CheckpointManager):
         """The tuning of our storage writer (part size, files per rank, compression, …)."""
 
         reader_settings: ReaderSettings = field(default_factory=ReaderSettings)
-        """The tuning of our storage reader (window, request size, threads, …)."""
+        """The tuning of our storage reader (window, request size, threads, …). Its
+        ``trust_checkpoint=True`` loads non-tensor entries in full (runs any code they hold):
+        only for checkpoints you wrote. By default they load as ``torch.load(weights_only=True)``
+        does."""
 
         retry: RetryPolicy | None = DEFAULT_RETRY
         """How storage calls are retried; ``None``: only the driver's own retries."""
-
-        trust_checkpoint: bool = False
-        """Load non-tensor entries in full (runs any code they hold): only for checkpoints you
-        wrote. By default they load as ``torch.load(weights_only=True)`` does."""
 
         def __repr__(self) -> str:
             return redact_text(CheckpointManager.Config.__repr__(self))
@@ -111,7 +110,6 @@ class FsspecCheckpointManager(CheckpointManager):
         self.writer_settings = config.writer_settings
         self.reader_settings = config.reader_settings
         self.retry = config.retry
-        self.trust_checkpoint = config.trust_checkpoint
         self._saving = ""  # the step the latest save wrote (or an async one writes)
         if self.purge_thread is not None:
             # torchtitan's purge thread deletes with os/shutil or fsspec's default options: one
@@ -167,10 +165,9 @@ class FsspecCheckpointManager(CheckpointManager):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         reader = FsspecStorageReader(
-            checkpoint_id, self.storage_options, retry=self.retry, trust_checkpoint=self.trust_checkpoint,
-            **self.reader_settings.as_kwargs(),
-        )  # fmt: skip
-        planner = SafeLoadPlanner(trust_checkpoint=self.trust_checkpoint)
+            checkpoint_id, self.storage_options, retry=self.retry, **self.reader_settings.as_kwargs()
+        )
+        planner = SafeLoadPlanner(trust_checkpoint=self.reader_settings.trust_checkpoint)
         blocking(
             lambda: dcp.load(state_dict, storage_reader=reader, planner=planner),
             f"loading {redact_url(checkpoint_id)}",

@@ -80,6 +80,12 @@ class ReaderSettings(_Keywords):
             storage by one and broadcast to the others (see the reader's ``cooperative``).
             ``None``: on in :meth:`Checkpointer.load <dcp_fsspec.Checkpointer.load>`, off in a
             plain reader; ``False`` turns it off there too.
+        trust_checkpoint: what is read was written by you: unpickle ``.metadata`` and
+            non-tensor entries in full, whatever classes they name, which runs any code they
+            hold. By default only DCP metadata's classes, and for non-tensor entries what
+            ``torch.load(weights_only=True)`` constructs, are loaded; anything else is a
+            ``CorruptCheckpointError`` naming it. In a :class:`Checkpointer
+            <dcp_fsspec.Checkpointer>` it also governs the load planner and the resume checks.
     """
 
     verify_checksums: bool = True
@@ -88,6 +94,7 @@ class ReaderSettings(_Keywords):
     max_gap_bytes: int = 64 * 1024
     threads: int = 16
     cooperative: bool | None = None
+    trust_checkpoint: bool = False
 
 
 def merge_storage_kwargs(

@@ -20,7 +20,15 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, ResumeOptions, SafeLoadPlanner, cli
+from dcp_fsspec import (
+    Checkpointer,
+    CorruptCheckpointError,
+    FsspecStorageReader,
+    ReaderSettings,
+    ResumeOptions,
+    SafeLoadPlanner,
+    cli,
+)
 from dcp_fsspec.storage.verification import verify_checkpoint
 from dcp_fsspec.tools.convert import load_state_dict
 from tests.conftest import Backend
@@ -185,7 +193,7 @@ def test_trust_checkpoint_loads_ones_own_checkpoint_holding_any_picklable_object
     with Checkpointer(local_backend.url) as ckpt, pytest.raises(CorruptCheckpointError, match=r"tests\.security\.crafted\.Note"):
         ckpt.load(model=_model(), extra={"note": None})
     extra: dict[str, Any] = {"note": None}
-    with Checkpointer(local_backend.url, trust_checkpoint=True) as ckpt:
+    with Checkpointer(local_backend.url, reader_settings=ReaderSettings(trust_checkpoint=True)) as ckpt:
         assert ckpt.load(model=_model(), extra=extra) == 1
     assert extra == {"note": Note("mine")}
     reader = FsspecStorageReader(local_backend.sub("iter_000000001", "extra"), trust_checkpoint=True)
