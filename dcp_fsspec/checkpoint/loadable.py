@@ -8,13 +8,15 @@ Each failure is an error naming the folder, the file and what to do.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Iterable
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
+from ..storage.references import referenced_folders
 from ..storage.urls import Location
 from . import layout, listing, pointer
 from .listing import FolderRead
-from .record import CommitRecord, read_commit_record
+from .record import CommitRecord, read_commit_record, referable
 
 
 def require_committed(root: Location, iteration: int, *, named_by: str | None = None) -> CommitRecord:
@@ -128,3 +130,26 @@ def first_key_problem(
             if file_path not in folder.listed and not listing.exists(root, file_path):
                 return f"{root.url_of(file_path)}, which {url} names, is missing"
     return None
+
+
+def require_referable(key: Location, data_files: Iterable[str]) -> None:
+    """Every iteration a saved key refers to (an incremental save's) is committed, or retired
+    with the files it is referred to for kept.
+
+    Args:
+        key: the key's folder (``save_dirname/iter_N/key``).
+        data_files: the data files its ``.metadata`` names.
+
+    Raises:
+        CorruptCheckpointError: naming both iterations.
+        StorageError: the backend failed.
+    """
+    iterations = {layout.parse_iteration(posixpath.dirname(folder)) for folder in referenced_folders(data_files)}
+    root = key.at(posixpath.dirname(posixpath.dirname(key.path)))
+    for iteration in sorted(i for i in iterations if i is not None):
+        if not referable(root, iteration):
+            raise CorruptCheckpointError(
+                f"{key.url} refers to records of iteration {iteration} "
+                f"({root.url_of(layout.iteration_path(root, iteration))}), which is not committed: it was "
+                "deleted or its save never finished; nothing was loaded. Load another iteration"
+            )

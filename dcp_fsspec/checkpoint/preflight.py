@@ -41,6 +41,7 @@ from ..storage.trust import SafeLoadPlanner
 from . import state as state_mod
 from ._collectives import Collectives
 from .at_once import at_once
+from .loadable import require_referable
 from .resume import KeyToLoad
 
 
@@ -157,6 +158,8 @@ class _CheckedReader(FsspecStorageReader):
         checkpoint of one rank's share may hold less of a tensor than this rank now holds).
         """
         metadata = self.read_metadata()
+        if is_coordinator and metadata.storage_data:
+            require_referable(self.location, (info.relative_path for info in metadata.storage_data.values()))
         planner.set_up_planner(target, metadata, is_coordinator)
         self.set_up_storage_reader(metadata, is_coordinator)
         try:

@@ -98,6 +98,10 @@ class Location:
         path = posixpath.join(self.path, *names)
         return posixpath.normpath(path) if names and names[0].startswith("../") else path
 
+    def at(self, path: str) -> Location:
+        """Another path on this filesystem, as a Location of its own (same driver and retries)."""
+        return Location(self.fs, path, self.url_of(path), self.retry)
+
     @cached_property
     def backend(self) -> Backend:
         """What this store can do and how (:mod:`.backends`), chosen once from the filesystem."""
