@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
-from ..storage.references import referenced_folders
+from ..storage.references import is_reference, referenced_folders
 from ..storage.urls import Location
 from . import layout, listing, pointer
 from .listing import FolderRead
@@ -106,7 +106,7 @@ def first_key_problem(
     words; ``None`` if every key is.
 
     A key is that save's when its ``.metadata`` (as ``folder`` read it) carries ``save_id`` and
-    every data file it names is there (in ``folder``'s listing, or confirmed one by one).
+    every data file of its own it names is there (in ``folder``'s listing, or confirmed one by one).
     ``trust_checkpoint``: unpickle ``.metadata`` in full (see :func:`~dcp_fsspec.storage.decoding.parse_metadata`).
 
     Raises:
@@ -125,7 +125,8 @@ def first_key_problem(
         stored = meta.storage_meta
         if stored is None or stored.save_id != save_id:
             return f"{url} was written by another save (save_id {getattr(stored, 'save_id', None)!r}, not {save_id!r})"
-        for name in sorted({info.relative_path for info in (meta.storage_data or {}).values()}):
+        # Its own files; references into other iterations are checked where they are read.
+        for name in sorted({i.relative_path for i in (meta.storage_data or {}).values() if not is_reference(i.relative_path)}):
             file_path = posixpath.join(key_folder, name)
             if file_path not in folder.listed and not listing.exists(root, file_path):
                 return f"{root.url_of(file_path)}, which {url} names, is missing"

@@ -84,7 +84,7 @@ def parse_hashes(raw: bytes, url: str) -> ContentHashes:
             raise TypeError("its transforms are not a list of strings")
         digests = dict(_parse_entry(entry) for entry in doc["entries"])
     except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{url} is unreadable ({e}); save without a base to write every record again") from e
+        raise CorruptCheckpointError(f"the content hashes {url} are unreadable ({e})") from e
     return ContentHashes(save_id, transforms, digests)
 
 
@@ -117,13 +117,13 @@ def read_base(base: Location, folder: str, transforms: list[str]) -> dict[Metada
 
     Returns:
         Entry → digest and storage info as the new ``.metadata`` names it (a reference). Empty
-        when ``base`` stored no content hashes of its own save, or wrote through other
-        transforms (said at WARNING).
+        when ``base`` stored no content hashes of its own save, they are damaged, or it wrote
+        through other transforms (each said at WARNING: the save then writes every record).
 
     Raises:
         ValueError: ``base`` is not a sibling checkpoint of ``folder``.
         CheckpointNotFoundError: ``base`` holds no checkpoint.
-        CorruptCheckpointError: its ``.metadata`` or content hashes are damaged.
+        CorruptCheckpointError: its ``.metadata`` is damaged.
     """
     prefix = base_prefix(folder, base)
     try:
@@ -135,7 +135,11 @@ def read_base(base: Location, folder: str, transforms: list[str]) -> dict[Metada
     if raw is None:
         logger.warning("the base %s stored no content hashes (not an incremental save): writing every record", base.url)
         return {}
-    hashes = parse_hashes(raw, base.url_of(path))
+    try:
+        hashes = parse_hashes(raw, base.url_of(path))
+    except CorruptCheckpointError as e:
+        logger.warning("%s: writing every record", e)
+        return {}
     if hashes.save_id != getattr(metadata.storage_meta, "save_id", None):
         # Left by another save into the base's folder: its digests say nothing of these records.
         logger.warning("the content hashes of the base %s belong to another save: writing every record", base.url)

@@ -12,7 +12,8 @@ from tests.servers.proxy import _CHUNK, LoopbackProxy
 
 
 class CountingProxy(LoopbackProxy):
-    """Forwards to ``upstream``, counting bytes sent to clients and GET requests.
+    """Forwards to ``upstream``, counting bytes sent to clients, bytes received from them
+    (request heads and bodies: what a save uploads) and GET requests.
 
     Args:
         upstream: the server's URL (``http://host:port``).
@@ -24,12 +25,13 @@ class CountingProxy(LoopbackProxy):
         super().__init__(upstream)
         self.cut_after = cut_after
         self.sent = 0
+        self.received = 0
         self.gets = 0
         self.cut = False
 
     def reset(self) -> None:
         """Start counting from zero."""
-        self.sent = self.gets = 0
+        self.sent = self.received = self.gets = 0
 
     async def _connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         if self.cut:
@@ -49,6 +51,7 @@ class CountingProxy(LoopbackProxy):
             while chunk := await reader.read(_CHUNK):
                 # A request line starts a chunk: botocore writes each request's head in one go.
                 self.gets += chunk.startswith(b"GET ")
+                self.received += len(chunk)
                 writer.write(chunk)
                 await writer.drain()
         finally:
