@@ -24,7 +24,7 @@ import os
 import posixpath
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from typing import IO, Any, Literal, cast
 
@@ -43,6 +43,7 @@ from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import Progress, human_bytes
+from .results import WrittenFiles
 
 logger = logging.getLogger(__name__)
 
@@ -50,27 +51,14 @@ MiB = 1024 * 1024
 
 
 @dataclass
-class ConvertResult:
-    """What a conversion read and wrote."""
+class ConvertResult(WrittenFiles):
+    """What a conversion read and wrote, and in which ``format``."""
 
-    src: str
-    out: str
-    format: str
-    tensors: int = 0
-    bytes_written: int = 0
-    seconds: float = 0.0
-    left_out: list[str] = field(default_factory=list)  # safetensors: entries it cannot hold
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    format: str = field(kw_only=True)
 
     def lines(self) -> list[str]:
         """Each entry safetensors could not hold, then what was written."""
-        written = (
-            f"wrote {self.out} ({self.format}): {self.tensors} tensors, "
-            f"{human_bytes(self.bytes_written)}, from {self.src} in {self.seconds:.1f} s"
-        )
-        return [*(f"left out {entry}: safetensors holds only tensors and plain values" for entry in self.left_out), written]
+        return self._lines(f"{self.out} ({self.format}): ", "tensors and plain values")
 
 
 # ``max_bytes``' default: this machine's memory (:func:`memory_size`).
@@ -241,7 +229,7 @@ def convert(
     state_dict = load_state_dict(
         url, storage_options, progress=progress, trust_checkpoint=trust_checkpoint, max_bytes=max_bytes
     )
-    result = ConvertResult(resolve(url, storage_options).url, target.url, fmt)
+    result = ConvertResult(resolve(url, storage_options).url, target.url, format=fmt)
     with _Output(target) as stream:
         encode(state_dict, stream, result)
     result.bytes_written, result.seconds = stream.size, time.perf_counter() - start

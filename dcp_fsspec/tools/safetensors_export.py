@@ -16,7 +16,7 @@ import posixpath
 import struct
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from ..storage.urls import Location, resolve
 from . import targets
 from .convert import check_claimed_sizes
 from .progress import Progress, human_bytes
+from .results import WrittenFiles
 
 logger = logging.getLogger(__name__)
 
@@ -84,27 +85,14 @@ class _Entry:
 
 
 @dataclass
-class ExportResult:
-    """What an export read and wrote."""
+class ExportResult(WrittenFiles):
+    """What an export read and wrote, and the ``shards`` (file names) it wrote."""
 
-    src: str
-    out: str
     shards: list[str] = field(default_factory=list)
-    tensors: int = 0
-    bytes_written: int = 0
-    seconds: float = 0.0
-    left_out: list[str] = field(default_factory=list)  # entries that are not tensors
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def lines(self) -> list[str]:
         """Each entry left out, then what was written."""
-        written = (
-            f"wrote {self.out}: {len(self.shards)} shards, {self.tensors} tensors, "
-            f"{human_bytes(self.bytes_written)}, from {self.src} in {self.seconds:.1f} s"
-        )
-        return [*(f"left out {entry}: safetensors holds only tensors" for entry in self.left_out), written]
+        return self._lines(f"{self.out}: {len(self.shards)} shards, ", "tensors")
 
 
 def export_safetensors(
