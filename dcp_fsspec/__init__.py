@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointMismatchError": ".errors",
     "CheckpointNotFoundError": ".errors",
     "Checkpointer": ".checkpoint",
+    "CheckpointerOptions": ".checkpoint.options",
     "ChecksumMismatchError": ".errors",
     "CorruptCheckpointError": ".errors",
     "DcpFsspecError": ".errors",
@@ -51,7 +52,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from .checkpoint import Checkpointer
     from .checkpoint.events import CheckpointEvent
-    from .checkpoint.options import LocalTier, ResumeOptions
+    from .checkpoint.options import CheckpointerOptions, LocalTier, ResumeOptions
     from .errors import (
         BackgroundSaveError,
         CheckpointExistsError,

@@ -1,16 +1,27 @@
-"""The Checkpointer's grouped options: what ``load`` resumes, and the local tier.
+"""The Checkpointer's grouped options: what ``load`` resumes, the local tier, and all of them.
 
 Each group is a frozen dataclass that checks its own values when built, so a mistake is named
 where it is made. They hold no storage: the Checkpointer resolves their URLs.
+:class:`CheckpointerOptions` holds every keyword-only option, for code that builds a Checkpointer
+on a user's behalf (the integrations).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..errors import UsageError
+from ..storage.retry import DEFAULT_RETRY, RetryPolicy
+from ..storage.settings import ReaderSettings, WriterSettings, _Keywords
 from ..storage.urls import redact_url
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from .events import Callback
 
 DRAIN_EVERY = "every"
 DRAIN_LATEST = "latest"
@@ -101,3 +112,41 @@ class LocalTier:
             raise ValueError(f"LocalTier keep_last_n must be an int >= 1, got {self.keep_last_n!r}")
         if self.drain not in DRAIN_POLICIES:
             raise ValueError(f"LocalTier drain={self.drain!r} is not supported; choose one of {list(DRAIN_POLICIES)}")
+
+
+@dataclass(frozen=True)
+class CheckpointerOptions(_Keywords):
+    """Every keyword-only option of the :class:`~dcp_fsspec.Checkpointer`, as one value.
+
+    The integrations that build a Checkpointer for you take one of these and pass it on whole,
+    so each of them takes every option the Checkpointer takes. Each field is the Checkpointer's
+    keyword of the same name, with the same default: see its docstring. An integration may
+    decide some fields itself (Hugging Face's ``save_total_limit`` is the retention); giving one
+    of those here is an error that names it.
+    """
+
+    async_mode: str = "disabled"
+    keep_last_n: int | None = None
+    resume: ResumeOptions | None = None
+    local_tier: LocalTier | None = None
+    overwrite: bool = False
+    process_group: dist.ProcessGroup | None = None
+    verify_before_commit: bool = False
+    incremental: bool = False
+    on_event: Callback | None = None
+    retry: RetryPolicy | None = DEFAULT_RETRY
+    writer_settings: WriterSettings | None = None
+    reader_settings: ReaderSettings | None = None
+
+    def require_default(self, owner: str, reasons: dict[str, str]) -> None:
+        """Refuse a field ``owner`` decides itself; ``reasons`` maps each such field to what to do.
+
+        Raises:
+            UsageError: one of those fields differs from its default.
+        """
+        for option in dataclasses.fields(self):
+            if option.name in reasons and getattr(self, option.name) != option.default:
+                raise UsageError(
+                    f"{owner} decides CheckpointerOptions.{option.name} itself: leave it unset and "
+                    f"{reasons[option.name]}"
+                )

@@ -35,11 +35,9 @@ from transformers import Trainer  # noqa: E402
 from transformers.trainer_callback import ExportableState  # noqa: E402
 
 from ..checkpoint import Checkpointer  # noqa: E402
-from ..checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
 from ..checkpoint.layout import parse_iteration  # noqa: E402
+from ..checkpoint.options import CheckpointerOptions  # noqa: E402
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidURLError  # noqa: E402
-from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
-from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
 from ..storage.urls import normalize_url, redact_url  # noqa: E402
 
 __all__ = ["FsspecTrainer"]
@@ -58,8 +56,12 @@ class FsspecTrainer(Trainer):
             when to save, as usual; ``args.save_total_limit`` is the retention (newest kept).
         checkpoint_url: where iterations go (``s3://bucket/run/ckpt``, a local folder, …).
         storage_options: fsspec options for ``checkpoint_url`` (credentials, endpoint).
-        async_mode, writer_settings, reader_settings, retry: as the
-            :class:`~dcp_fsspec.Checkpointer`'s.
+        checkpointer_options: the :class:`~dcp_fsspec.Checkpointer`'s other options
+            (``async_mode``, ``writer_settings``, ``reader_settings``, ``retry``, …), except
+            ``keep_last_n``: ``args.save_total_limit`` is the retention.
+
+    Raises:
+        UsageError: ``checkpointer_options`` sets ``keep_last_n``.
     """
 
     def __init__(
@@ -67,17 +69,17 @@ class FsspecTrainer(Trainer):
         *args: Any,
         checkpoint_url: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
-        async_mode: str = ASYNC_DISABLED,
-        writer_settings: WriterSettings | None = None,
-        reader_settings: ReaderSettings | None = None,
-        retry: RetryPolicy | None = DEFAULT_RETRY,
+        checkpointer_options: CheckpointerOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        options = checkpointer_options or CheckpointerOptions()
+        options.require_default(
+            f"FsspecTrainer({redact_url(os.fspath(checkpoint_url))!r})",
+            {"keep_last_n": "set TrainingArguments(save_total_limit=...), the retention"},
+        )
         super().__init__(*args, **kwargs)
-        self.checkpointer = Checkpointer(
-            checkpoint_url, storage_options, async_mode=async_mode, keep_last_n=self.args.save_total_limit,
-            writer_settings=writer_settings, reader_settings=reader_settings, retry=retry,
-        )  # fmt: skip
+        options = dataclasses.replace(options, keep_last_n=self.args.save_total_limit)
+        self.checkpointer = Checkpointer(checkpoint_url, storage_options, **options.as_kwargs())
         self._resuming: tuple[str, int] | None = None  # (the local folder given to the Trainer, iteration)
 
     # -- saving ---------------------------------------------------------------------------------

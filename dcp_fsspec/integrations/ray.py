@@ -14,6 +14,7 @@ path) resumes from.
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 from typing import Any
 
@@ -26,10 +27,8 @@ import ray.train  # noqa: E402
 
 from ..checkpoint import Checkpointer  # noqa: E402
 from ..checkpoint.layout import format_iteration, parse_iteration  # noqa: E402
-from ..checkpoint.options import ResumeOptions  # noqa: E402
+from ..checkpoint.options import CheckpointerOptions, ResumeOptions  # noqa: E402
 from ..errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
-from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
-from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
 
 __all__ = ["RayTrainCheckpointer"]
 
@@ -57,6 +56,16 @@ def _fsspec_url(filesystem: pyarrow.fs.FileSystem, path: str) -> str:
     return scheme + path
 
 
+# The Checkpointer's options Ray decides, and what to do instead of setting each.
+_DECIDED_BY_RAY = {
+    "async_mode": "save synchronously: Ray records a checkpoint as it is when reported",
+    "local_tier": "save to the run's storage path: Ray records a checkpoint as it is when reported",
+    "keep_last_n": "set Ray's CheckpointConfig(num_to_keep=...), the retention",
+    "resume": "pass load_path to RayTrainCheckpointer",
+    "incremental": "save whole iterations: Ray's num_to_keep deletes iterations that later ones would refer to",
+}
+
+
 class RayTrainCheckpointer:
     """Saves a Ray Train worker's state under the run's storage path and reports it to Ray.
 
@@ -78,10 +87,13 @@ class RayTrainCheckpointer:
         load_path: where a run that has no checkpoint of its own starts from (Ray Train v2's
             replacement for ``resume_from_checkpoint``): another run's ``result.checkpoint``,
             or the URL of an iteration folder; read with ``storage_options``.
-        writer_settings, reader_settings, retry, verify_before_commit: as the
-            :class:`~dcp_fsspec.Checkpointer`'s (compression goes in ``writer_settings``).
+        checkpointer_options: the :class:`~dcp_fsspec.Checkpointer`'s other options
+            (``writer_settings``, ``reader_settings``, ``retry``, ``verify_before_commit``, …).
+            Ray decides the rest: saves are synchronous and replace an iteration saved again,
+            ``load_path`` is the resume option, and Ray's ``num_to_keep`` is the retention.
 
     Raises:
+        UsageError: ``checkpointer_options`` sets an option Ray decides (it names it).
         RuntimeError: not in a Ray Train worker (Ray's own error).
         InvalidURLError: the run's storage filesystem has no fsspec counterpart.
     """
@@ -92,11 +104,10 @@ class RayTrainCheckpointer:
         *,
         folder: str = "dcp",
         load_path: str | ray.train.Checkpoint | None = None,
-        writer_settings: WriterSettings | None = None,
-        reader_settings: ReaderSettings | None = None,
-        retry: RetryPolicy | None = DEFAULT_RETRY,
-        verify_before_commit: bool = False,
+        checkpointer_options: CheckpointerOptions | None = None,
     ) -> None:
+        options = checkpointer_options or CheckpointerOptions()
+        options.require_default("RayTrainCheckpointer", _DECIDED_BY_RAY)
         context = ray.train.get_context()
         storage = context.get_storage()
         self._filesystem = storage.storage_filesystem
@@ -104,12 +115,9 @@ class RayTrainCheckpointer:
         self._rank = context.get_world_rank()
         if isinstance(load_path, ray.train.Checkpoint):
             load_path = _fsspec_url(load_path.filesystem, load_path.path)
-        self.checkpointer = Checkpointer(
-            _fsspec_url(self._filesystem, self._path), storage_options,
-            resume=ResumeOptions(load_path=load_path, load_training_state=True), overwrite=True, retry=retry,
-            writer_settings=writer_settings, reader_settings=reader_settings,
-            verify_before_commit=verify_before_commit,
-        )  # fmt: skip
+        resume = ResumeOptions(load_path=load_path, load_training_state=True)
+        options = dataclasses.replace(options, resume=resume, overwrite=True)
+        self.checkpointer = Checkpointer(_fsspec_url(self._filesystem, self._path), storage_options, **options.as_kwargs())
 
     @property
     def url(self) -> str:

@@ -21,7 +21,8 @@ import_or_skip("transformers", "the [hf] extra is not installed: pip install -e 
 
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
 
-from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
+from dcp_fsspec import CheckpointerOptions  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError, UsageError  # noqa: E402
 from dcp_fsspec.integrations.hf import FsspecTrainer  # noqa: E402
 from tests.ckpt_helpers import assert_equal  # noqa: E402
 from tests.conftest import Backend  # noqa: E402
@@ -102,12 +103,13 @@ def test_trainer_resumes_from_the_url_bit_identical_and_keeps_save_total_limit(
     plain.train()
     expected = _state(plain)
 
-    first = _trainer(tmp_path / "first", hf_backend, _StopAt(), async_mode=async_mode)
+    options = CheckpointerOptions(async_mode=async_mode)
+    first = _trainer(tmp_path / "first", hf_backend, _StopAt(), checkpointer_options=options)
     first.train()
     assert first.state.global_step == STOP
     assert first.checkpointer.committed_iterations() == [2, 4]
 
-    resumed = _trainer(tmp_path / "resumed", hf_backend, async_mode=async_mode)
+    resumed = _trainer(tmp_path / "resumed", hf_backend, checkpointer_options=options)
     resumed.train(resume_from_checkpoint=f"{hf_backend.url}/iter_{STOP:09d}")
     assert_equal(expected, _state(resumed))
     assert resumed.checkpointer.committed_iterations() == [STEPS - 2, STEPS]
@@ -134,3 +136,10 @@ def test_resume_true_takes_the_newest_and_errors_name_the_url(local_backend: Bac
     assert resumed.state.global_step == STEPS
     empty.checkpointer.finalize()
     resumed.checkpointer.finalize()
+
+
+def test_the_trainer_refuses_a_keep_last_n_naming_save_total_limit_and_the_url(local_backend: Backend, tmp_path: Path) -> None:
+    options = CheckpointerOptions(keep_last_n=3)
+    with pytest.raises(UsageError, match=r"CheckpointerOptions\.keep_last_n.*save_total_limit") as raised:
+        _trainer(tmp_path / "out", local_backend, checkpointer_options=options)
+    assert local_backend.url in str(raised.value)

@@ -182,3 +182,18 @@ def test_a_ray_storage_filesystem_without_an_fsspec_counterpart_is_an_error_nami
     subtree = pyarrow.fs.SubTreeFileSystem("/base", pyarrow.fs.LocalFileSystem())
     with pytest.raises(InvalidURLError, match="runs/a.*storage_filesystem="):
         _fsspec_url(subtree, "runs/a")
+
+
+@pytest.mark.parametrize("decided", ["async_mode", "local_tier", "keep_last_n", "resume", "incremental"])
+def test_an_option_ray_decides_is_refused_naming_it(decided: str, tmp_path: Path) -> None:
+    """Refused before Ray is asked for its context: no cluster is needed."""
+    from dcp_fsspec import CheckpointerOptions, LocalTier, ResumeOptions
+    from dcp_fsspec.errors import UsageError
+    from dcp_fsspec.integrations.ray import RayTrainCheckpointer
+
+    value = {
+        "async_mode": "async_with_pinned_mem", "local_tier": LocalTier(str(tmp_path)), "keep_last_n": 2,
+        "resume": ResumeOptions(load_path=str(tmp_path)), "incremental": True,
+    }[decided]  # fmt: skip
+    with pytest.raises(UsageError, match=rf"RayTrainCheckpointer decides CheckpointerOptions\.{decided} itself"):
+        RayTrainCheckpointer(checkpointer_options=CheckpointerOptions(**{decided: value}))
