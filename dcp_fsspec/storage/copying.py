@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from ..errors import CorruptCheckpointError, DcpFsspecError, StorageError
 from .failures import storage_errors
 from .fetch import fetch_in_order, plan_spans
 from .names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME, is_temporary, relative_path_problem
+from .self_contained import Piece
 from .uploads import ByteBudget, FileUpload
 from .urls import Location
 
@@ -98,6 +100,8 @@ def copy_files(
     chunk_bytes: int = 8 * MiB,
     on_bytes: Callable[[int], None] | None = None,
     rename: Callable[[str], str] | None = None,
+    assembled: Mapping[str, Sequence[Piece]] | None = None,
+    written: Mapping[str, bytes] | None = None,
 ) -> None:
     """Copy ``files`` (relative name → size, as :func:`list_files` gives) from ``source`` to ``dest``.
 
@@ -110,19 +114,27 @@ def copy_files(
         on_bytes: called with each number of bytes copied (progress).
         rename: the relative name in ``dest`` of each name in ``source`` (the caller keeps it
             inside ``dest``).
+        assembled: data files to write from pieces of files of ``source`` (a self-contained
+            copy's, :mod:`.self_contained`), by relative name, copied with the data files.
+        written: files to write with the bytes given (a rewritten ``.metadata``), by relative
+            name, each in its phase.
 
     Raises:
         StorageError: reading or writing failed; the first error of the phase that failed. What
             was written stays (each file complete or absent), and later phases did not run.
     """
     copier = _Copier(source, dest, chunk_bytes, on_bytes, rename)
-    phases: list[list[str]] = [[], [], [], []]
+    phases: list[list[Callable[[], None]]] = [[], [], [], []]
     for name in sorted(files):
-        phases[phase_of(name)].append(name)
+        copy = copier.copy_large if phase_of(name) == DATA else copier.copy_small
+        phases[phase_of(name)].append(partial(copy, name, files[name]))
+    for name, pieces in sorted((assembled or {}).items()):
+        phases[DATA].append(partial(copier.assemble, name, pieces))
+    for name, data in sorted((written or {}).items()):
+        phases[phase_of(name)].append(partial(copier.write, name, data))
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dcp-fsspec-copy") as pool:
-        for phase, names in enumerate(phases):
-            copy: Callable[[str, int], None] = copier.copy_large if phase == DATA else copier.copy_small
-            futures = [pool.submit(copy, name, files[name]) for name in names]
+        for jobs in phases:
+            futures = [pool.submit(job) for job in jobs]
             errors = [f.exception() for f in futures]
             first = next((e for e in errors if e is not None), None)
             if first is not None:
@@ -157,17 +169,26 @@ class _Copier:
 
     def copy_large(self, name: str, size: int) -> None:
         """A data file: ranged reads streamed into an atomic upload."""
+        self.assemble(name, [(self.source.join(name), 0, size)])
+
+    def assemble(self, name: str, pieces: Sequence[Piece]) -> None:
+        """A data file made of ``pieces`` (in order, each a range of a file of the source):
+        ranged reads streamed into an atomic upload."""
         try:
-            src_path, dst_path = self._paths(name)
+            _, dst_path = self._paths(name)
             upload: FileUpload = self.dest.backend.new_upload(dst_path, part_size=16 * MiB, budget=self.budget)
         except OSError as e:
             raise self._failed(name, e) from e
         try:
-            spans = plan_spans([(src_path, 0, size)], max_gap=0, max_span=self.chunk_bytes) if size else []
+            # Pieces in order and apart: each span is within one piece, so the spans come in order.
+            spans = [
+                span for path, start, end in pieces if end > start
+                for span in plan_spans([(path, start, end)], max_gap=0, max_span=self.chunk_bytes)
+            ]  # fmt: skip
             for span, data in fetch_in_order(self.source.fs, spans, window_bytes=2 * self.chunk_bytes, threads=2):
                 if len(data) != span.size:
                     raise StorageError(
-                        f"{self.source.url_of(src_path)} changed while being copied: bytes [{span.start}, "
+                        f"{self.source.url_of(span.path)} changed while being copied: bytes [{span.start}, "
                         f"{span.end}) gave {len(data)} bytes"
                     )
                 upload.write([memoryview(data)])
@@ -183,8 +204,15 @@ class _Copier:
     def copy_small(self, name: str, size: int) -> None:
         """A commit file (``.metadata``, ``.commit.json``, the pointer): one read, one atomic write."""
         try:
-            src_path, dst_path = self._paths(name)
-            data = self.source.fs.cat_file(src_path)
+            data = self.source.fs.cat_file(self.source.join(name))
+        except OSError as e:
+            raise self._failed(name, e) from e
+        self.write(name, data)
+
+    def write(self, name: str, data: bytes) -> None:
+        """A small file with the bytes given: one atomic write."""
+        try:
+            _, dst_path = self._paths(name)
             self.dest.backend.write_small_atomic(dst_path, data)
         except OSError as e:
             raise self._failed(name, e) from e

@@ -17,6 +17,11 @@ checkpoint's size; only a record too odd for our parser (and at most 64 MiB) is 
 try ``torch.load`` on it, and a transformed record is held whole (it is one unit: its bytes
 mean nothing until its transforms are undone) and judged, and let go, as soon as it is complete.
 
+References are followed (an incremental save's records kept in another checkpoint, see
+:mod:`.references`): each referenced file is checked like the checkpoint's own, its folder
+listed once, and the bytes of records of its own and referenced are counted apart. A reference
+to a missing file, or to a folder without ``.metadata``, is a problem naming both checkpoints.
+
 Damage is reported, not raised: each :class:`VerifyProblem` names the file, the item, the error
 a load would raise and, for a checksum mismatch, both CRC-32s. This module knows one checkpoint
 folder; iterations, commit records and the pointer belong to the checkpoint layer, and
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -48,7 +54,9 @@ from .decoding import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_re
 from .failures import storage_errors
 from .fetch import Span, fetch_in_order, plan_spans
 from .names import METADATA_NAME
+from .references import is_reference, reference_problem, referenced_folders
 from .retry import DEFAULT_RETRY, RetryPolicy
+from .self_contained import folder_sizes
 from .transforms import missing_package, reader_transforms, untransform, untransformed_limit
 from .urls import Location, resolve
 
@@ -97,6 +105,8 @@ class VerifyReport:
             tensors saved without one).
         objects: of those, the pickled (non-tensor) entries, which never have one.
         bytes_read: bytes of data files downloaded.
+        own_bytes: bytes of the records in the checkpoints' own data files.
+        referenced_bytes: bytes of the records in other checkpoints' files (references).
         problems: everything found wrong; empty when the checkpoint is sound.
         notes: things worth knowing that are not damage (e.g. uncommitted folders skipped).
     """
@@ -109,6 +119,8 @@ class VerifyReport:
     unchecked: int = 0
     objects: int = 0
     bytes_read: int = 0
+    own_bytes: int = 0
+    referenced_bytes: int = 0
     problems: list[VerifyProblem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -125,6 +137,8 @@ class VerifyReport:
         self.unchecked += other.unchecked
         self.objects += other.objects
         self.bytes_read += other.bytes_read
+        self.own_bytes += other.own_bytes
+        self.referenced_bytes += other.referenced_bytes
         self.problems += other.problems
         self.notes += other.notes
 
@@ -151,6 +165,7 @@ def verify_checkpoint(
     retry: RetryPolicy | None = DEFAULT_RETRY,
     progress: ProgressSink | None = None,
     trust_checkpoint: bool = False,
+    references: bool = False,
 ) -> VerifyReport:
     """Check the DCP checkpoint folder at ``url`` (``.metadata`` and its data files).
 
@@ -168,6 +183,9 @@ def verify_checkpoint(
             code it holds). By default a ``.metadata`` naming a class DCP metadata does not
             consist of is reported as a problem, and nothing it names is run. Non-tensor entries
             are never unpickled here (only their presence and size are checked).
+        references: follow references to sibling checkpoints (``../step-10/…``, a plain
+            layout's incremental saves); without it such a reference is a problem. References
+            to another iteration's same key are always followed.
 
     Returns:
         The report (``kind`` ``"checkpoint"``); ``report.ok`` is False when anything was found
@@ -180,7 +198,9 @@ def verify_checkpoint(
     """
     location = resolve(url, storage_options, fs, retry=retry)
     report = VerifyReport(url=location.url, kind="checkpoint")
-    _Checkpoint(location, report, window_bytes, max_request_bytes, threads, progress, trust_checkpoint).verify()
+    _Checkpoint(
+        location, report, window_bytes, max_request_bytes, threads, progress, trust_checkpoint, references
+    ).verify()
     return report
 
 
@@ -205,6 +225,7 @@ class _Checkpoint:
     threads: int
     progress: ProgressSink | None
     trust_checkpoint: bool = False
+    references: bool = False
     transforms: _StorageReaderTransforms = field(default_factory=lambda: reader_transforms(None))
 
     @property
@@ -220,7 +241,7 @@ class _Checkpoint:
         metadata = self._metadata()
         if metadata is None:
             return
-        records = self._records(metadata, self._file_sizes())
+        records = self._records(metadata, self._file_sizes(metadata))
         self._check_records(records)
         logger.info(
             "verified %s: %d items, %d problems (%.2f s)",
@@ -229,7 +250,7 @@ class _Checkpoint:
 
     def _metadata(self) -> Metadata | None:
         try:
-            metadata = read_metadata(self.location, trust_checkpoint=self.trust_checkpoint)
+            metadata = read_metadata(self.location, trust_checkpoint=self.trust_checkpoint, references=True)
         except CheckpointNotFoundError:
             self.problem(self.metadata_url, None, "does not exist", error=CheckpointNotFoundError)
             return None
@@ -239,17 +260,32 @@ class _Checkpoint:
         if not isinstance(metadata.storage_data, dict):
             self.problem(self.metadata_url, None, "holds DCP metadata without storage data")
             return None
+        folder = posixpath.dirname(self.metadata_url)
+        siblings = sorted({
+            name for name in referenced_folders(info.relative_path for info in metadata.storage_data.values())
+            if reference_problem(name + "/f", folder, siblings=False) is not None
+        })  # fmt: skip
+        if siblings and not self.references:
+            self.problem(
+                self.metadata_url, None,
+                f"refers to records of the sibling checkpoint {self.location.url_of(self.location.join(siblings[0]))} "
+                "(an incremental save's base); pass --references (references=True) to follow it",
+            )  # fmt: skip
+            return None
         return metadata
 
-    def _file_sizes(self) -> dict[str, int]:
+    def _file_sizes(self, metadata: Metadata) -> dict[str, int]:
+        """Every file of the checkpoint's folder, and of each folder it refers to: path → size."""
         fs, path = self.location.fs, self.location.path
         fs.invalidate_cache(path)
         try:
             with storage_errors("list", self.location.url):
                 found = fs.find(path, detail=True)
         except FileNotFoundError:
-            return {}
-        return {path: int(info.get("size") or 0) for path, info in found.items()}
+            found = {}
+        sizes = {path: int(info.get("size") or 0) for path, info in found.items()}
+        names = (info.relative_path for info in metadata.storage_data.values())
+        return sizes | folder_sizes(self.location, (self.location.join(name) for name in referenced_folders(names)))
 
     def _records(self, metadata: Metadata, sizes: dict[str, int]) -> list[_TensorRecord]:
         """The tensor records to read; problems for entries that are missing or do not fit."""
@@ -266,12 +302,19 @@ class _Checkpoint:
                     self.problem(self.metadata_url, fqn, "has no storage entry")
         by_place: dict[tuple[str, int, int], _TensorRecord] = {}
         missing_files: dict[str, list[str]] = {}
+        counted: set[tuple[str, int, int]] = set()
         for index, info in storage.items():
             path = self.location.join(info.relative_path)
             url = self.location.url_of(path)
-            if path not in sizes:
-                missing_files.setdefault(url, []).append(index.fqn)
+            if path not in sizes or self._unreferable(info.relative_path, sizes):
+                missing_files.setdefault(path, []).append(index.fqn)
                 continue
+            if (path, info.offset, info.length) not in counted:
+                counted.add((path, info.offset, info.length))
+                if is_reference(info.relative_path):
+                    self.report.referenced_bytes += info.length
+                else:
+                    self.report.own_bytes += info.length
             end = info.offset + info.length
             if sizes[path] < end:
                 self.problem(
@@ -292,10 +335,26 @@ class _Checkpoint:
                     None if chunk is None else tuple(chunk.sizes), index,
                     tuple(info.transform_descriptors or ()), untransformed_limit(tensor_meta, index),
                 )  # fmt: skip
-        for url, fqns in missing_files.items():
+        for path, fqns in missing_files.items():
             shown = ", ".join(sorted(fqns)[:5]) + (f" and {len(fqns) - 5} more" if len(fqns) > 5 else "")
-            self.problem(url, None, f"does not exist; .metadata places {len(fqns)} item(s) in it: {shown}")
+            what = f"{self._missing(path, sizes)}; .metadata places {len(fqns)} item(s) in it: {shown}"
+            self.problem(self.location.url_of(path), None, what)
         return sorted(by_place.values(), key=lambda r: (r.path, r.offset))
+
+    def _unreferable(self, name: str, sizes: dict[str, int]) -> bool:
+        """Whether ``name`` is a reference into a folder that is not a checkpoint (no ``.metadata``)."""
+        folder = posixpath.dirname(self.location.join(name))
+        return is_reference(name) and posixpath.join(folder, METADATA_NAME) not in sizes
+
+    def _missing(self, path: str, sizes: dict[str, int]) -> str:
+        """What is wrong with the data file at ``path``, which is not there to read."""
+        if path.startswith(self.location.path.rstrip("/") + "/"):
+            return "does not exist"
+        why = "does not exist" if path not in sizes else (
+            f"is in {self.location.url_of(posixpath.dirname(path))}, which is not a committed checkpoint "
+            f"(no {METADATA_NAME})"
+        )  # fmt: skip
+        return f"{why}, but the checkpoint {self.location.url} refers to it (an incremental save's base)"
 
     def _check_records(self, records: list[_TensorRecord]) -> None:
         spans = plan_spans(

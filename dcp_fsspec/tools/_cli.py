@@ -306,3 +306,12 @@ def add_trust_flag(parser: argparse.ArgumentParser) -> None:
         help="the checkpoint is your own: unpickle .metadata and non-tensor entries in full, whatever "
         "classes they name (this runs any code they hold; without it such a checkpoint is refused, exit 1)",
     )  # fmt: skip
+
+
+def add_references_flag(parser: argparse.ArgumentParser) -> None:
+    """``--references``: follow an incremental save's references to sibling checkpoints (``references=True``)."""
+    parser.add_argument(
+        "--references", action="store_true",
+        help="follow references to sibling checkpoints (../step-10/…: a plain layout's incremental saves); "
+        "references between a Checkpointer's iterations are always followed",
+    )  # fmt: skip

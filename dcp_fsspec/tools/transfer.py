@@ -13,6 +13,11 @@ destination (a ``..`` component, an absolute path, a scheme, a backslash: an S3 
 of them) is refused, and so is a symbolic link in a local source that leads out of it. Both are
 errors naming the file, not files skipped with a warning: a copy missing a data file that
 ``.metadata`` lists would still be committed at the destination, and damaged.
+
+The copy stands alone. A checkpoint of an incremental save refers to records of another
+checkpoint; its copy gets those records in data files of its own, and a rewritten ``.metadata``
+(:mod:`dcp_fsspec.storage.self_contained`). A whole run's copy keeps a reference to an
+iteration it copies too, and copies the records of any other (a retired iteration's).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import os
 import posixpath
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,6 +36,7 @@ from ..errors import CheckpointExistsError
 from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_of
 from ..storage.failures import storage_errors
 from ..storage.names import POINTER_NAME
+from ..storage.self_contained import pieces_bytes, self_contained_files
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import Progress, human_bytes
@@ -49,6 +56,7 @@ class CopyResult:
     files: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    referenced_bytes: int = 0  # of ``bytes``, those of records copied from referenced checkpoints
     skipped: list[str] = field(default_factory=list)  # uncommitted iteration folders left behind
 
     def to_dict(self) -> dict[str, Any]:
@@ -57,8 +65,13 @@ class CopyResult:
     def lines(self) -> list[str]:
         """The result in words, for the terminal."""
         lines = [f"skipped {folder}: not committed" for folder in self.skipped]
+        referenced = (
+            f" ({human_bytes(self.referenced_bytes)} of it records of referenced checkpoints, copied in: "
+            "the copy stands alone)" if self.referenced_bytes else ""
+        )  # fmt: skip
         lines.append(
-            f"copied {self.src} -> {self.dst}: {self.files} files, {human_bytes(self.bytes)} in {self.seconds:.1f} s"
+            f"copied {self.src} -> {self.dst}: {self.files} files, {human_bytes(self.bytes)}{referenced} "
+            f"in {self.seconds:.1f} s"
         )
         return lines
 
@@ -73,6 +86,8 @@ def copy_checkpoint(
     workers: int = 8,
     chunk_bytes: int = 8 * MiB,
     progress: Progress | None = None,
+    references: bool = False,
+    trust_checkpoint: bool = False,
 ) -> CopyResult:
     """Copy the checkpoint, iteration folder or save_dirname at ``src`` to ``dst``.
 
@@ -87,12 +102,17 @@ def copy_checkpoint(
         workers: files copied at once.
         chunk_bytes: the size of each ranged read (each worker holds at most two).
         progress: advanced by the bytes copied, if given.
+        references: follow references to sibling checkpoints (``../step-10/…``, a plain
+            layout's incremental saves); references between iterations are always followed.
+        trust_checkpoint: unpickle each ``.metadata`` in full, whatever classes it names.
 
     Raises:
         CheckpointNotFoundError: nothing at ``src`` to copy.
         CheckpointExistsError: ``dst`` is not empty and ``overwrite`` is False.
         CorruptCheckpointError: a file at ``src`` would be written outside ``dst`` (a name with
-            ``..``, say), or is a symbolic link leading out of ``src``; nothing was written.
+            ``..``, say), or is a symbolic link leading out of ``src``; a ``.metadata`` cannot be
+            read, or refers to a file that is missing (or to a sibling checkpoint, without
+            ``references``); nothing was written.
         StorageError: reading or writing failed; the destination is left uncommitted.
     """
     start = time.perf_counter()
@@ -100,16 +120,24 @@ def copy_checkpoint(
     target = targets.classify(resolve(src, storage_options))
     source = target.location
     result = CopyResult(source.url, dest.url, target.kind)
-    files = _files_to_copy(source, target, result.skipped)
+    files, copied = _files_to_copy(source, target, result.skipped)
     check_inside(source, files)
-    _clear_destination(dest, files, overwrite)
+    assembled, written = self_contained_files(
+        source, files, keep=lambda path: _iteration_folder(path) in copied, references=references,
+        trust_checkpoint=trust_checkpoint,
+    )  # fmt: skip
+    for name in written:
+        del files[name]
+    _clear_destination(dest, [*files, *written], overwrite)
+    result.referenced_bytes = pieces_bytes(assembled)
+    result.files = len(files) + len(assembled) + len(written)
+    result.bytes = sum(files.values()) + result.referenced_bytes + sum(map(len, written.values()))
     if progress is not None:
-        progress.add_total(sum(files.values()))
+        progress.add_total(result.bytes)
     copy_files(
         source, dest, files, workers=workers, chunk_bytes=chunk_bytes,
-        on_bytes=None if progress is None else progress.advance,
+        on_bytes=None if progress is None else progress.advance, assembled=assembled, written=written,
     )  # fmt: skip
-    result.files, result.bytes = len(files), sum(files.values())
     result.seconds = time.perf_counter() - start
     logger.info(
         "copied %s (%d files, %s) to %s in %.1f s", source.url, result.files, human_bytes(result.bytes),
@@ -118,31 +146,38 @@ def copy_checkpoint(
     return result
 
 
-def _files_to_copy(source: Location, target: targets.Target, skipped: list[str]) -> dict[str, int]:
-    """Relative path → size of every file to copy."""
+def _files_to_copy(source: Location, target: targets.Target, skipped: list[str]) -> tuple[dict[str, int], set[str]]:
+    """Relative path → size of every file to copy, and the iteration folders (paths) copied whole."""
     if target.kind != "run":
         if target.kind == "iteration":
             assert target.run is not None and target.iteration is not None
             _, why = listing.inspect_iteration(target.run, target.iteration)
             if why is not None:
                 logger.warning("%s is not committed (%s); copying it as it is", source.url, why)
-        return list_files(source, source.path)
+        return list_files(source, source.path), set()
     files: dict[str, int] = {}
+    copied: set[str] = set()
     committed = set(listing.committed_iterations(source))
     for iteration in layout.list_iterations(source):
         folder = layout.iteration_path(source, iteration)
         if iteration in committed:
             files.update(list_files(source, folder))
+            copied.add(folder)
         else:
             skipped.append(source.url_of(folder))
             logger.warning("not copying %s: not committed (a save that never finished)", source.url_of(folder))
     pointer = source.join(POINTER_NAME)
     if listing.exists(source, pointer):
         files[POINTER_NAME] = int(source.fs.info(pointer).get("size") or 0)
-    return files
+    return files, copied
 
 
-def _clear_destination(dest: Location, files: dict[str, int], overwrite: bool) -> None:
+def _iteration_folder(path: str) -> str:
+    """The iteration folder holding a file of one of its keys (``…/iter_N/key/file``)."""
+    return posixpath.dirname(posixpath.dirname(path))
+
+
+def _clear_destination(dest: Location, files: Iterable[str], overwrite: bool) -> None:
     """Refuse a non-empty destination, or (``overwrite``) un-commit what the copy replaces."""
     dest.fs.invalidate_cache(dest.path)
     try:
@@ -179,6 +214,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _cli.add_standard_arguments(parser, source, destination, destination=True)
     parser.add_argument("--overwrite", action="store_true", help="copy into a destination that is not empty")
     parser.add_argument("--workers", type=int, default=8, help="files copied at once (default: 8)")
+    _cli.add_references_flag(parser)
+    _cli.add_trust_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -188,7 +225,8 @@ def main(args: argparse.Namespace) -> int:
     with Progress("copying") as progress:
         result = copy_checkpoint(
             args.src, args.dst, source_options, dest_options,
-            overwrite=args.overwrite, workers=args.workers, progress=progress,
+            overwrite=args.overwrite, workers=args.workers, progress=progress, references=args.references,
+            trust_checkpoint=args.trust,
         )  # fmt: skip
     _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK

@@ -4,7 +4,8 @@ Each DCP checkpoint is checked by :func:`dcp_fsspec.storage.verification.verify_
 (every file present and long enough, every record decoded, every CRC-32 compared; see there).
 This module adds what knows runs: given an iteration folder, it verifies every key its commit
 record lists (a listed key without ``.metadata`` is a problem); given a ``save_dirname``, every
-committed iteration and the pointer (uncommitted folders are noted, not failed). Damage is
+committed iteration and the pointer (uncommitted folders are noted, not failed). A key's
+references into other iterations are followed and checked like its own files. Damage is
 reported, not raised: each :class:`~dcp_fsspec.storage.verification.VerifyProblem` names the
 file, the item and, for a checksum mismatch, both CRC-32s. Errors are raised only when there is
 nothing to verify (:class:`CheckpointNotFoundError`) or the backend fails (:class:`StorageError`).
@@ -37,6 +38,7 @@ def verify(
     threads: int = 8,
     progress: Progress | None = None,
     trust_checkpoint: bool = False,
+    references: bool = False,
 ) -> VerifyReport:
     """Check the checkpoint, iteration folder or save_dirname at ``url``; report what is wrong.
 
@@ -50,6 +52,9 @@ def verify(
         trust_checkpoint: unpickle each ``.metadata`` in full, whatever classes it names (runs
             any code it holds); by default one naming a class DCP metadata does not consist of is
             a problem, and nothing it names runs.
+        references: follow references to sibling checkpoints (``../step-10/…``, a plain
+            layout's incremental saves); a Checkpointer's references between iterations are
+            always followed.
 
     Returns:
         The report; ``report.ok`` is False when anything was found wrong.
@@ -67,7 +72,7 @@ def verify(
     def one_checkpoint(key: Location) -> VerifyReport:
         return verify_checkpoint(
             key.url, fs=key.fs, window_bytes=window_bytes, max_request_bytes=max_request_bytes, threads=threads,
-            retry=key.retry, progress=progress, trust_checkpoint=trust_checkpoint,
+            retry=key.retry, progress=progress, trust_checkpoint=trust_checkpoint, references=references,
         )  # fmt: skip
 
     checker = _Checker(report, one_checkpoint)
@@ -147,13 +152,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("url", "a DCP checkpoint, an iteration folder (every key), or a save_dirname (every committed iteration)"),
     )
     _cli.add_trust_flag(parser)
+    _cli.add_references_flag(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     with Progress("verifying") as progress:
         report = verify(
-            args.url, _cli.storage_options(args.storage_options), progress=progress, trust_checkpoint=args.trust
-        )
+            args.url, _cli.storage_options(args.storage_options), progress=progress, trust_checkpoint=args.trust,
+            references=args.references,
+        )  # fmt: skip
     # Counted as the user saved them: an iteration is one checkpoint, however many keys it holds.
     saved, keys = len({posixpath.dirname(url) for url in report.checkpoints}), len(report.checkpoints)
     counted = f"{keys} checkpoint" if report.kind == "checkpoint" else f"{saved} checkpoint(s) ({keys} keys)"
@@ -161,6 +168,11 @@ def main(args: argparse.Namespace) -> int:
         f"{counted}, {report.items} items, {report.tensors_checked} tensors "
         f"checked against their CRC-32, {_without_checksum(report)}, {human_bytes(report.bytes_read)} read"
     )
+    if report.referenced_bytes:
+        summary += (
+            f"; records: {human_bytes(report.own_bytes)} in the checkpoints' own files, "
+            f"{human_bytes(report.referenced_bytes)} referenced in other checkpoints' (incremental saves)"
+        )
     lines = [f"note: {note}" for note in report.notes] + [f"PROBLEM {problem}" for problem in report.problems]
     lines.append(f"{'OK' if report.ok else f'{len(report.problems)} PROBLEM(S) in'} {report.url}: {summary}")
     _cli.report(args, report.to_dict(), lines)
