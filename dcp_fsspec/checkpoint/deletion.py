@@ -2,6 +2,8 @@
 
 A folder's commit record goes before anything else in it, so a half-deleted folder is an
 uncommitted one, never a damaged checkpoint; retention deletes what is left at a later save.
+An iteration whose files later iterations refer to is retired instead: a retired mark replaces
+its record (:func:`.record.retired_mark`), then only the files nobody refers to go.
 Every deletion works in bulk where the store allows. A symbolic link under ``save_dirname`` is
 removed itself, never followed: it may lead into another run's checkpoint.
 """
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 
 from ..storage.urls import Location
 from . import layout
-from .record import record_path
+from .record import parse_record, record_path, retired_mark
 
 
 def discard_iteration(root: Location, iteration: int) -> None:
@@ -44,6 +46,33 @@ def uncommit_iterations(root: Location, iterations: Sequence[int]) -> None:
     """
     if iterations:
         root.backend.remove_files([record_path(root, i) for i in iterations], within=root.path)
+
+
+def retire_iterations(root: Location, iterations: Sequence[int]) -> None:
+    """Replace the commit record of each of ``iterations`` by a retired mark, one atomic write
+    each: from then on it no longer loads, but other iterations may still refer to its files
+    (:func:`.record.referable`). One without a committed record is left as it is.
+
+    Raises:
+        CorruptCheckpointError: a record is not one we wrote (that iteration is left committed).
+        StorageError: the backend failed; some may still be committed.
+    """
+    for iteration in iterations:
+        path = record_path(root, iteration)
+        record = parse_record(root, path, root.backend.read_versioned(path).data)
+        if record is not None:
+            root.backend.write_small_atomic(path, retired_mark(record))
+
+
+def remove_files(root: Location, paths: Sequence[str]) -> None:
+    """Delete the files ``paths`` under ``root``, in bulk; call it on files of uncommitted or
+    retired iterations only. A symbolic link is removed itself, never followed.
+
+    Raises:
+        StorageError: the backend failed; some may be left.
+    """
+    if paths:
+        root.backend.remove_files(paths, within=root.path)
 
 
 def remove_iterations(root: Location, iterations: Sequence[int]) -> None:

@@ -15,7 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ..errors import DcpFsspecError
-from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
+from ..storage.names import COMMIT_RECORD_NAME, CONTENT_HASHES_NAME, METADATA_NAME
 from ..storage.urls import Location
 from . import layout
 from .at_once import at_once
@@ -179,14 +179,25 @@ class Listing:
         read: the iterations with anything listed inside their folder.
         records: the iterations whose folder lists ``.commit.json``.
         finished: ``(iteration, key)`` for each key folder that lists ``.metadata``.
-        sizes: the bytes of the files listed in each iteration's folder.
+        files: each iteration's files (their paths) → their sizes.
+        hashed: ``(iteration, key)`` for each key folder that lists ``.content_hashes.json``.
     """
 
     folders: tuple[int, ...]
     read: frozenset[int]
     records: frozenset[int]
     finished: frozenset[tuple[int, str]]
-    sizes: Mapping[int, int] = field(default_factory=dict)
+    files: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    hashed: frozenset[tuple[int, str]] = frozenset()
+
+    def size(self, iteration: int) -> int:
+        """The bytes of the files listed in ``iteration``'s folder."""
+        return sum(self.files.get(iteration, {}).values())
+
+    def incremental_keys(self, iteration: int) -> list[str]:
+        """The keys of ``iteration`` that list content hashes (an incremental save's): the only
+        keys that refer to other iterations, or that others refer to."""
+        return sorted(key for i, key in self.hashed if i == iteration)
 
 
 def list_save_dirname(root: Location) -> Listing:
@@ -201,7 +212,8 @@ def list_save_dirname(root: Location) -> Listing:
     read: set[int] = set()
     records: set[int] = set()
     finished: set[tuple[int, str]] = set()
-    sizes: dict[int, int] = {}
+    files: dict[int, dict[str, int]] = {}
+    hashed: set[tuple[int, str]] = set()
     for name, info in found.items():
         parts = name[len(prefix):].rstrip("/").split("/") if name.startswith(prefix) else []
         iteration = layout.parse_iteration(parts[0]) if parts else None
@@ -209,15 +221,17 @@ def list_save_dirname(root: Location) -> Listing:
             continue
         (read if len(parts) > 1 else bare).add(iteration)
         if len(parts) > 1 and info.get("type") != "directory":
-            sizes[iteration] = sizes.get(iteration, 0) + int(info.get("size") or 0)
+            files.setdefault(iteration, {})[name] = int(info.get("size") or 0)
         if parts[1:] == [COMMIT_RECORD_NAME]:
             records.add(iteration)
         elif len(parts) == 3 and parts[2] == METADATA_NAME:
             finished.add((iteration, parts[1]))
+        elif len(parts) == 3 and parts[2] == CONTENT_HASHES_NAME:
+            hashed.add((iteration, parts[1]))
     # A name with nothing listed under it is an empty folder or a file of that name: only an
     # empty folder, which object stores do not have, costs a request to tell them apart.
     folders = read | {i for i in bare - read if _is_folder(root, layout.iteration_path(root, i))}
-    return Listing(tuple(sorted(folders)), frozenset(read), frozenset(records), frozenset(finished), sizes)
+    return Listing(tuple(sorted(folders)), frozenset(read), frozenset(records), frozenset(finished), files, frozenset(hashed))
 
 
 def _is_folder(root: Location, path: str) -> bool:

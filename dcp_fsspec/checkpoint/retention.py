@@ -2,25 +2,31 @@
 
 The plan is a pure function of what is on storage, so it is easy to reason about: keep the
 newest N committed iterations at or below the pointer, the one the pointer names, and any being
-written; delete every other folder older than the pointer. That includes uncommitted folders
+written; let go of every other folder older than the pointer. That includes uncommitted folders
 older than the pointer: they are debris of failed saves or of earlier deletions that failed
 half way (:mod:`.deletion` uncommits first), which is how a failed delete is retried
 at the next save without remembering anything between saves.
+
+An incremental run's kept iterations may refer to files of one let go of (:mod:`.referenced`).
+Such an iteration is retired, not deleted: a retired mark replaces its commit record, then only
+the files no kept iteration refers to go. Its keys' ``.metadata`` and content hashes stay, as a
+reader of the references checks them. Once nothing kept refers to it, it is deleted whole.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import partial
 from typing import NamedTuple
 
 from ..errors import DcpFsspecError
+from ..storage.names import COMMIT_RECORD_NAME, CONTENT_HASHES_NAME, METADATA_NAME
 from ..storage.urls import Location
-from . import deletion, layout, listing, pointer
+from . import deletion, layout, listing, pointer, referenced
 from .at_once import at_once
-from .listing import Survey
+from .listing import Listing, Survey
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +70,8 @@ def plan_from_storage(
 
     One listing says which folders exist and which show a commit record; only the newest N
     committed ones matter, so only their records (and those of damaged ones met on the way) are
-    read: a bounded number of requests however many folders there are.
+    read: a bounded number of requests however many folders there are. Where an iteration let go
+    of may be referred to (an incremental save's), each kept key's ``.metadata`` is read too.
 
     Args:
         survey: the listing and records a save read at its start (:class:`Survey`); else read here.
@@ -91,9 +98,28 @@ def plan_from_storage(
         known.update((i, record is not None) for i, record in zip(unknown, records, strict=True))
         committed += [iteration for iteration in batch if known[iteration]]
     delete = plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
+    retire = _retirements(root, listed, iterations, delete)
     # A folder the listing shows without a record needs no uncommitting: a failed save's leftovers.
-    recorded = [i for i in delete if i in listed.records or i not in listed.read]
-    return Plan(iterations, delete, recorded)
+    recorded = [i for i in delete if i not in retire and (i in listed.records or i not in listed.read)]
+    return Plan(iterations, delete, recorded, retire)
+
+
+def _retirements(root: Location, listed: Listing, iterations: list[int], delete: list[int]) -> dict[int, list[str]]:
+    """Those of ``delete`` whose files the iterations kept refer to → their files that may go."""
+    if not any(referenced.may_be_referred_to(listed, i) for i in delete):
+        return {}  # no request, and no torch, for a run without incremental saves
+    going = set(delete)
+    referred = referenced.referred_files(root, listed, [i for i in iterations if i not in going])
+    held = {i: referenced.held_by(root, i, referred) for i in delete}
+    return {i: [path for path in listed.files.get(i, {}) if path not in files and not _stays(root, i, path)]
+            for i, files in held.items() if files}  # fmt: skip
+
+
+def _stays(root: Location, iteration: int, path: str) -> bool:
+    """Whether ``path`` is a file a retired iteration keeps whatever refers to it: its mark, and
+    each key's ``.metadata`` and content hashes (a reader checks them in a folder it refers to)."""
+    relative = path[len(layout.iteration_path(root, iteration).rstrip("/")) + 1 :].split("/")
+    return relative == [COMMIT_RECORD_NAME] or (len(relative) == 2 and relative[1] in (METADATA_NAME, CONTENT_HASHES_NAME))
 
 
 class Plan(NamedTuple):
@@ -101,13 +127,27 @@ class Plan(NamedTuple):
 
     Attributes:
         iterations: every iteration folder, ascending.
-        delete: the iterations to delete (:func:`plan_deletions`).
-        recorded: those of ``delete`` that may hold a commit record (the others are uncommitted).
+        delete: the iterations to let go of (:func:`plan_deletions`).
+        recorded: those of ``delete`` to delete whole that may hold a commit record (the others
+            are uncommitted).
+        retire: those of ``delete`` whose files kept iterations refer to → the files to delete
+            once each is retired (:func:`.deletion.retire_iterations`).
     """
 
     iterations: list[int]
     delete: list[int]
     recorded: list[int]
+    retire: Mapping[int, list[str]] = {}
+
+    @property
+    def whole(self) -> list[int]:
+        """Those of ``delete`` to delete whole: no kept iteration refers to their files."""
+        return [i for i in self.delete if i not in self.retire]
+
+    def without(self, failed: Collection[int], *, recorded: list[int]) -> Plan:
+        """This plan less the ``failed`` iterations, with ``recorded`` still to uncommit."""
+        retire = {i: files for i, files in self.retire.items() if i not in failed}
+        return Plan(self.iterations, [i for i in self.delete if i not in failed], recorded, retire)
 
 
 def apply_retention(
@@ -129,14 +169,15 @@ def apply_retention(
         latest: the iteration the pointer names, when the caller just moved it (saves a read);
             ``None``: read the pointer.
         purge: where the files go. The old iterations' commit records are deleted here (up to
-            :data:`UNCOMMIT_IN_SAVE` of them: one bulk request), so no load or listing takes them
-            for checkpoints once this returns. Everything else, the leftovers of failed saves
-            included, is deleted on ``purge``'s thread, while training goes on. ``None``: here.
+            :data:`UNCOMMIT_IN_SAVE` of them: one bulk request), or replaced by retired marks,
+            so no load or listing takes them for checkpoints once this returns. Everything
+            else, the leftovers of failed saves included, is deleted on ``purge``'s thread,
+            while training goes on. ``None``: here.
         survey, committed_now: what the caller read already (see :func:`plan_from_storage`).
 
     Returns:
-        The iterations deleted (with ``purge``: on their way). One that failed to delete is
-        retried at the next call.
+        The iterations let go of: deleted or retired (with ``purge``: on their way). One that
+        failed is retried at the next call.
     """
     try:
         if latest is None:
@@ -148,14 +189,15 @@ def apply_retention(
         logger.warning("retention skipped under %s (retried at the next save): %s", root.url, e)
         return []
     if purge is None:
-        return _delete(root, plan.delete, plan.recorded, keep_last_n)
-    # Bounded work in the save: one bulk delete of records, whatever the number of leftovers.
+        return _delete(root, plan, keep_last_n)
+    # Bounded work in the save: one bulk delete of records, whatever the number of leftovers,
+    # and a mark for each iteration kept ones refer to (a few: those that wrote the records).
     now, later = plan.recorded[:UNCOMMIT_IN_SAVE], plan.recorded[UNCOMMIT_IN_SAVE:]
-    failed = set(now) - set(_uncommit(root, now))
-    going = [i for i in plan.delete if i not in failed]
-    if going:
-        purge.start(partial(_delete, root, going, later, keep_last_n))
-    return going
+    failed = set(now) - set(_uncommit(root, now)) | set(_retire(root, list(plan.retire)))
+    rest = plan.without(failed, recorded=later)
+    if rest.delete:
+        purge.start(partial(_delete, root, rest, keep_last_n, retired=True))
+    return rest.delete
 
 
 # The most commit records a save deletes itself (S3's DeleteObjects takes 1,000 keys a request);
@@ -200,12 +242,32 @@ def _logged(remove: Callable[[], object]) -> Callable[[], None]:
     return run
 
 
-def _delete(root: Location, iterations: list[int], recorded: list[int], keep_last_n: int) -> list[int]:
-    failed = discard(root, iterations, recorded)
+def _delete(root: Location, plan: Plan, keep_last_n: int, *, retired: bool = False) -> list[int]:
+    """Carry out ``plan`` (its ``retire`` iterations' marks written already if ``retired``):
+    the iterations let go of."""
+    failed = let_go(root, plan, retired=retired)
     _warn(root, failed)
-    deleted = [i for i in iterations if i not in failed]
-    _report(root, deleted, keep_last_n)
-    return deleted
+    _report(root, plan, failed, keep_last_n)
+    return [i for i in plan.delete if i not in failed]
+
+
+def let_go(root: Location, plan: Plan, *, retired: bool = False) -> dict[int, Exception]:
+    """Retire ``plan.retire`` (unless ``retired`` already) and delete their files nobody refers
+    to; delete ``plan.whole`` (:func:`discard`). An iteration whose mark failed keeps its files.
+
+    Returns:
+        The iterations that failed → why (each tried alone once the bulk request failed).
+    """
+    failed: dict[int, Exception] = {}
+    if not retired:
+        _in_bulk(root, deletion.retire_iterations, list(plan.retire), failed)
+
+    def thin(root: Location, iterations: list[int]) -> None:
+        deletion.remove_files(root, [path for i in iterations for path in plan.retire[i]])
+
+    _in_bulk(root, thin, [i for i in plan.retire if i not in failed and plan.retire[i]], failed)
+    failed.update(discard(root, plan.whole, plan.recorded))
+    return failed
 
 
 def discard(root: Location, iterations: list[int], recorded: list[int]) -> dict[int, Exception]:
@@ -227,6 +289,14 @@ def _uncommit(root: Location, iterations: list[int]) -> list[int]:
     done = _in_bulk(root, deletion.uncommit_iterations, iterations, failed)
     _warn(root, failed)
     return done
+
+
+def _retire(root: Location, iterations: list[int]) -> list[int]:
+    """Put retired marks in the records' place (failures logged): the iterations that failed."""
+    failed: dict[int, Exception] = {}
+    _in_bulk(root, deletion.retire_iterations, iterations, failed)
+    _warn(root, failed)
+    return list(failed)
 
 
 def _warn(root: Location, failed: dict[int, Exception]) -> None:
@@ -252,6 +322,12 @@ def _in_bulk(
     return [i for i in iterations if _in_bulk(root, delete, [i], failed)]
 
 
-def _report(root: Location, deleted: list[int], keep_last_n: int) -> None:
+def _report(root: Location, plan: Plan, failed: Collection[int], keep_last_n: int) -> None:
+    deleted = [layout.format_iteration(i) for i in plan.whole if i not in failed]
     if deleted:
-        logger.info("deleted %s under %s (keep_last_n=%d)", [layout.format_iteration(i) for i in deleted], root.url, keep_last_n)
+        logger.info("deleted %s under %s (keep_last_n=%d)", deleted, root.url, keep_last_n)
+    # A retired iteration stays in every plan while it is referred to: said when files went.
+    retired = [layout.format_iteration(i) for i, files in plan.retire.items() if files and i not in failed]
+    if retired:
+        logger.info("retired %s under %s (keep_last_n=%d): kept iterations refer to some of their files, "
+                    "which stay; the others were deleted", retired, root.url, keep_last_n)  # fmt: skip

@@ -1,10 +1,15 @@
 """``ls``: the iterations under a Checkpointer's save_dirname, committed or not, and the latest.
 
-One row per iteration folder: committed (and if not, why not, in the words of
-:func:`dcp_fsspec.checkpoint.listing.listed_inspection`), whether the pointer names it, its size
-on storage, and its age (from the commit record's ``saved_at``). One recursive listing of the
+One row per iteration folder: committed, retired (let go of by retention, but kept iterations
+refer to some of its files), or why not committed (in the words of
+:func:`dcp_fsspec.checkpoint.listing.listed_inspection`); whether the pointer names it; its size
+on storage; and its age (from the commit record's ``saved_at``). One recursive listing of the
 save_dirname gives all of it but the commit records, which are read for the folders that show
 one: the requests do not grow with the number of folders that are not checkpoints.
+
+An incremental save's keys also read records in other iterations' files: the bytes they refer
+to are shown apart from the folder's own. They come from each such key's ``.metadata`` (read
+for incremental keys only, all at once), which imports torch.
 """
 
 from __future__ import annotations
@@ -16,8 +21,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..checkpoint import layout, pointer
+from functools import partial
+
+from ..checkpoint import layout, pointer, referenced
+from ..checkpoint.at_once import at_once
 from ..checkpoint.listing import Listing, list_save_dirname, listed_inspection
+from ..checkpoint.record import referable
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
@@ -40,6 +49,10 @@ class IterationInfo:
     keys: list[str]
     saved_at: float | None  # seconds since the epoch, from the commit record
     why_uncommitted: str | None = None
+    retired: bool = False  # let go of by retention; kept iterations refer to some of its files
+    # The bytes of records in other iterations' files that its keys refer to (size_bytes counts
+    # its own folder only); None where a key's .metadata could not be read.
+    referenced_bytes: int | None = 0
 
 
 @dataclass
@@ -57,14 +70,18 @@ class RunListing:
     def lines(self) -> list[str]:
         """The listing in words: a table of iterations, then what is wrong with the pointer."""
         now = time.time()
-        rows = [("iteration", "latest", "committed", "size", "age", "keys")]
+        # The column of bytes referred to appears where some iteration refers to any.
+        refers = any(info.referenced_bytes != 0 for info in self.iterations)
+        rows = [("iteration", "latest", "committed", "size", *(("referenced",) if refers else ()), "age", "keys")]
         for info in self.iterations:
             rows.append((
-                info.name, "*" if info.latest else "", "yes" if info.committed else f"no: {info.why_uncommitted}",
-                human_bytes(info.size_bytes), _cli.age(None if info.saved_at is None else now - info.saved_at),
-                ",".join(info.keys),
+                info.name, "*" if info.latest else "", _state(info), human_bytes(info.size_bytes),
+                *((_referenced(info.referenced_bytes),) if refers else ()),
+                _cli.age(None if info.saved_at is None else now - info.saved_at), ",".join(info.keys),
             ))  # fmt: skip
         lines = [self.url, _cli.table(rows)]
+        if refers:
+            lines.append("size: the iteration's own files; referenced: bytes it reads in older iterations' files")
         if self.pointer_problem:
             lines.append(f"pointer: {self.pointer_problem}")
         elif self.latest is None:
@@ -72,6 +89,16 @@ class RunListing:
         elif not any(i.latest for i in self.iterations):
             lines.append(f"{POINTER_NAME} names {layout.format_iteration(self.latest)}, which has no folder")
         return lines
+
+
+def _state(info: IterationInfo) -> str:
+    if info.committed:
+        return "yes"
+    return "retired" if info.retired else f"no: {info.why_uncommitted}"
+
+
+def _referenced(count: int | None) -> str:
+    return "?" if count is None else human_bytes(count) if count else "-"
 
 
 def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> RunListing:
@@ -93,9 +120,30 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
     # One listing gives every folder, its size, and which show a commit record: only the
     # records themselves are read, so junk folders cost nothing more.
     listed = list_save_dirname(root)
+    outside = _referenced_bytes(root, listed)
     for iteration in listed.folders:
-        listing.iterations.append(_describe(root, listed, iteration, listing.latest))
+        listing.iterations.append(_describe(root, listed, iteration, listing.latest, outside.get(iteration, 0)))
     return listing
+
+
+def _referenced_bytes(root: Location, listed: Listing) -> dict[int, int | None]:
+    """Each iteration with incremental keys → the bytes they refer to in other iterations'
+    files; ``None`` where a ``.metadata`` is damaged or gone (``verify`` says what is wrong)."""
+    keys = [(i, key) for i in listed.folders for key in listed.incremental_keys(i) if (i, key) in listed.finished]
+
+    def count(iteration: int, key: str) -> int | None:
+        try:
+            return sum(referenced.key_references(root, iteration, key).values())
+        except (CheckpointNotFoundError, CorruptCheckpointError) as e:
+            logger.warning("%s", e)
+            return None
+
+    counts = at_once([partial(count, i, key) for i, key in keys], one_by_one=root.answers_locally)
+    found: dict[int, int | None] = {}
+    for (iteration, _), n in zip(keys, counts, strict=True):
+        before = found.get(iteration, 0)
+        found[iteration] = None if before is None or n is None else before + n
+    return found
 
 
 def _not_a_run(target: targets.Target) -> str:
@@ -115,18 +163,24 @@ def _run_of_key(checkpoint: Location) -> Location | None:
     return targets.parent_of(folder) if layout.parse_iteration(folder.path) is not None else None
 
 
-def _describe(root: Location, listed: Listing, iteration: int, latest: int | None) -> IterationInfo:
+def _describe(
+    root: Location, listed: Listing, iteration: int, latest: int | None, referenced_bytes: int | None
+) -> IterationInfo:
     folder = layout.iteration_path(root, iteration)
+    retired = False
     try:
         record, why = listed_inspection(root, listed, iteration, latest=latest)
+        # Not committed, yet a record file is there: a retired mark, or a take-over mark.
+        retired = record is None and iteration in listed.records and referable(root, iteration)
     except CorruptCheckpointError as e:
         record, why = None, str(e)
-    size = listed.sizes.get(iteration, 0)
+    if retired:
+        why = "retired by retention: it no longer loads, and kept iterations refer to some of its files"
     return IterationInfo(
         iteration=iteration, name=layout.format_iteration(iteration), url=root.url_of(folder),
-        committed=record is not None, latest=iteration == latest, size_bytes=size,
+        committed=record is not None, latest=iteration == latest, size_bytes=listed.size(iteration),
         keys=list(record.keys) if record else [], saved_at=record.saved_at if record else None,
-        why_uncommitted=why,
+        why_uncommitted=why, retired=retired, referenced_bytes=referenced_bytes,
     )  # fmt: skip
 
 

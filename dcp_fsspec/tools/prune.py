@@ -3,8 +3,9 @@
 The plan is :func:`dcp_fsspec.checkpoint.retention.plan_deletions`, the one the Checkpointer
 applies after each save, so the rules are the same: nothing is deleted without a pointer, the
 iteration the pointer names is never deleted, nor anything newer than it (a save may be writing
-it). Unlike the Checkpointer's own retention, a failed delete is reported (exit code 4), not
-only logged.
+it), nor any file a kept iteration of an incremental run refers to: such an iteration is
+retired (see :mod:`dcp_fsspec.checkpoint.retention`). Unlike the Checkpointer's own retention,
+a failed delete is reported (exit code 4), not only logged.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PruneResult:
-    """What :func:`prune` deleted (or, with ``dry_run``, would delete)."""
+    """What :func:`prune` deleted and retired (or, with ``dry_run``, would)."""
 
     url: str
     keep: int
@@ -35,12 +36,16 @@ class PruneResult:
     deleted: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
+    # Let go of, but kept iterations refer to some of their files: those stay, the others went.
+    retired: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """As JSON; a dry run's plan is ``would_delete``, and its ``deleted`` is empty (true)."""
+        """As JSON; a dry run's plan is ``would_delete`` and ``would_retire``, and its
+        ``deleted`` and ``retired`` are empty (true)."""
         doc = asdict(self)
         if self.dry_run:
             doc["would_delete"], doc["deleted"] = doc["deleted"], []
+            doc["would_retire"], doc["retired"] = doc["retired"], []
         return doc
 
 
@@ -50,8 +55,8 @@ def prune(
     """Delete the iterations of the save_dirname ``url`` that ``keep_last_n=keep`` would delete.
 
     Returns:
-        What was deleted, kept, and what failed to delete (a failed folder stays uncommitted;
-        running prune again retries it).
+        What was deleted, retired, kept, and what failed (a failed folder stays uncommitted or
+        retired; running prune again retries it).
 
     Raises:
         ValueError: ``keep`` is below 1.
@@ -69,14 +74,14 @@ def prune(
     # The Checkpointer's own retention plan: one listing, whatever the number of folders.
     plan = retention.plan_from_storage(root, keep, latest=latest)
     result = PruneResult(root.url, keep, latest, dry_run, kept=[i for i in plan.iterations if i not in plan.delete])
-    if dry_run:
-        result.deleted = plan.delete
-        return result
-    # In bulk (S3: 1,000 keys a request); a link among the folders is removed, never followed.
-    result.failed = {i: str(e) for i, e in retention.discard(root, plan.delete, plan.recorded).items()}
-    result.deleted = [i for i in plan.delete if i not in result.failed]
-    for iteration in result.deleted:
-        logger.info("deleted %s", root.url_of(layout.iteration_path(root, iteration)))
+    if not dry_run:
+        # In bulk (S3: 1,000 keys a request); a link among the folders is removed, never followed.
+        result.failed = {i: str(e) for i, e in retention.let_go(root, plan).items()}
+    result.deleted = [i for i in plan.whole if i not in result.failed]
+    result.retired = [i for i in plan.retire if i not in result.failed]
+    if not dry_run:
+        for iteration in result.deleted:
+            logger.info("deleted %s", root.url_of(layout.iteration_path(root, iteration)))
     return result
 
 
@@ -101,6 +106,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"{result.url}: no {POINTER_NAME}, so nothing is deleted")
         for iteration in result.deleted:
             print(f"{verb} {layout.format_iteration(iteration)}")
+        for iteration in result.retired:
+            print(f"{'would retire' if result.dry_run else 'retired'} {layout.format_iteration(iteration)}: "
+                  "kept iterations refer to some of its files, which stay")  # fmt: skip
         for iteration, error in result.failed.items():
             print(f"FAILED to delete {layout.format_iteration(iteration)}: {error}")
         kept = ", ".join(layout.format_iteration(i) for i in result.kept) or "nothing"
@@ -110,7 +118,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"{result.url}: kept {kept}")
     if result.failed:
         raise StorageError(
-            f"{len(result.failed)} iteration(s) of {result.url} could not be deleted (they are uncommitted now); "
+            f"{len(result.failed)} iteration(s) of {result.url} could not be deleted or retired (each is left committed "
+            "and whole, or no longer committed); "
             "run prune again to retry"
         )
     return _cli.EXIT_OK
