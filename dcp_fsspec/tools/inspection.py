@@ -2,7 +2,9 @@
 
 Nothing but the ``.metadata`` files is read. A save_dirname is shown at the iteration its
 pointer names; an iteration folder key by key; a single DCP checkpoint as one unnamed key.
-Each key shows its totals and its first entries (every one on request). A ``.metadata`` is
+Each key shows its totals and its first entries (every one on request). For an incremental
+save, the bytes stored split into the key's own and those it refers to, by the checkpoint that
+holds them (another iteration, or a sibling folder). A ``.metadata`` is
 parsed whole, so the command line refuses one past a number of entries before parsing it all.
 """
 
@@ -19,6 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ..checkpoint import layout
 from ..storage.decoding import read_metadata
+from ..storage.references import is_reference
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import human_bytes
@@ -50,6 +53,9 @@ class KeySummary:
     key: str | None
     url: str
     stored_bytes: int  # the sum of the records' lengths in the data files
+    own_bytes: int = 0  # of those, in the key's own data files
+    referenced_bytes: int = 0  # in other checkpoints' files (an incremental save's references)
+    referenced_from: dict[str, int] = field(default_factory=dict)  # the folder holding them → bytes
     entry_count: int = 0  # every entry, listed or not
     tensors: int = 0
     tensor_bytes: int = 0
@@ -77,6 +83,7 @@ class CheckpointSummary:
                 f"{'key ' + repr(key.key) + ': ' if key.key else ''}{key.url}  "
                 f"{key.tensors} tensors ({human_bytes(key.tensor_bytes)}), "
                 f"{key.entry_count - key.tensors} objects, {human_bytes(key.stored_bytes)} stored"
+                + _referenced(key)
             )]  # fmt: skip
             rows = [("entry", "dtype", "shape", "size", "chunks")]
             for e in key.entries:
@@ -153,15 +160,21 @@ def summarize(
             optimizer's ``param_groups`` settings; ``None``: every entry.
         max_entries: see :func:`describe`.
     """
-    metadata = read_metadata(location, trust_checkpoint=trust_checkpoint, max_entries=max_entries)
+    # Only .metadata is read: following a reference to a sibling checkpoint opens nothing.
+    metadata = read_metadata(location, trust_checkpoint=trust_checkpoint, max_entries=max_entries, references=True)
     entries = metadata.state_dict_metadata
     objects_stored: dict[str, int] = {}
-    stored = 0
+    summary = KeySummary(key, location.url, 0, entry_count=len(entries), param_groups=param_groups(entries))
     for index, info in (metadata.storage_data or {}).items():
-        stored += info.length
+        summary.stored_bytes += info.length
+        if is_reference(info.relative_path):
+            summary.referenced_bytes += info.length
+            holder = next(part for part in info.relative_path.split("/") if part != "..")
+            summary.referenced_from[holder] = summary.referenced_from.get(holder, 0) + info.length
+        else:
+            summary.own_bytes += info.length
         if isinstance(entries.get(index.fqn), BytesStorageMetadata):
             objects_stored[index.fqn] = objects_stored.get(index.fqn, 0) + info.length
-    summary = KeySummary(key, location.url, stored, len(entries), param_groups=param_groups(entries))
     for meta in entries.values():
         if isinstance(meta, TensorStorageMetadata):
             summary.tensors += 1
@@ -175,6 +188,14 @@ def summarize(
         )
     summary.entries = [_entry(fqn, entries[fqn], objects_stored) for fqn in listed]
     return summary
+
+
+def _referenced(key: KeySummary) -> str:
+    """How much of a key's stored bytes are its own, and where the rest is; empty when all are."""
+    if not key.referenced_bytes:
+        return ""
+    where = ", ".join(f"{human_bytes(n)} in {holder}" for holder, n in sorted(key.referenced_from.items()))
+    return f" ({human_bytes(key.own_bytes)} its own, {human_bytes(key.referenced_bytes)} referenced: {where})"
 
 
 def _entry(fqn: str, meta: object, objects_stored: dict[str, int]) -> Entry:
