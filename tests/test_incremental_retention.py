@@ -29,6 +29,7 @@ from dcp_fsspec.tools.listing import list_run
 from dcp_fsspec.tools.prune import prune
 from tests.conftest import Backend
 from tests.test_cli import _cli, _json
+from tests.test_cli_startup import _command
 from tests.test_crash_safety import ITERATION_FOLDER, KillPoint, _arm
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
@@ -242,18 +243,19 @@ def test_prune_on_an_incremental_run_retires_what_kept_iterations_refer_to(
     assert code == 0 and "retired iter_000000001" in out and "deleted" not in out
 
 
-def test_ls_shows_a_retired_iteration_and_splits_own_bytes_from_referenced_ones(
+def test_ls_shows_a_retired_iteration_and_with_referenced_splits_own_bytes_from_referenced_ones(
     capsys: pytest.CaptureFixture[str], local_backend: Backend
 ) -> None:
     _save(local_backend, range(1, 6), keep_last_n=2)
-    code, out, _ = _cli(capsys, "ls", local_backend.url)
+    code, out, _ = _cli(capsys, "ls", local_backend.url, "--referenced")
     assert code == 0
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("iter_")}
     assert list(rows) == ["iter_000000001", "iter_000000004", "iter_000000005"]
     assert "referenced" in out.splitlines()[1] and rows["iter_000000001"][1] == "retired"
-    doc = _json(capsys, "ls", local_backend.url)
+    doc = _json(capsys, "ls", local_backend.url, "--referenced")
     by_iteration = {i["iteration"]: i for i in doc["iterations"]}
     assert by_iteration[1]["retired"] is True and by_iteration[1]["committed"] is False
+    assert by_iteration[1]["referenced_bytes"] == 0  # the first save refers to nothing
     for iteration in (4, 5):
         info = by_iteration[iteration]
         own = sum(os.path.getsize(os.path.join(local_backend.url, f"iter_{iteration:09d}", f)) for f in _files(local_backend, iteration))
@@ -263,4 +265,13 @@ def test_ls_shows_a_retired_iteration_and_splits_own_bytes_from_referenced_ones(
             refers += sum(i.length for i in metadata.storage_data.values() if i.relative_path.startswith("../"))
         assert (info["size_bytes"], info["referenced_bytes"], info["retired"]) == (own, refers, False)
         assert refers > own  # the frozen base is most of the state, and written once
-    assert list_run(local_backend.url).iterations[0].referenced_bytes == 0  # the first save refers to nothing
+
+
+def test_ls_of_an_incremental_run_stays_torch_free_and_says_how_to_see_referenced_bytes(
+    tmp_path: Any, local_backend: Backend
+) -> None:
+    _save(local_backend, range(1, 4), keep_last_n=2)
+    result = _command(tmp_path, "ls", local_backend.url)
+    assert result["code"] == 0 and result["torch"] is False
+    assert "retired" in str(result["out"]) and "--referenced" in str(result["out"])
+    assert list_run(local_backend.url).iterations[-1].referenced_bytes is None  # not read unless asked

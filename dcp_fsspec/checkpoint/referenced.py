@@ -27,7 +27,8 @@ def key_references(root: Location, iteration: int, key: str) -> dict[str, int]:
         CorruptCheckpointError: its ``.metadata`` is damaged, or a reference is of no allowed shape.
         StorageError: the backend failed.
     """
-    from ..storage.decoding import read_metadata  # torch's: only incremental runs pay for it
+    # torch's: only incremental runs pay for importing it.
+    from ..storage.decoding import read_metadata
 
     folder = root.at(layout.key_path(root, iteration, key))
     records: dict[tuple[str, int], int] = {}

@@ -7,9 +7,10 @@ on storage; and its age (from the commit record's ``saved_at``). One recursive l
 save_dirname gives all of it but the commit records, which are read for the folders that show
 one: the requests do not grow with the number of folders that are not checkpoints.
 
-An incremental save's keys also read records in other iterations' files: the bytes they refer
-to are shown apart from the folder's own. They come from each such key's ``.metadata`` (read
-for incremental keys only, all at once), which imports torch.
+An incremental save's keys also read records in other iterations' files. With ``referenced``,
+the bytes they refer to are shown apart from the folder's own. They come from each incremental
+key's ``.metadata``, read all at once; unpickling it imports torch, which costs seconds, so a
+plain ``ls`` leaves them out and says which iterations are incremental.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
 from functools import partial
+from typing import Any
 
 from ..checkpoint import layout, pointer, referenced
 from ..checkpoint.at_once import at_once
@@ -50,9 +50,10 @@ class IterationInfo:
     saved_at: float | None  # seconds since the epoch, from the commit record
     why_uncommitted: str | None = None
     retired: bool = False  # let go of by retention; kept iterations refer to some of its files
+    incremental: bool = False  # some key lists content hashes: it may refer to other iterations
     # The bytes of records in other iterations' files that its keys refer to (size_bytes counts
-    # its own folder only); None where a key's .metadata could not be read.
-    referenced_bytes: int | None = 0
+    # its own folder only); None unless asked for, or where a key's .metadata is unreadable.
+    referenced_bytes: int | None = None
 
 
 @dataclass
@@ -63,6 +64,7 @@ class RunListing:
     latest: int | None
     iterations: list[IterationInfo] = field(default_factory=list)
     pointer_problem: str | None = None
+    referenced: bool = False  # the bytes each iteration refers to were read
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,8 +72,8 @@ class RunListing:
     def lines(self) -> list[str]:
         """The listing in words: a table of iterations, then what is wrong with the pointer."""
         now = time.time()
-        # The column of bytes referred to appears where some iteration refers to any.
-        refers = any(info.referenced_bytes != 0 for info in self.iterations)
+        incremental = any(info.incremental for info in self.iterations)
+        refers = self.referenced and incremental
         rows = [("iteration", "latest", "committed", "size", *(("referenced",) if refers else ()), "age", "keys")]
         for info in self.iterations:
             rows.append((
@@ -82,6 +84,9 @@ class RunListing:
         lines = [self.url, _cli.table(rows)]
         if refers:
             lines.append("size: the iteration's own files; referenced: bytes it reads in older iterations' files")
+        elif incremental:
+            lines.append("size: the iteration's own files; incremental ones also read older iterations' files "
+                         "(--referenced shows how many bytes)")  # fmt: skip
         if self.pointer_problem:
             lines.append(f"pointer: {self.pointer_problem}")
         elif self.latest is None:
@@ -101,8 +106,14 @@ def _referenced(count: int | None) -> str:
     return "?" if count is None else human_bytes(count) if count else "-"
 
 
-def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> RunListing:
+def list_run(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, referenced: bool = False
+) -> RunListing:
     """Describe every iteration folder under the save_dirname ``url``.
+
+    Args:
+        referenced: also read how many bytes each incremental iteration refers to in others
+            (each incremental key's ``.metadata``; imports torch).
 
     Raises:
         CheckpointNotFoundError: ``url`` is not a save_dirname (no pointer, no iteration folders).
@@ -112,7 +123,7 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
     root = target.location
     if target.kind != "run":
         raise CheckpointNotFoundError(_not_a_run(target))
-    listing = RunListing(url=root.url, latest=None)
+    listing = RunListing(url=root.url, latest=None, referenced=referenced)
     try:
         listing.latest = pointer.read_pointer(root)
     except CorruptCheckpointError as e:
@@ -120,9 +131,10 @@ def list_run(url: str | os.PathLike[str], storage_options: dict[str, Any] | None
     # One listing gives every folder, its size, and which show a commit record: only the
     # records themselves are read, so junk folders cost nothing more.
     listed = list_save_dirname(root)
-    outside = _referenced_bytes(root, listed)
+    outside = _referenced_bytes(root, listed) if referenced else None
     for iteration in listed.folders:
-        listing.iterations.append(_describe(root, listed, iteration, listing.latest, outside.get(iteration, 0)))
+        counted = None if outside is None else outside.get(iteration, 0)
+        listing.iterations.append(_describe(root, listed, iteration, listing.latest, counted))
     return listing
 
 
@@ -180,7 +192,8 @@ def _describe(
         iteration=iteration, name=layout.format_iteration(iteration), url=root.url_of(folder),
         committed=record is not None, latest=iteration == latest, size_bytes=listed.size(iteration),
         keys=list(record.keys) if record else [], saved_at=record.saved_at if record else None,
-        why_uncommitted=why, retired=retired, referenced_bytes=referenced_bytes,
+        why_uncommitted=why, retired=retired, incremental=bool(listed.incremental_keys(iteration)),
+        referenced_bytes=referenced_bytes,
     )  # fmt: skip
 
 
@@ -189,9 +202,13 @@ def _describe(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _cli.add_standard_arguments(parser, ("url", "a Checkpointer's save_dirname (any fsspec URL or local path)"))
+    parser.add_argument(
+        "--referenced", action="store_true",
+        help="also show the bytes each incremental iteration reads in older iterations' files (reads each key's .metadata)",
+    )  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
-    listing = list_run(args.url, _cli.storage_options(args.storage_options))
+    listing = list_run(args.url, _cli.storage_options(args.storage_options), referenced=args.referenced)
     _cli.report(args, listing.to_dict(), listing.lines())
     return _cli.EXIT_OK
