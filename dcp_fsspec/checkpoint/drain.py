@@ -10,7 +10,10 @@ does, in a background thread that runs no collective:
 3. Rank 0 copies the ``.metadata`` files last and commits the iteration with the rules of a
    direct save (:func:`.commit.publish`), then removes the markers.
 
-Only a committed local iteration is copied. With per-node local disks (see :mod:`.tiers`) each
+Only a committed local iteration is copied. Of an incremental run, only the iteration's own
+files go up where ``save_dirname`` holds every iteration it refers to (:mod:`.durable_bases`);
+the records of any other reference are copied in, as ``cp`` does (:mod:`..storage.self_contained`),
+so the durable copy never refers to what the durable tier lacks. With per-node local disks (see :mod:`.tiers`) each
 rank uploads its data files renamed ``__{rank}_*`` and its share of each ``.metadata``; rank 0
 merges them into one global ``.metadata`` per key (:mod:`.merge`). The durable copy is a plain
 checkpoint either way.
@@ -29,7 +32,7 @@ import posixpath
 import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -37,8 +40,10 @@ from ..errors import DcpFsspecError, DrainError
 from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_of
 from ..storage.decoding import parse_metadata
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
+from ..storage.self_contained import Piece, pieces_bytes, self_contained_files
 from ..storage.urls import Location
 from . import commit, deletion, layout, listing, pointer, retention
+from .durable_bases import DurableBases
 from .events import CheckpointEvent
 from .merge import merge_metadata, rank_file_name
 from .options import DRAIN_EVERY, DRAIN_POLICIES
@@ -151,8 +156,9 @@ def _copy_and_mark(
     iteration = job.iteration
     if per_node:
         keys = _require_committed_locally(local, durable, iteration, job.token).keys
-        nbytes = _copy_rank_data(local, durable, iteration, rank, workers)
-        _upload_metadata_parts(local, durable, iteration, rank, keys)
+        assembled, written = _self_contained(local, durable, iteration, rank)
+        nbytes = _copy_rank_data(local, durable, iteration, rank, workers, assembled)
+        _upload_metadata_parts(local, durable, iteration, rank, keys, written)
     else:
         nbytes = _copy_own(local, durable, iteration, rank, world_size, lambda name: True, workers)
     durable.backend.write_small_atomic(durable.join(layout.format_iteration(iteration), marker_name(rank)),
@@ -210,13 +216,17 @@ def _drain_and_commit(
             deletion.uncommit_iterations(durable, [iteration])
     logger.info("draining %s to %s", src, dst)
     if per_node:
-        nbytes = _copy_rank_data(local, durable, iteration, 0, workers)
+        assembled, written = _self_contained(local, durable, iteration, 0)
+        nbytes = _copy_rank_data(local, durable, iteration, 0, workers, assembled)
         _wait_for_markers(durable, job, world_size, marker_wait)
-        nbytes += _write_merged_metadata(local, durable, job, record.keys, world_size)
+        nbytes += _write_merged_metadata(local, durable, job, record.keys, world_size, written)
     else:
-        nbytes = _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) == DATA, workers)
+        assembled, written = _self_contained(local, durable, iteration, None)
+        nbytes = _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) == DATA, workers,
+                           assembled=assembled)  # fmt: skip
         _wait_for_markers(durable, job, world_size, marker_wait)
-        nbytes += _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) != DATA, workers)
+        nbytes += _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) != DATA, workers,
+                            written=written)  # fmt: skip
     logger.debug("copied %s to %s; committing it there", src, dst)
     # Per node, every rank saved alone: the durable copy is one save of world_size ranks, with rank 0's token.
     writers = world_size if per_node else record.world_size
@@ -227,53 +237,83 @@ def _drain_and_commit(
     return record.keys, nbytes
 
 
+def _self_contained(
+    local: Location, durable: Location, iteration: int, rank: int | None
+) -> tuple[dict[str, list[Piece]], dict[str, bytes]]:
+    """The records of ``iteration``'s references that ``durable`` lacks, to copy in, and each
+    ``.metadata`` rewritten to name them (``rank``: per node, this rank's copy; else ``None``)."""
+    files = list_files(local, layout.iteration_path(local, iteration))
+    rename = None if rank is None else (lambda name: rank_file_name(name, rank))
+    bases = DurableBases(local, durable, rename)
+    # Per node, the new files are named as rank 0's data files are, so that rank_file_name renames them.
+    return self_contained_files(local, files, keep=bases.holds, prefix="__ref_" if rank is None else "__0_ref_")
+
+
 def _copy_own(
     local: Location, durable: Location, iteration: int, rank: int, world_size: int,
-    which: Callable[[str], bool], workers: int,
+    which: Callable[[str], bool], workers: int, *,
+    assembled: Mapping[str, list[Piece]] | None = None, written: Mapping[str, bytes] | None = None,
 ) -> int:  # fmt: skip
-    """Copy the files of ``iteration`` that ``rank`` owns and ``which`` accepts; return their bytes."""
+    """Copy the files of ``iteration`` that ``rank`` owns and ``which`` accepts (``written`` in
+    place of the listed files of its names), and ``assembled``; return their bytes."""
     files = {
         name: size
         for name, size in list_files(local, layout.iteration_path(local, iteration)).items()
         if posixpath.basename(name) not in _NOT_COPIED and owner_of(name, world_size) == rank and which(name)
-    }
+        and name not in (written or {})
+    }  # fmt: skip
     check_inside(local, files)
-    logger.debug("rank %d copies %d files (%.1f MiB) of %s", rank, len(files), sum(files.values()) / 2**20,
+    nbytes = sum(files.values()) + pieces_bytes(assembled or {}) + sum(map(len, (written or {}).values()))
+    logger.debug("rank %d copies %d files (%.1f MiB) of %s", rank, len(files), nbytes / 2**20,
                  layout.format_iteration(iteration))  # fmt: skip
-    copy_files(local, durable, files, workers=workers)
-    return sum(files.values())
+    copy_files(local, durable, files, workers=workers, assembled=assembled, written=written)
+    return nbytes
 
 
-def _copy_rank_data(local: Location, durable: Location, iteration: int, rank: int, workers: int) -> int:
-    """Per node: copy this rank's data files of ``iteration``, renamed as ``rank``'s; return their bytes."""
+def _copy_rank_data(
+    local: Location, durable: Location, iteration: int, rank: int, workers: int, assembled: Mapping[str, list[Piece]]
+) -> int:
+    """Per node: copy this rank's data files of ``iteration``, and ``assembled``, renamed as
+    ``rank``'s; return their bytes."""
     files = {
         name: size
         for name, size in list_files(local, layout.iteration_path(local, iteration)).items()
         if posixpath.basename(name) not in _NOT_COPIED and phase_of(name) == DATA
     }
     check_inside(local, files)
-    copy_files(local, durable, files, workers=workers, rename=lambda name: rank_file_name(name, rank))
-    return sum(files.values())
+    copy_files(local, durable, files, workers=workers, rename=lambda name: rank_file_name(name, rank),
+               assembled=assembled)  # fmt: skip
+    return sum(files.values()) + pieces_bytes(assembled)
 
 
-def _upload_metadata_parts(local: Location, durable: Location, iteration: int, rank: int, keys: tuple[str, ...]) -> None:
+def _local_metadata(local: Location, iteration: int, key: str, written: Mapping[str, bytes]) -> tuple[str, bytes]:
+    """The path and bytes of a key's local ``.metadata``, or of its self-contained rewrite in ``written``."""
+    path = posixpath.join(layout.key_path(local, iteration, key), METADATA_NAME)
+    name = posixpath.join(layout.format_iteration(iteration), key, METADATA_NAME)
+    return path, written[name] if name in written else local.backend.call("cat_file", path)
+
+
+def _upload_metadata_parts(
+    local: Location, durable: Location, iteration: int, rank: int, keys: tuple[str, ...], written: Mapping[str, bytes]
+) -> None:
     """Per node, rank > 0: each key's local ``.metadata``, for rank 0 to merge (before the marker)."""
     for key in keys:
-        data = local.backend.call("cat_file", posixpath.join(layout.key_path(local, iteration, key), METADATA_NAME))
+        _, data = _local_metadata(local, iteration, key, written)
         durable.backend.write_small_atomic(
             posixpath.join(layout.key_path(durable, iteration, key), metadata_part_name(rank)), data
         )
 
 
 def _write_merged_metadata(
-    local: Location, durable: Location, job: DrainJob, keys: tuple[str, ...], world_size: int
-) -> int:
+    local: Location, durable: Location, job: DrainJob, keys: tuple[str, ...], world_size: int,
+    written: Mapping[str, bytes],
+) -> int:  # fmt: skip
     """Per node, rank 0: each key's global ``.metadata``, merged from every rank's; return its bytes."""
     nbytes = 0
     for key in keys:
-        own = posixpath.join(layout.key_path(local, job.iteration, key), METADATA_NAME)
+        own, data = _local_metadata(local, job.iteration, key, written)
         folder = layout.key_path(durable, job.iteration, key)
-        parts = [(0, parse_metadata(local.backend.call("cat_file", own), local.url_of(own)))]
+        parts = [(0, parse_metadata(data, local.url_of(own)))]
         for rank in range(1, world_size):
             path = posixpath.join(folder, metadata_part_name(rank))
             parts.append((rank, parse_metadata(durable.backend.call("cat_file", path), durable.url_of(path))))
