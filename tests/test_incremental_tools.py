@@ -248,7 +248,7 @@ def _tiered_saves(
     """Incremental saves with a local tier (which keeps every iteration); the drain_end events."""
     drains: list[CheckpointEvent] = []
     tier = LocalTier(str(local), keep_last_n=10)
-    on_event = lambda event: drains.append(event) if event.kind == "drain_end" else None  # noqa: E731
+    on_event = lambda event: drains.append(event) if event.kind == "drain_end" else None
     with Checkpointer(str(durable), incremental=True, local_tier=tier, on_event=on_event) as ckpt:
         for iteration in iterations:
             model.step(iteration)
