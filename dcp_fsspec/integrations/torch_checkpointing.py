@@ -6,11 +6,12 @@ path the manager passes is taken relative to the config's ``url``. Writes are ou
 and fails with our error types. A folder rename (the manager's commit) moves no bytes through
 this process: it is a rename where folders are real, a server-side copy on object stores.
 :func:`commit_by_marker` changes a manager's config to commit each step with a marker file
-instead, so nothing is copied at all.
+instead, so nothing is copied at all. The storage then hides and refuses steps without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import posixpath
 from collections.abc import Callable
@@ -52,6 +53,9 @@ class FsspecStorageConfig(StorageConfig):
         part_size: bytes per upload part (S3 multipart) and per ranged read.
         read_workers: concurrent ranged reads when the manager fills a whole file.
         copy_workers: concurrent server-side copies in a folder rename on an object store.
+        commit_marker: a step is committed by its ``COMMIT_MARKER`` file, not by being there.
+            Listings skip step folders without it, and reading a file of one raises
+            :class:`CheckpointNotFoundError`. Set by :func:`commit_by_marker`.
     """
 
     url: str
@@ -59,6 +63,7 @@ class FsspecStorageConfig(StorageConfig):
     part_size: int = 16 * MiB
     read_workers: int = 8
     copy_workers: int = 8
+    commit_marker: bool = False
 
     def create_storage(self) -> FsspecStorage:
         return FsspecStorage(self)
@@ -70,6 +75,8 @@ class FsspecStorage(Storage):
     def __init__(self, config: FsspecStorageConfig) -> None:
         self._config = config
         self._root = locate(config.url, config.storage_options)
+        # Step folders seen holding the marker: a commit is not undone except by deleting the step.
+        self._committed: set[str] = set()
 
     @property
     def mmap_fill_workers(self) -> int | None:
@@ -107,6 +114,7 @@ class FsspecStorage(Storage):
     def stream_read(self, path: Path, read_args: ReadArgs | None = None) -> io.RawIOBase:
         """A seekable stream of the file; read whole first unless ``read_args`` says not to."""
         where = self.where(path)
+        self._require_committed(where)
         known = read_args.known_size_bytes if read_args is not None else None
         stream = RangedFile(where, self._size(where) if known is None else known)
         if read_args is not None and not read_args.pre_read_full_file:
@@ -130,7 +138,9 @@ class FsspecStorage(Storage):
             list(pool.map(fill, range(0, len(view), step)))
 
     def getsize(self, path: Path) -> int:
-        return self._size(self.where(path))
+        where = self.where(path)
+        self._require_committed(where)
+        return self._size(where)
 
     def _size(self, where: Location) -> int:
         try:
@@ -169,6 +179,8 @@ class FsspecStorage(Storage):
 
     def rmdir(self, path: Path) -> None:
         where = self.where(path)
+        below = where.path.rstrip("/") + "/"
+        self._committed = {c for c in self._committed if c != where.path and not c.startswith(below)}
         where.backend.remove_trees([where.path], within=posixpath.dirname(where.path))
 
     # --- the commit -------------------------------------------------------------------------
@@ -241,15 +253,64 @@ class FsspecStorage(Storage):
     # --- finding ----------------------------------------------------------------------------
 
     def ls(self, path: Path) -> list[str]:
-        """The names (not paths) of the entries in the folder ``path``, read fresh."""
+        """The names (not paths) of the entries in the folder ``path``, read fresh.
+
+        On object stores the root URL with nothing below it is an empty folder: there is no
+        folder to make before the first save, nor one left after the last step is deleted.
+        With ``commit_marker``, a folder that holds files but no marker is left out.
+
+        Raises:
+            CheckpointNotFoundError: there is no folder at ``path``.
+        """
         where = self.where(path)
-        where.backend.invalidate(where.path)
+        backend = where.backend
+        backend.invalidate(where.path)
         try:
-            entries = where.backend.call("ls", where.path, detail=False)
+            entries = backend.call("ls", where.path, detail=False)
         except FileNotFoundError as e:
+            if where.path == self._root.path and not backend.real_folders:
+                return []
             raise CheckpointNotFoundError(f"no folder at {where.url}: check the checkpoint path") from e
-        names = (posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).rstrip("/") != where.path)
-        return sorted(set(names))
+        names = {posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).rstrip("/") != where.path}
+        if self._config.commit_marker:
+            names -= self._uncommitted_below(where)
+        return sorted(names)
+
+    def _uncommitted_below(self, where: Location) -> set[str]:
+        """The names of the folders in ``where`` that hold files but no commit marker."""
+        base = where.path.rstrip("/") + "/"
+        holding: set[str] = set()
+        for file in where.backend.find(where.path):
+            folder, _, name = file[len(base) :].partition("/")
+            if name and "/" not in name:
+                holding.add(folder)
+                if name == COMMIT_MARKER:
+                    self._committed.add(base + folder)
+        return {name for name in holding if base + name not in self._committed}
+
+    def _require_committed(self, where: Location) -> None:
+        """With ``commit_marker``: refuse a file below no folder that holds the marker.
+
+        Raises:
+            CheckpointNotFoundError: no folder between the file and the root URL is committed.
+        """
+        if not self._config.commit_marker:
+            return
+        root = self._root.path.rstrip("/")
+        folders: list[str] = []
+        folder = posixpath.dirname(where.path)
+        while folder.startswith(root + "/"):
+            folders.append(folder)
+            folder = posixpath.dirname(folder)
+        for folder in folders:
+            if folder in self._committed or exists(child(self._root, folder[len(root) + 1 :], COMMIT_MARKER)):
+                self._committed.add(folder)
+                return
+        step = self._root.url_of(folders[0]) if folders else self._root.url
+        raise CheckpointNotFoundError(
+            f"{where.url} is not in a committed step: {step} has no {COMMIT_MARKER} marker, so its save "
+            "did not finish; load a committed step (FsspecStorage.ls lists only those)"
+        )
 
     def exists(self, path: Path) -> bool:
         return exists(self.where(path))
@@ -273,9 +334,19 @@ def commit_by_marker(config: CheckpointManager.Config) -> CheckpointManager.Conf
 
     Every rank writes in place at the step's final path. After the writer's barrier each rank
     writes the empty file ``COMMIT_MARKER`` in the step, once any finalize callback already set
-    has run. A step without it is uncommitted: find steps with ``FsspecStorage.is_committed``.
-    Their ``load`` does not check the marker itself.
+    has run. A step without it is uncommitted. The storage's listings leave it out, and a load
+    of it raises :class:`CheckpointNotFoundError`: their ``load`` does not check the marker.
+
+    Raises:
+        UsageError: ``config.storage_config`` is not an :class:`FsspecStorageConfig`.
     """
+    storage = config.storage_config
+    if not isinstance(storage, FsspecStorageConfig):
+        raise UsageError(
+            f"commit_by_marker needs CheckpointManager.Config.storage_config to be an FsspecStorageConfig, "
+            f"not {type(storage).__name__}: set storage_config first"
+        )
+    config.storage_config = dataclasses.replace(storage, commit_marker=True)
     config.save.writer_config.write_to_temp_dir = False
     config.finalize_callback = WriteMarker(config.finalize_callback)
     return config

@@ -70,8 +70,8 @@ def _save(backend: Backend, step: int, **options: Any) -> None:
         manager.close()
 
 
-def _assert_loads(backend: Backend, step: int) -> None:
-    manager = _manager(backend)
+def _assert_loads(backend: Backend, step: int, **options: Any) -> None:
+    manager = _manager(backend, **options)
     try:
         assert_equal(dict(manager.load(f"step_{step}", into=_empty())), _state(step))
     finally:
@@ -201,7 +201,6 @@ def test_a_file_rename_replaces_the_file_and_refuses_a_folder_naming_it(s3_backe
         storage.rename(Path("index.json"), Path("step_1"))
 
 
-
 def test_a_marker_commit_copies_nothing_and_a_crash_leaves_the_step_uncommitted(s3_backend: Backend) -> None:
     _save(s3_backend, 1, marker=True)
     with pytest.raises(Crash, match="step_2"):
@@ -218,3 +217,25 @@ def test_a_file_shorter_than_its_stated_size_is_corrupt_naming_its_url(local_bac
     storage.write(Path("step_1/model_0.pt"), b"0123456789")
     with pytest.raises(CorruptCheckpointError, match=f"{local_backend.url}/step_1/model_0.pt"):
         storage.stream_read(Path("step_1/model_0.pt"), ReadArgs(known_size_bytes=11))
+
+
+def test_a_step_whose_save_died_before_its_marker_is_neither_listed_nor_loaded(s3_backend: Backend) -> None:
+    _save(s3_backend, 1, marker=True)
+    with pytest.raises(Crash, match="step_2"):
+        _save(s3_backend, 2, marker=True, crash=True)
+    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options, commit_marker=True))
+    assert storage.ls(Path("")) == ["step_1"]
+    assert storage.glob("step_*") == ["step_1"]  # a latest-step lookup sees only committed steps
+    manager = _manager(s3_backend, marker=True)
+    try:
+        with pytest.raises(CheckpointNotFoundError, match=f"{s3_backend.url}/step_2 has no .committed marker"):
+            manager.load("step_2", into=_empty())
+    finally:
+        manager.close()
+    _assert_loads(s3_backend, 1, marker=True)
+
+
+def test_commit_by_marker_refuses_a_storage_config_that_cannot_check_the_marker_naming_the_option() -> None:
+    config = CheckpointManager.Config.with_sync_save()
+    with pytest.raises(UsageError, match="storage_config"):
+        commit_by_marker(config)
