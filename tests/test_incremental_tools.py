@@ -24,7 +24,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_fsspec import Checkpointer, FsspecStorageWriter, LocalTier, cli, verify
+from dcp_fsspec import (
+    Checkpointer,
+    CorruptCheckpointError,
+    FsspecStorageWriter,
+    LocalTier,
+    cli,
+    verify,
+)
 from dcp_fsspec.checkpoint import layout
 from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.checkpoint.record import read_commit_record, retired_mark
@@ -124,9 +131,8 @@ def test_verify_reports_a_deleted_referenced_file_naming_it_and_the_checkpoint_t
     assert "does not exist" in problem.what and _key(tmp_path / "run", 2) in problem.what
 
 
-def test_verify_follows_a_plain_layouts_references_only_with_references(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _plain(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """A plain layout: ``step-20`` an incremental save whose base is its sibling ``step-10``."""
     model = Frozen()
     dcp.save(model.state_dict(), storage_writer=FsspecStorageWriter(tmp_path / "step-10", incremental=True))
     model.step(0)
@@ -134,6 +140,13 @@ def test_verify_follows_a_plain_layouts_references_only_with_references(
         model.state_dict(),
         storage_writer=FsspecStorageWriter(tmp_path / "step-20", incremental=True, base=str(tmp_path / "step-10")),
     )  # fmt: skip
+    return _state(model)
+
+
+def test_verify_follows_a_plain_layouts_references_only_with_references(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _plain(tmp_path)
 
     code, out = _cli(capsys, "verify", str(tmp_path / "step-20"))
     assert code == 1
@@ -169,6 +182,21 @@ def test_cp_of_an_incremental_key_to_s3_and_back_loads_bit_exact(s3_backend: Bac
 
     assert not [name for name in _data_files(tmp_path / "back") if ".." in name]
     _assert_equal(_torch_load(tmp_path / "back", expected), expected)
+
+
+def test_cp_of_a_plain_layouts_incremental_save_copies_its_sibling_base_in_only_with_references(
+    tmp_path: Path,
+) -> None:
+    expected = _plain(tmp_path)
+
+    with pytest.raises(CorruptCheckpointError, match="--references") as raised:
+        copy_checkpoint(tmp_path / "step-20", tmp_path / "copy")
+    assert str(tmp_path / "step-20") in str(raised.value) and str(tmp_path / "step-10") in str(raised.value)
+    assert not (tmp_path / "copy").exists()
+
+    copy_checkpoint(tmp_path / "step-20", tmp_path / "copy", references=True)
+    assert not [name for name in _data_files(tmp_path / "copy") if ".." in name]
+    _assert_equal(_torch_load(tmp_path / "copy", expected), expected)
 
 
 def test_cp_of_a_whole_run_copies_in_the_records_of_a_retired_iteration_it_does_not_copy(tmp_path: Path) -> None:

@@ -77,3 +77,9 @@ def referenced_folders(names: Iterable[str]) -> set[str]:
 def _path_of(url_or_path: str) -> str:
     """The path part of a URL (the bucket included), or the path itself."""
     return url_or_path.split("://", 1)[-1]
+
+
+def sibling_folders(names: Iterable[str], folder: str) -> list[str]:
+    """The sibling checkpoints (``../step-10``) that data file ``names``, read from the
+    ``.metadata`` of the checkpoint at ``folder``, refer to: those followed only when told."""
+    return sorted(f for f in referenced_folders(names) if reference_problem(f + "/f", folder, siblings=False) is not None)

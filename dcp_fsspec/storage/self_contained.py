@@ -22,7 +22,7 @@ from ..errors import CorruptCheckpointError
 from .decoding import read_metadata
 from .failures import storage_errors
 from .names import DATA_SUFFIX, METADATA_NAME
-from .references import is_reference
+from .references import is_reference, sibling_folders
 from .urls import Location
 
 # Bytes [start, end) of a file (a path on the source's filesystem).
@@ -93,7 +93,7 @@ def plan_self_contained(
             is missing or too short; the message names both checkpoints.
         StorageError: listing the referenced folders failed.
     """
-    storage = metadata.storage_data
+    storage = metadata.storage_data or {}
     by_file: dict[str, set[tuple[int, int]]] = {}
     for info in storage.values():
         if is_reference(info.relative_path) and not keep(location.join(info.relative_path)):
@@ -155,7 +155,14 @@ def self_contained_files(
     for name in sorted(n for n in files if posixpath.basename(n) == METADATA_NAME):
         folder = posixpath.dirname(name)
         key = source.at(source.join(folder)) if folder else source
-        metadata = read_metadata(key, references=references, trust_checkpoint=trust_checkpoint)
+        metadata = read_metadata(key, references=True, trust_checkpoint=trust_checkpoint)
+        siblings = sibling_folders((info.relative_path for info in (metadata.storage_data or {}).values()), key.url)
+        if siblings and not references:
+            raise CorruptCheckpointError(
+                f"not copying {key.url}: it refers to records of the sibling checkpoint "
+                f"{key.url_of(key.join(siblings[0]))} (an incremental save's base); pass --references "
+                "(references=True) to copy them in"
+            )
         own = [posixpath.basename(n) for n in files if posixpath.dirname(n) == folder]
         plan = plan_self_contained(key, metadata, own, keep=keep, prefix=prefix)
         if plan is not None:

@@ -54,7 +54,7 @@ from .decoding import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_re
 from .failures import storage_errors
 from .fetch import Span, fetch_in_order, plan_spans
 from .names import METADATA_NAME
-from .references import is_reference, reference_problem, referenced_folders
+from .references import is_reference, referenced_folders, sibling_folders
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .self_contained import folder_sizes
 from .transforms import missing_package, reader_transforms, untransform, untransformed_limit
@@ -260,11 +260,7 @@ class _Checkpoint:
         if not isinstance(metadata.storage_data, dict):
             self.problem(self.metadata_url, None, "holds DCP metadata without storage data")
             return None
-        folder = posixpath.dirname(self.metadata_url)
-        siblings = sorted({
-            name for name in referenced_folders(info.relative_path for info in metadata.storage_data.values())
-            if reference_problem(name + "/f", folder, siblings=False) is not None
-        })  # fmt: skip
+        siblings = sibling_folders((info.relative_path for info in metadata.storage_data.values()), self.location.url)
         if siblings and not self.references:
             self.problem(
                 self.metadata_url, None,
