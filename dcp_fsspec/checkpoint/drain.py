@@ -40,7 +40,8 @@ from ..errors import DcpFsspecError, DrainError
 from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_of
 from ..storage.decoding import parse_metadata
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
-from ..storage.self_contained import Piece, pieces_bytes, self_contained_files
+from ..storage.copying import Piece, pieces_bytes
+from ..storage.self_contained import self_contained_files
 from ..storage.urls import Location
 from . import commit, deletion, layout, listing, pointer, retention
 from .durable_bases import DurableBases

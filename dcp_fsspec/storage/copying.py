@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -24,7 +24,6 @@ from ..errors import CorruptCheckpointError, DcpFsspecError, StorageError
 from .failures import storage_errors
 from .fetch import fetch_in_order, plan_spans
 from .names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME, is_temporary, relative_path_problem
-from .self_contained import Piece
 from .uploads import ByteBudget, FileUpload
 from .urls import Location
 
@@ -33,6 +32,15 @@ _METADATA = re.compile(r"(__\d+)?" + re.escape(METADATA_NAME))  # names.metadata
 
 # The copy phases, in order.
 DATA, METADATA, RECORD, POINTER = range(4)
+
+# Bytes [start, end) of a file (a path on the source's filesystem): a piece of a data file a
+# copy assembles from ranges of others (a self-contained copy's, :mod:`.self_contained`).
+Piece = tuple[str, int, int]
+
+
+def pieces_bytes(files: Mapping[str, Iterable[Piece]]) -> int:
+    """The bytes the data files made of pieces hold."""
+    return sum(end - start for pieces in files.values() for _, start, end in pieces)
 
 
 def list_files(source: Location, folder: str) -> dict[str, int]:

@@ -19,15 +19,12 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CorruptCheckpointError
+from .copying import Piece
 from .decoding import read_metadata
 from .failures import storage_errors
-from .names import DATA_SUFFIX, METADATA_NAME
+from .names import CONTENT_HASHES_NAME, DATA_SUFFIX, METADATA_NAME
 from .references import is_reference, sibling_folders
 from .urls import Location
-
-# Bytes [start, end) of a file (a path on the source's filesystem).
-Piece = tuple[str, int, int]
-
 
 @dataclass(frozen=True)
 class SelfContained:
@@ -40,11 +37,6 @@ class SelfContained:
 
     metadata: bytes
     files: dict[str, list[Piece]]
-
-
-def pieces_bytes(files: Mapping[str, Iterable[Piece]]) -> int:
-    """The bytes the data files made of pieces hold."""
-    return sum(end - start for pieces in files.values() for _, start, end in pieces)
 
 
 def folder_sizes(location: Location, folders: Iterable[str]) -> dict[str, int]:
@@ -152,7 +144,9 @@ def self_contained_files(
     """
     assembled: dict[str, list[Piece]] = {}
     written: dict[str, bytes] = {}
-    for name in sorted(n for n in files if posixpath.basename(n) == METADATA_NAME):
+    # Only an incremental save (content hashes beside its .metadata) refers to other checkpoints.
+    hashed = {posixpath.dirname(n) for n in files if posixpath.basename(n) == CONTENT_HASHES_NAME}
+    for name in sorted(n for n in files if posixpath.basename(n) == METADATA_NAME and posixpath.dirname(n) in hashed):
         folder = posixpath.dirname(name)
         key = source.at(source.join(folder)) if folder else source
         metadata = read_metadata(key, references=True, trust_checkpoint=trust_checkpoint)

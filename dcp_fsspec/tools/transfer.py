@@ -33,10 +33,9 @@ from typing import Any
 
 from ..checkpoint import layout, listing
 from ..errors import CheckpointExistsError
-from ..storage.copying import DATA, check_inside, copy_files, list_files, phase_of
+from ..storage.copying import DATA, Piece, check_inside, copy_files, list_files, phase_of, pieces_bytes
 from ..storage.failures import storage_errors
-from ..storage.names import POINTER_NAME
-from ..storage.self_contained import pieces_bytes, self_contained_files
+from ..storage.names import CONTENT_HASHES_NAME, POINTER_NAME
 from ..storage.urls import Location, resolve
 from . import _cli, targets
 from .progress import Progress, human_bytes
@@ -122,10 +121,7 @@ def copy_checkpoint(
     result = CopyResult(source.url, dest.url, target.kind)
     files, copied = _files_to_copy(source, target, result.skipped)
     check_inside(source, files)
-    assembled, written = self_contained_files(
-        source, files, keep=lambda path: _iteration_folder(path) in copied, references=references,
-        trust_checkpoint=trust_checkpoint,
-    )  # fmt: skip
+    assembled, written = _self_contained(source, files, copied, references=references, trust_checkpoint=trust_checkpoint)
     for name in written:
         del files[name]
     _clear_destination(dest, [*files, *written], overwrite)
@@ -144,6 +140,24 @@ def copy_checkpoint(
         dest.url, result.seconds,
     )  # fmt: skip
     return result
+
+
+def _self_contained(
+    source: Location, files: dict[str, int], copied: set[str], *, references: bool, trust_checkpoint: bool
+) -> tuple[dict[str, list[Piece]], dict[str, bytes]]:
+    """What makes each copied checkpoint stand alone (see :func:`~dcp_fsspec.storage.self_contained.self_contained_files`).
+
+    Only an incremental save refers to others, and it leaves content hashes beside its
+    ``.metadata``: a copy without any reads no ``.metadata`` and never imports torch.
+    """
+    if not any(posixpath.basename(name) == CONTENT_HASHES_NAME for name in files):
+        return {}, {}
+    from ..storage.self_contained import self_contained_files  # torch: only for incremental saves
+
+    return self_contained_files(
+        source, files, keep=lambda path: _iteration_folder(path) in copied, references=references,
+        trust_checkpoint=trust_checkpoint,
+    )  # fmt: skip
 
 
 def _files_to_copy(source: Location, target: targets.Target, skipped: list[str]) -> tuple[dict[str, int], set[str]]:
