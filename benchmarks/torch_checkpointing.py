@@ -1,0 +1,234 @@
+"""torch_checkpointing's ``CheckpointManager`` on S3 through our storage, against the baselines.
+
+One state (``benchmarks/state.py``'s realistic mix, ``--size-mib``) saved and loaded by:
+
+* ``tc-ours-s3``: their manager (synchronous saver), our ``FsspecStorage`` on moto; the commit
+  is their folder rename, done as server-side copies.
+* ``tc-ours-s3-marker``: the same with ``commit_by_marker``: the commit writes one empty file.
+* ``tc-theirs-local``: their manager with their own ``LocalFileSystemStorage`` on local disk,
+  buffered (``use_direct_io=False``); the page cache is dropped before the load.
+* ``checkpointer-s3``: our own ``Checkpointer`` on moto.
+
+Each save and each load runs in a fresh process (``--worker``), so ``time.process_time`` there
+is the client's CPU alone, taken around the save or load call. Moto runs in this process
+(``benchmarks/s3server.py``, counting requests): its CPU is this process's CPU while a worker
+runs (imports and building the state included, which cost the server nothing), reported as
+``server_cpu_s``.
+The commit is timed from their pre-finalize callback (after the last file is written) to the
+return of ``save``; the bytes it copied are counted from the server's CopyObject requests.
+Every load is checked bit for bit, untimed. Each run prints one JSON line; a markdown table
+closes the run.
+
+::
+
+    python -m benchmarks.torch_checkpointing                       # 1 GiB
+    python -m benchmarks.torch_checkpointing --size-mib 128 --impls tc-ours-s3 tc-ours-s3-marker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from . import state as st
+from .run import drop_page_cache, git_revision
+from .s3server import CountingS3Server, delta, fetch_counters
+
+IMPLS = ("tc-ours-s3", "tc-ours-s3-marker", "tc-theirs-local", "checkpointer-s3")
+BUCKET = "bench"
+STEP = "step_1"
+# When the last file of a save was written: their pre-finalize callback runs just before the commit.
+_WRITTEN_AT: list[float] = []
+
+
+def _stamp(args: Any) -> None:
+    _WRITTEN_AT.append(time.perf_counter())
+
+
+def _manager(spec: dict[str, Any]) -> Any:
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    from dcp_fsspec.integrations.torch_checkpointing import FsspecStorageConfig, commit_by_marker
+
+    config = CheckpointManager.Config.with_sync_save()
+    config.pre_finalize_callback = _stamp
+    if spec["impl"] == "tc-theirs-local":
+        # Their default, O_DIRECT, fails here at the close of a file whose size is not a block multiple.
+        config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+        return config.build()
+    config.storage_config = FsspecStorageConfig(url=spec["url"], storage_options=spec["storage_options"])
+    return (commit_by_marker(config) if spec["impl"] == "tc-ours-s3-marker" else config).build()
+
+
+def _checkpoint_id(spec: dict[str, Any]) -> str:
+    return os.path.join(spec["url"], STEP) if spec["impl"] == "tc-theirs-local" else STEP
+
+
+def _save(spec: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    if spec["impl"] == "checkpointer-s3":
+        from dcp_fsspec import Checkpointer
+
+        with Checkpointer(spec["url"], spec["storage_options"]) as ckpt:
+            t0, cpu = time.perf_counter(), time.process_time()
+            ckpt.save(1, model=state)
+            return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu}
+    manager = _manager(spec)
+    try:
+        t0, cpu = time.perf_counter(), time.process_time()
+        manager.save(_checkpoint_id(spec), {"model": state})
+        end, cpu = time.perf_counter(), time.process_time() - cpu
+    finally:
+        manager.close()
+    return {"seconds": end - t0, "cpu_seconds": cpu, "commit_seconds": round(end - _WRITTEN_AT[-1], 3)}
+
+
+def _load(spec: dict[str, Any], into: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    if spec["impl"] == "checkpointer-s3":
+        from dcp_fsspec import Checkpointer
+
+        with Checkpointer(spec["url"], spec["storage_options"]) as ckpt:
+            t0, cpu = time.perf_counter(), time.process_time()
+            ckpt.load(model=into)
+            return into, {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - cpu}
+    if spec["impl"] == "tc-theirs-local":
+        drop_page_cache(spec["url"])
+    manager = _manager(spec)
+    try:
+        t0, cpu = time.perf_counter(), time.process_time()
+        loaded = manager.load(_checkpoint_id(spec), into={"model": into})
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    finally:
+        manager.close()
+    return dict(loaded["model"]), {"seconds": seconds, "cpu_seconds": cpu}
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One save or one load in this process: its wall and CPU seconds, and the server's copies.
+
+    Both clocks cover the save or load call alone: not the imports, nor building the state."""
+    entries = st.realistic(spec["size_mib"], spec["seed"])
+    counters = spec.get("counters_url")
+    if spec["phase"] == "save":
+        state = st.build(entries)
+        before = fetch_counters(counters) if counters else {}
+        result = _save(spec, state)
+    else:
+        into = st.template(entries)
+        before = fetch_counters(counters) if counters else {}
+        loaded, result = _load(spec, into)
+    ops = delta(before, fetch_counters(counters)) if counters else {}
+    result["copy_requests"] = int(ops.get("CopyObject", {}).get("requests", 0))
+    if spec["phase"] == "load":
+        bad = st.verify(entries, loaded)
+        if bad:
+            raise AssertionError(f"{spec['impl']}: {len(bad)} entries differ after the load, e.g. {bad[:3]}")
+    return result
+
+
+def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` run by a fresh ``--worker`` process, niced as this one is; its result."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.torch_checkpointing", "--worker", json.dumps(spec)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"{spec['impl']} {spec['phase']} failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _step_files(spec: dict[str, Any]) -> tuple[int, int]:
+    """The files of the saved step and their bytes."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(spec["url"], **spec["storage_options"])
+    fs.invalidate_cache()
+    sizes = [int(info["size"]) for info in fs.find(f"{root}/{STEP}" if spec["impl"] != "checkpointer-s3" else root,
+                                                    detail=True).values()]  # fmt: skip
+    return len(sizes), sum(sizes)
+
+
+def _remove(spec: dict[str, Any]) -> None:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(spec["url"], **spec["storage_options"])
+    fs.rm(root, recursive=True)
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Save then load ``spec``'s state; one row: GB/s, client and server CPU, the commit."""
+    gb = st.nbytes(st.realistic(spec["size_mib"], spec["seed"])) / 1e9
+    row: dict[str, Any] = {"bench": "torch_checkpointing", "impl": spec["impl"], "size_mib": spec["size_mib"]}
+    for phase in ("save", "load"):
+        server_cpu = time.process_time()
+        result = _run_worker({**spec, "phase": phase})
+        server_cpu = time.process_time() - server_cpu
+        row[f"{phase}_gb_per_s"] = round(gb / result["seconds"], 3)
+        row[f"{phase}_cpu_s_per_gb"] = round(result["cpu_seconds"] / gb, 3)
+        row[f"{phase}_server_cpu_s"] = round(server_cpu, 2) if spec.get("counters_url") else None
+        if phase == "save":
+            files, size = _step_files(spec)
+            copies = result["copy_requests"]
+            if copies not in (0, files):
+                raise SystemExit(f"{spec['impl']}: {copies} CopyObject requests for {files} files: not one copy per file")
+            row.update(commit_seconds=result.get("commit_seconds"), copy_requests=copies,
+                       bytes_copied=size if copies else 0, step_bytes=size)  # fmt: skip
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=1024, help="tensor data of the state")
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--local-dir", default=None, help="parent of the temporary local folder")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    revision = git_revision()
+    rows: list[dict[str, Any]] = []
+    server = CountingS3Server().start()
+    try:
+        for name, value in server.environ().items():
+            os.environ.setdefault(name, value)
+        with tempfile.TemporaryDirectory(prefix="bench-tc-", dir=args.local_dir) as local:
+            for n, impl in enumerate(args.impls):
+                spec: dict[str, Any] = {"impl": impl, "size_mib": args.size_mib, "seed": args.seed}
+                if impl == "tc-theirs-local":
+                    spec.update(url=os.path.join(local, impl), storage_options={})
+                    os.makedirs(spec["url"])
+                else:
+                    server.create_bucket(f"{BUCKET}-{n}")
+                    spec.update(url=f"s3://{BUCKET}-{n}/run", storage_options=server.storage_options(),
+                                counters_url=server.counters_url)  # fmt: skip
+                row = {**measure(spec), "revision": revision}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                _remove(spec)  # moto keeps objects in this process's memory
+    finally:
+        server.stop()
+    _table(rows)
+
+
+def _table(rows: list[dict[str, Any]]) -> None:
+    print("\n| impl | save GB/s | load GB/s | save CPU s/GB | load CPU s/GB | server CPU s (save, load) "
+          "| commit s | bytes copied by the commit |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for r in rows:
+        server = "—" if r["save_server_cpu_s"] is None else f"{r['save_server_cpu_s']}, {r['load_server_cpu_s']}"
+        commit = "—" if r["commit_seconds"] is None else r["commit_seconds"]
+        print(f"| {r['impl']} | {r['save_gb_per_s']} | {r['load_gb_per_s']} | {r['save_cpu_s_per_gb']} | "
+              f"{r['load_cpu_s_per_gb']} | {server} | {commit} | {r['bytes_copied'] / 2**20:.0f} MiB "
+              f"({r['copy_requests']} copies) |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
