@@ -61,9 +61,9 @@ class Store:
 @pytest.fixture(params=["ours-local", "ours-memory", "ours-s3", "theirs-local"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     if request.param == "theirs-local":
-        storage = LocalFileSystemStorageConfig(use_direct_io=False).create_storage()
+        theirs = LocalFileSystemStorageConfig(use_direct_io=False).create_storage()
         (tmp_path / "theirs").mkdir()
-        return Store(request.param, storage, tmp_path / "theirs", keeps_empty_folders=True, url=str(tmp_path / "theirs"))
+        return Store(request.param, theirs, tmp_path / "theirs", keeps_empty_folders=True, url=str(tmp_path / "theirs"))
     backend: Backend = request.getfixturevalue(f"{request.param.removeprefix('ours-')}_backend")
     storage = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options).create_storage()
     storage.mkdir(Path(""))
