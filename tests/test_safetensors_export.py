@@ -16,10 +16,12 @@ from dcp_fsspec import cli
 from dcp_fsspec.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     UsageError,
 )
 from dcp_fsspec.storage.safetensors_reader import SafetensorsStorageReader
+from dcp_fsspec.storage.reader import FsspecStorageReader
 from dcp_fsspec.storage.writer import FsspecStorageWriter
 from dcp_fsspec.tools.safetensors_export import INDEX_NAME, export_safetensors
 from tests.conftest import Backend
@@ -170,6 +172,7 @@ def test_a_single_safetensors_file_is_still_written_whole_and_refuses_folder_opt
 
 _MEASURE = """
 import sys
+import torch
 from dcp_fsspec.tools.safetensors_export import export_safetensors
 
 def kib(field):
@@ -179,13 +182,18 @@ def kib(field):
 with open("/proc/self/clear_refs", "w") as refs:  # the peak (VmHWM) restarts from the resident size now
     refs.write("5")
 before = kib("VmRSS:")
-export_safetensors(sys.argv[1], sys.argv[2], max_shard_size=100 * 2**20)
+export_safetensors(sys.argv[1], sys.argv[2], max_shard_size=100 * 2**20, dtype=torch.bfloat16)
 print((kib("VmHWM:") - before) * 1024)
 """
 
 
-def test_a_256_mib_export_holds_a_fixed_buffer_not_a_shard_or_the_model(tmp_path: Path) -> None:
-    state = {f"layer.{i}.weight": torch.full((1024, 1024), float(i)) for i in range(64)}  # 4 MiB each
+def test_a_256_mib_export_with_a_tensor_five_times_the_buffer_holds_a_fixed_buffer_not_a_shard_or_the_tensor(
+    tmp_path: Path,
+) -> None:
+    state = {f"layer.{i}.weight": torch.full((1024, 1024), float(i)) for i in range(24)}  # 4 MiB each
+    torch.manual_seed(0)
+    huge = torch.randn(40 * 1024, 1024)  # 160 MiB: five batches of 32 MiB
+    state["huge.weight"] = huge
     src = _save(str(tmp_path / "ckpt"), state)
     del state
     out = tmp_path / "hf"
@@ -193,7 +201,10 @@ def test_a_256_mib_export_holds_a_fixed_buffer_not_a_shard_or_the_model(tmp_path
     grew = int(done.stdout.split()[-1])
     assert grew < 96 * 2**20, f"the export of {src} grew the peak RSS by {grew / 2**20:.0f} MiB"
     index = json.loads((out / INDEX_NAME).read_text())
-    assert len(index["weight_map"]) == 64 and len(set(index["weight_map"].values())) == 3
+    assert len(index["weight_map"]) == 25 and len(set(index["weight_map"].values())) == 2
+    for name, want in (("huge.weight", huge), ("layer.7.weight", torch.full((1024, 1024), 7.0))):
+        with safetensors_torch.safe_open(str(out / index["weight_map"][name]), "pt") as shard:
+            assert torch.equal(shard.get_tensor(name), want.to(torch.bfloat16)), name
 
 
 def test_a_tiny_gpt2_exported_with_a_key_map_and_its_config_loads_with_from_pretrained(
@@ -292,3 +303,20 @@ def test_a_key_map_that_is_not_json_and_a_shard_size_that_is_not_a_size_exit_2_n
     assert f"{key_map} is not JSON" in err
     assert cli.main(["to-safetensors", src, out, "--max-shard-size", "5 parsecs"]) == 2
     assert "--max-shard-size '5 parsecs'" in capsys.readouterr().err and not Path(out).exists()
+
+
+def test_a_flipped_byte_in_a_tensor_streamed_in_pieces_is_a_checksum_mismatch_naming_its_file_and_nothing_is_left(
+    tmp_path: Path,
+) -> None:
+    src = _save(str(tmp_path / "ckpt"), {"w": torch.randn(256, 64)})  # 64 KiB, sixteen 4 KiB pieces
+    reader = FsspecStorageReader(src)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    (info,) = reader.storage_data.values()
+    data_file = tmp_path / "ckpt" / info.relative_path
+    raw = bytearray(data_file.read_bytes())
+    raw[info.offset + info.length // 2] ^= 0xFF
+    data_file.write_bytes(bytes(raw))
+    out = tmp_path / "hf"
+    with pytest.raises(ChecksumMismatchError, match=str(data_file)):
+        export_safetensors(src, out, buffer_bytes=4096)
+    assert not out.exists()

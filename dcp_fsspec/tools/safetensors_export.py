@@ -13,26 +13,28 @@ import json
 import logging
 import os
 import posixpath
-import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..checkpoint import layout, listing
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
 from ..storage.failures import storage_errors
 from ..storage.reader import FsspecStorageReader
-from ..storage.uploads import ByteBudget, publish_whole
+from ..storage.uploads import ByteBudget, FileUpload, publish_whole
 from ..storage.urls import Location, resolve
 from . import targets
 from .convert import check_claimed_sizes
 from .progress import Progress, human_bytes
 from .results import WrittenFiles
+from .safetensors_batches import DTYPE_NAMES, Entry, batches, header, read_batch
+from .safetensors_pieces import open_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +45,9 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 MODEL_KEY = "model"  # the key of a Checkpointer iteration that is exported
 
-_ALIGN = 64  # each tensor's offset in a batch's buffer
-_ALWAYS_MAPPED = 33 * MiB  # above glibc's largest mmap threshold (32 MiB)
-_CAST_PIECE = 1 << 22  # elements cast and checked at once
 _PART_SIZE = 8 * MiB
 _UPLOAD_BUDGET = 32 * MiB
 
-# The safetensors name of each dtype the format holds.
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
 # Output dtypes ``dtype=`` accepts, by the names the CLI takes.
 OUTPUT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -63,25 +55,6 @@ OUTPUT_DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 KeyMap = Callable[[str], "str | None"]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One tensor to export: its name in the checkpoint and in the output."""
-
-    fqn: str
-    name: str
-    shape: tuple[int, ...]
-    source_dtype: torch.dtype
-    dtype: torch.dtype
-
-    @property
-    def source_bytes(self) -> int:
-        return _numel(self.shape) * self.source_dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -114,7 +87,7 @@ def export_safetensors(
 
     A DCP checkpoint exports its tensors; an iteration folder or a save_dirname (its latest
     iteration) exports its ``model`` key. Memory held is about ``buffer_bytes`` plus the
-    uploads in flight; a single tensor larger than ``buffer_bytes`` is held whole.
+    uploads in flight, at every tensor size: a larger tensor streams in pieces.
 
     Args:
         max_shard_size: the most tensor bytes in one shard; a larger tensor gets a shard of its own.
@@ -168,7 +141,7 @@ def _check_options(out: str | os.PathLike[str], dtype: torch.dtype | None, max_s
         raise UsageError(f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}")
 
 
-def _write_index(target: Location, entries: list[_Entry], weight_map: dict[str, str], config_bytes: bytes | None) -> None:
+def _write_index(target: Location, entries: list[Entry], weight_map: dict[str, str], config_bytes: bytes | None) -> None:
     """``config.json`` if given, then the index: written last, it marks the export complete."""
     if config_bytes is not None:
         _write_small(target, CONFIG_NAME, config_bytes)
@@ -177,7 +150,7 @@ def _write_index(target: Location, entries: list[_Entry], weight_map: dict[str, 
 
 
 def _write_shards(
-    reader: FsspecStorageReader, metadata: Metadata, shards: list[list[_Entry]], target: Location,
+    reader: FsspecStorageReader, metadata: Metadata, shards: list[list[Entry]], target: Location,
     buffer_bytes: int, result: ExportResult, progress: Progress | None,
 ) -> dict[str, str]:  # fmt: skip
     """Write every shard, counting each into ``result``; the index's weight map."""
@@ -192,13 +165,6 @@ def _write_shards(
 
 def _same(name: str) -> str:
     return name
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _source(location: Location) -> Location:
@@ -267,9 +233,9 @@ def _read_config(config: str | os.PathLike[str]) -> bytes:
 
 def _entries(
     metadata: Metadata, dtype: torch.dtype | None, key_map: KeyMap, url: str, left_out: list[str]
-) -> list[_Entry]:
+) -> list[Entry]:
     """The tensors to export, in checkpoint order, with their output names and dtypes."""
-    entries: list[_Entry] = []
+    entries: list[Entry] = []
     by_name: dict[str, str] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata):
@@ -285,16 +251,16 @@ def _entries(
             )
         by_name[name] = fqn
         source_dtype = meta.properties.dtype
-        if source_dtype not in _DTYPE_NAMES:
+        if source_dtype not in DTYPE_NAMES:
             raise UsageError(f"exporting to {url}: {fqn!r} is {source_dtype}, which safetensors does not hold")
         out_dtype = dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
-        entries.append(_Entry(fqn, name, tuple(meta.size), source_dtype, out_dtype))
+        entries.append(Entry(fqn, name, tuple(meta.size), source_dtype, out_dtype))
     return entries
 
 
-def _plan_shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
+def _plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
     """Hugging Face's rule: fill a shard in order until the next tensor would pass the max."""
-    shards: list[list[_Entry]] = [[]]
+    shards: list[list[Entry]] = [[]]
     size = 0
     for entry in entries:
         if shards[-1] and size + entry.nbytes > max_shard_size:
@@ -305,36 +271,21 @@ def _plan_shards(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry
     return shards
 
 
-def _header(shard: list[_Entry]) -> bytes:
-    """The shard's length-prefixed JSON header, padded to 8 bytes as safetensors writes it."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for e in shard:
-        header[e.name] = {"dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
 def _write_shard(
-    reader: FsspecStorageReader, metadata: Metadata, shard: list[_Entry], target: Location, file_name: str,
+    reader: FsspecStorageReader, metadata: Metadata, shard: list[Entry], target: Location, file_name: str,
     buffer_bytes: int, progress: Progress | None,
 ) -> int:  # fmt: skip
-    """Write one shard: its header, then its tensors a batch at a time. Returns its size."""
+    """Write one shard: its header, then its tensors a batch (or a big tensor's piece) at a time. Returns its size."""
     path = posixpath.join(target.path, file_name)
     url = target.url_of(path)
     with storage_errors("create", url):
         upload = target.backend.new_upload(path, part_size=_PART_SIZE, budget=ByteBudget(_UPLOAD_BUDGET))
     try:
         with storage_errors("write", url):
-            upload.write([_header(shard)])
-        for batch in _batches(shard, buffer_bytes):
-            for entry, data in zip(batch, _read_batch(reader, metadata, batch, url)):
-                with storage_errors("write", url):
-                    upload.write([data.reshape(-1).view(torch.uint8).numpy().data])
-                if progress is not None:
-                    progress.advance(entry.source_bytes)
+            upload.write([header(shard)])
+        send = partial(_send, upload, url, progress)
+        for batch in batches(shard, buffer_bytes):
+            _send_batch(reader, metadata, batch, buffer_bytes, url, send)
         with storage_errors("write", url):
             upload.commit()
     except BaseException:
@@ -343,74 +294,28 @@ def _write_shard(
     return upload.size
 
 
-def _batches(shard: list[_Entry], buffer_bytes: int) -> Iterator[list[_Entry]]:
-    batch: list[_Entry] = []
-    size = 0
-    for entry in shard:
-        if batch and size + entry.source_bytes > buffer_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(entry)
-        size += entry.source_bytes
-    if batch:
-        yield batch
+def _send_batch(
+    reader: FsspecStorageReader, metadata: Metadata, batch: list[Entry], buffer_bytes: int, url: str,
+    send: Callable[[Entry, torch.Tensor], None],
+) -> None:  # fmt: skip
+    """Hand ``batch``'s output bytes to ``send`` in order: a tensor bigger than the buffer in pieces, where it can be.
 
-
-def _read_batch(reader: FsspecStorageReader, metadata: Metadata, batch: list[_Entry], url: str) -> list[torch.Tensor]:
-    """Load ``batch``'s tensors, and only those, with DCP's planner and our ranged reader.
-
-    Returns them in the output dtype, all views of one buffer.
+    Each buffer is freed on return, before the next batch is read.
     """
-    sources, outputs = _carve(batch)
-    state_dict = {e.fqn: t for e, t in zip(batch, sources)}
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner(state_dict, metadata, True)
-    plan = reader.prepare_local_plan(planner.create_local_plan())
-    plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
-    reader.read_data(plan, planner).wait()
-    for entry, source, output in zip(batch, sources, outputs):
-        if output is not source:
-            _cast_into(entry, source, output, url)
-    return outputs
+    pieces = open_pieces(reader, metadata, batch[0], url) if batch[0].source_bytes > buffer_bytes else None
+    if pieces is None:
+        for entry, data in zip(batch, read_batch(reader, metadata, batch, url)):
+            send(entry, data)
+        return
+    with closing(pieces):
+        pieces.send(buffer_bytes, partial(send, batch[0]))
 
 
-def _carve(batch: list[_Entry]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each entry's source tensor and output tensor (the same where the dtype stays), in one buffer.
-
-    One allocation per batch, of at least :data:`_ALWAYS_MAPPED` bytes: glibc maps those and
-    unmaps them on free. Many smaller ones in turn fragment its heap, and the RSS creeps up
-    toward the model's size.
-    """
-    layout: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
-    end = 0
-    for e in batch:
-        for dtype in (e.source_dtype, e.dtype) if e.dtype != e.source_dtype else (e.source_dtype,):
-            layout.append((end, dtype, e.shape))
-            end += -(-_numel(e.shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    flat = torch.empty(max(end, _ALWAYS_MAPPED), dtype=torch.uint8)
-    views = iter([flat[o : o + _numel(shape) * d.itemsize].view(d).view(shape) for o, d, shape in layout])
-    sources, outputs = [], []
-    for e in batch:
-        sources.append(next(views))
-        outputs.append(next(views) if e.dtype != e.source_dtype else sources[-1])
-    return sources, outputs
-
-
-def _cast_into(entry: _Entry, source: torch.Tensor, output: torch.Tensor, url: str) -> None:
-    """Copy ``source`` into ``output``'s dtype, refused where a finite value would become infinite."""
-    # A piece at a time: the check's masks stay small, whatever the tensor's size.
-    sources, outputs = source.reshape(-1).split(_CAST_PIECE), output.view(-1).split(_CAST_PIECE)
-    if any(_overflows(s, o) for s, o in zip(sources, outputs)):
-        raise UsageError(
-            f"writing {url}: {entry.fqn!r} holds values beyond {entry.dtype}'s range; "
-            "export it in a wider dtype (--dtype float32 or bfloat16)"
-        )
-
-
-def _overflows(source: torch.Tensor, output: torch.Tensor) -> bool:
-    output.copy_(source)
-    # Most pieces have no infinity at all: one pass tells, and the exact check runs on the rest.
-    return bool(torch.isinf(output).any()) and bool((torch.isinf(output) & torch.isfinite(source)).any())
+def _send(upload: FileUpload, url: str, progress: Progress | None, entry: Entry, data: torch.Tensor) -> None:
+    with storage_errors("write", url):
+        upload.write([data.reshape(-1).view(torch.uint8).numpy().data])
+    if progress is not None:
+        progress.advance(data.numel() * entry.source_dtype.itemsize)
 
 
 def _write_small(target: Location, name: str, data: bytes) -> None:
