@@ -693,3 +693,35 @@ def test_saving_the_pointers_own_iteration_again_leaves_the_pointer_file_untouch
     after = (tmp_path / "run" / POINTER_NAME).stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert pointer.read_pointer(root) == 3 and _committed(root, 3)
+
+
+def test_discard_iterations_deletes_the_folders_named_and_leaves_the_others_committed(root: Location) -> None:
+    _save(root, 1, 2, 3)
+    deletion.discard_iterations(root, [1, 2])
+    assert layout.list_iterations(root) == [3]
+    assert listing.committed_iterations(root) == [3] and _committed(root, 3)
+
+
+def test_discard_iteration_deletes_one_folder(root: Location) -> None:
+    _save(root, 1, 2)
+    deletion.discard_iteration(root, 1)
+    assert layout.list_iterations(root) == [2]
+
+
+@pytest.mark.parametrize(("recorded", "committed_then"), [(None, [3]), ([2], [1, 3])])
+def test_discard_iterations_uncommits_the_recorded_before_removing_any_folder(
+    root: Location, monkeypatch: pytest.MonkeyPatch, recorded: list[int] | None, committed_then: list[int]
+) -> None:
+    """Were the removal to die, no folder named would still be committed; ``recorded`` names the
+    only ones whose records are deleted (the caller saw none in the others)."""
+    _save(root, 1, 2, 3)
+    seen: list[list[int]] = []
+
+    def remove(where: Location, iterations: list[int]) -> None:
+        seen.append(listing.committed_iterations(where))
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(deletion, "remove_iterations", remove)
+    with pytest.raises(PermissionError):
+        deletion.discard_iterations(root, [1, 2], recorded=recorded)
+    assert seen == [committed_then]
