@@ -18,12 +18,14 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..checkpoint import layout, listing
+from ..checkpoint._collectives import Collectives
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
 from ..storage.failures import storage_errors
 from ..storage.reader import FsspecStorageReader
@@ -55,6 +57,7 @@ OUTPUT_DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 KeyMap = Callable[[str], "str | None"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -82,6 +85,7 @@ def export_safetensors(
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     progress: Progress | None = None,
     trust_checkpoint: bool = False,
+    process_group: dist.ProcessGroup | None = None,
 ) -> ExportResult:
     """Write the tensors at ``url`` as a sharded safetensors folder at ``out`` (both any URL).
 
@@ -97,6 +101,10 @@ def export_safetensors(
         overwrite: replace an existing ``out``.
         trust_checkpoint: unpickle ``.metadata`` in full (runs any code it holds); by default
             only DCP metadata's classes load.
+        process_group: export together with every rank of this group, each calling with the
+            same arguments. Rank r writes shards r, r + W, ... and reads only their tensors;
+            rank 0 writes the index once every rank is done. A failure on any rank removes
+            every shard and raises on every rank. ``None``: this process alone.
 
     Raises:
         CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
@@ -104,34 +112,112 @@ def export_safetensors(
         CheckpointNotFoundError, CorruptCheckpointError, StorageError: as the reader raises them.
     """
     start = time.perf_counter()
+    ranks = Collectives(process_group, alone=process_group is None)
+    plan = _agreed(ranks, partial(
+        _plan, url, out, storage_options, out_storage_options,
+        max_shard_size=max_shard_size, dtype=dtype, key_map=key_map, trust_checkpoint=trust_checkpoint,
+    ))  # fmt: skip
+    # Nothing is written before here: every check above leaves ``out`` as it was.
+    existed, config_bytes = ranks.run_on_rank0(partial(_prepare_output, plan.target, overwrite, config))
+    extra = [CONFIG_NAME] if config_bytes is not None else []
+    remove = lambda names: _remove_partial(plan.target, [*names, *extra], remove_folder=not existed)
+    _write_agreed(plan, ranks, buffer_bytes, progress, remove)
+    ranks.run_on_rank0(partial(_write_index, plan, config_bytes, remove))
+    plan.result.tensors = len(plan.entries)
+    plan.result.seconds = time.perf_counter() - start
+    logger.info("exported %s to %s (%s)", plan.result.src, plan.target.url, human_bytes(plan.result.bytes_written))
+    return plan.result
+
+
+@dataclass
+class _Plan:
+    """What every rank knows before a byte is written: the tensors, their shards, the reader."""
+
+    target: Location
+    reader: FsspecStorageReader
+    metadata: Metadata
+    entries: list[Entry]
+    shards: list[list[Entry]]
+    result: ExportResult
+
+    def file_name(self, number: int) -> str:
+        """The file name of shard ``number`` (from 0)."""
+        return f"model-{number + 1:05d}-of-{len(self.shards):05d}.safetensors"
+
+
+def _plan(
+    url: str | os.PathLike[str], out: str | os.PathLike[str], storage_options: dict[str, Any] | None,
+    out_storage_options: dict[str, Any] | None, *, max_shard_size: int, dtype: torch.dtype | None,
+    key_map: KeyMap | None, trust_checkpoint: bool,
+) -> _Plan:  # fmt: skip
+    """Every check that needs no write: the options, the source, its ``.metadata``, the names."""
     _check_options(out, dtype, max_shard_size)
     source = _source(resolve(url, storage_options))
     target = resolve(out, out_storage_options)
-    existed = _check_output(target, overwrite)
-    config_bytes = _read_config(config) if config is not None else None
     reader = FsspecStorageReader(source.url, fs=source.fs, trust_checkpoint=trust_checkpoint)
     metadata = reader.read_metadata()
     check_claimed_sizes(metadata, source.url, None)
     reader.set_up_storage_reader(metadata, True)
     result = ExportResult(source.url, target.url)
     entries = _entries(metadata, dtype, key_map or _same, target.url, result.left_out)
-    if progress is not None:
-        progress.add_total(sum(e.source_bytes for e in entries))
-    # Nothing is written before here: every check above leaves ``out`` as it was.
+    return _Plan(target, reader, metadata, entries, _plan_shards(entries, max_shard_size), result)
+
+
+def _agreed(ranks: Collectives, make: Callable[[], T]) -> T:
+    """``make()`` on every rank; if it fails on any, every rank raises."""
+    value: T | None = None
+    error: Exception | None = None
+    try:
+        value = make()
+    except Exception as e:  # noqa: BLE001 - raised below, on every rank
+        error = e
+    ranks.raise_if_any_failed(error)
+    assert value is not None
+    return value
+
+
+def _prepare_output(target: Location, overwrite: bool, config: str | os.PathLike[str] | None) -> tuple[bool, bytes | None]:
+    """On rank 0: refuse or clear an existing ``out``, read the config, make the folder.
+
+    Returns whether ``out`` existed, and the config's bytes.
+    """
+    existed = _check_output(target, overwrite)
+    config_bytes = _read_config(config) if config is not None else None
     if existed:
         _remove_export(target)
     with storage_errors("create", target.url):
         target.backend.make_folder(target.path)
+    return existed, config_bytes
+
+
+def _write_agreed(
+    plan: _Plan, ranks: Collectives, buffer_bytes: int, progress: Progress | None, remove: Callable[[list[str]], None]
+) -> None:
+    """Write this rank's shards (r, r + W, ...); if any rank failed, rank 0 removes every shard and all raise.
+
+    Counts every rank's shards into ``plan.result``.
+    """
+    mine = range(ranks.rank, len(plan.shards), ranks.world_size)
+    if progress is not None:
+        progress.add_total(sum(e.source_bytes for n in mine for e in plan.shards[n]))
+    names: list[str] = []
+    nbytes = 0
+    error: BaseException | None = None
     try:
-        weight_map = _write_shards(reader, metadata, _plan_shards(entries, max_shard_size), target, buffer_bytes, result, progress)
-        _write_index(target, entries, weight_map, config_bytes)
-    except BaseException:
-        _remove_partial(target, [*result.shards, *([CONFIG_NAME] if config_bytes is not None else [])], remove_folder=not existed)
-        raise
-    result.tensors = len(entries)
-    result.seconds = time.perf_counter() - start
-    logger.info("exported %s to %s (%s)", source.url, target.url, human_bytes(result.bytes_written))
-    return result
+        for number in mine:
+            name = plan.file_name(number)
+            nbytes += _write_shard(plan.reader, plan.metadata, plan.shards[number], plan.target, name, buffer_bytes, progress)
+            names.append(name)
+    except BaseException as e:  # noqa: BLE001 - raised below, once what was written is removed
+        error = e
+    everyone = ranks.all_gather((names, nbytes, error is not None))
+    plan.result.shards = sorted(name for names_of_rank, _, _ in everyone for name in names_of_rank)
+    plan.result.bytes_written = sum(n for _, n, _ in everyone)
+    if ranks.rank == 0 and any(failed for _, _, failed in everyone):
+        remove(plan.result.shards)
+    if error is not None and not isinstance(error, Exception):
+        raise error  # an interrupt: this process stops here
+    ranks.raise_if_any_failed(error)
 
 
 def _check_options(out: str | os.PathLike[str], dtype: torch.dtype | None, max_shard_size: int) -> None:
@@ -141,26 +227,17 @@ def _check_options(out: str | os.PathLike[str], dtype: torch.dtype | None, max_s
         raise UsageError(f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}")
 
 
-def _write_index(target: Location, entries: list[Entry], weight_map: dict[str, str], config_bytes: bytes | None) -> None:
-    """``config.json`` if given, then the index: written last, it marks the export complete."""
-    if config_bytes is not None:
-        _write_small(target, CONFIG_NAME, config_bytes)
-    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_small(target, INDEX_NAME, json.dumps(index, indent=2).encode())
-
-
-def _write_shards(
-    reader: FsspecStorageReader, metadata: Metadata, shards: list[list[Entry]], target: Location,
-    buffer_bytes: int, result: ExportResult, progress: Progress | None,
-) -> dict[str, str]:  # fmt: skip
-    """Write every shard, counting each into ``result``; the index's weight map."""
-    weight_map: dict[str, str] = {}
-    for number, shard in enumerate(shards, 1):
-        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        result.bytes_written += _write_shard(reader, metadata, shard, target, file_name, buffer_bytes, progress)
-        result.shards.append(file_name)
-        weight_map.update((e.name, file_name) for e in shard)
-    return weight_map
+def _write_index(plan: _Plan, config_bytes: bytes | None, remove: Callable[[list[str]], None]) -> None:
+    """On rank 0, after every shard: ``config.json`` if given, then the index, which marks the export complete."""
+    weight_map = {e.name: plan.file_name(n) for n, shard in enumerate(plan.shards) for e in shard}
+    index = {"metadata": {"total_size": sum(e.nbytes for e in plan.entries)}, "weight_map": dict(sorted(weight_map.items()))}
+    try:
+        if config_bytes is not None:
+            _write_small(plan.target, CONFIG_NAME, config_bytes)
+        _write_small(plan.target, INDEX_NAME, json.dumps(index, indent=2).encode())
+    except BaseException:
+        remove(plan.result.shards)
+        raise
 
 
 def _same(name: str) -> str:
