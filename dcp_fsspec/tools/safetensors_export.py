@@ -29,6 +29,7 @@ from ..checkpoint._collectives import Collectives
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
 from ..storage.failures import storage_errors
 from ..storage.reader import FsspecStorageReader
+from ..storage.records import tensor_bytes
 from ..storage.uploads import ByteBudget, FileUpload, publish_whole
 from ..storage.urls import Location, resolve
 from . import targets
@@ -390,7 +391,7 @@ def _send_batch(
 
 def _send(upload: FileUpload, url: str, progress: Progress | None, entry: Entry, data: torch.Tensor) -> None:
     with storage_errors("write", url):
-        upload.write([data.reshape(-1).view(torch.uint8).numpy().data])
+        upload.write([tensor_bytes(data)])
     if progress is not None:
         progress.advance(data.numel() * entry.source_dtype.itemsize)
 

@@ -28,7 +28,7 @@ from ..errors import CorruptCheckpointError, RecordFormatError
 from ..storage.backends.base import InPlaceFiles, RangeReader
 from ..storage.decoding import CRC_TAIL, RecordDecoder, RecordPlace
 from ..storage.reader import FsspecStorageReader
-from ..storage.records import RecordLayout, parse_layout
+from ..storage.records import RecordLayout, parse_layout, tensor_bytes
 from ..storage.workers import Workers
 from .safetensors_batches import Entry, carve, cast_into, numel
 
@@ -99,7 +99,7 @@ class TensorPieces:
             for dim in range(1, len(rec.sizes)):
                 dest = dest.narrow(dim, rec.offsets[dim], rec.sizes[dim])
             buf = dest if dest.is_contiguous() else torch.empty((b - a, *rec.sizes[1:]), dtype=dest.dtype)
-            view = memoryview(buf.view(-1).view(torch.uint8).numpy()).cast("B")
+            view = tensor_bytes(buf)
             start = rec.data_start + (a - rec.offsets[0]) * rec.row_bytes
             reads = [
                 (p, self._pool.submit(_read_into, self.files, rec.decoder.place.path, start + p, view[p : p + self._request]))
