@@ -320,3 +320,24 @@ def test_a_flipped_byte_in_a_tensor_streamed_in_pieces_is_a_checksum_mismatch_na
     with pytest.raises(ChecksumMismatchError, match=str(data_file)):
         export_safetensors(src, out, buffer_bytes=4096)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sizes", [[2, 4], [4, 9]], ids=["short-of-the-shape", "past-the-shape"])
+def test_chunks_that_do_not_tile_their_tensor_are_refused_naming_it_and_nothing_is_written(
+    tmp_path: Path, sizes: list[int]
+) -> None:
+    """A crafted .metadata must never export what a gap leaves in memory."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    source = _save(str(tmp_path / "ckpt"), {"w": torch.ones(4, 4)})
+    path = tmp_path / "ckpt" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    chunk = metadata.state_dict_metadata["w"].chunks[0]
+    metadata.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(offsets=chunk.offsets, sizes=torch.Size(sizes))
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CorruptCheckpointError) as info:
+        export_safetensors(source, tmp_path / "hf")
+    assert "'w'" in str(info.value) and source in str(info.value) and "tile" in str(info.value)
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())

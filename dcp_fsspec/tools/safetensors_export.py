@@ -37,7 +37,7 @@ from .convert import check_claimed_sizes
 from .progress import Progress, human_bytes
 from .results import WrittenFiles
 from .safetensors_batches import DTYPE_NAMES, Entry, batches, header, read_batch
-from .safetensors_pieces import open_pieces
+from .safetensors_pieces import check_tiling, open_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,10 @@ def _plan(
     reader.set_up_storage_reader(metadata, True)
     result = ExportResult(source.url, target.url)
     entries = _entries(metadata, dtype, key_map or _same, target.url, result.left_out)
+    for entry in entries:
+        meta = metadata.state_dict_metadata[entry.fqn]
+        assert isinstance(meta, TensorStorageMetadata)  # _entries keeps tensors only
+        check_tiling(entry, [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks], source.url)
     return _Plan(target, reader, metadata, entries, _plan_shards(entries, max_shard_size), result)
 
 

@@ -164,12 +164,13 @@ def open_pieces(reader: FsspecStorageReader, metadata: Metadata, entry: Entry, u
     return TensorPieces(entry, shape, records, files, reader, url)
 
 
-def _blocks(
-    entry: Entry, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], url: str
-) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """The shape the tensor is read in, and each record's block of it.
+def check_tiling(entry: Entry, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], url: str) -> None:
+    """Refuse chunks that leave ``entry``'s shape or do not add up to it (a damaged or crafted
+    ``.metadata``). Buffers are zeroed too: overlapping chunks that add up can still leave a gap,
+    and a gap exports zeros, never this process's memory.
 
-    Records that each span every column of their rows make the tensor one long row.
+    Raises:
+        CorruptCheckpointError: naming the tensor and ``url``.
     """
     shape = entry.shape
     inside = all(len(o) == len(s) == len(shape) and all(0 <= a and a + n <= d for a, n, d in zip(o, s, shape)) for o, s in chunks)
@@ -178,6 +179,17 @@ def _blocks(
             f"the .metadata of {url} gives {entry.fqn!r} chunks that do not tile its {list(shape)} shape: "
             "the checkpoint is damaged or crafted; export another checkpoint"
         )
+
+
+def _blocks(
+    entry: Entry, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], url: str
+) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The shape the tensor is read in, and each record's block of it.
+
+    Records that each span every column of their rows make the tensor one long row.
+    """
+    shape = entry.shape
+    check_tiling(entry, chunks, url)
     if all(s[1:] == shape[1:] for _, s in chunks):
         row = numel(shape[1:])
         return (numel(shape),), [((o[0] * row,), (s[0] * row,)) for o, s in chunks]
