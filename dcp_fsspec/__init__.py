@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "ResumeOptions": ".checkpoint.options",
     "RetryPolicy": ".storage.retry",
     "SafeLoadPlanner": ".storage.trust",
+    "SafetensorsExport": ".tools.safetensors_on_save",
     "SafetensorsStorageReader": ".storage.safetensors_reader",
     "StorageError": ".errors",
     "VerifyProblem": ".storage.verification",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from .storage.trust import SafeLoadPlanner
     from .storage.verification import VerifyProblem, VerifyReport
     from .storage.writer import FsspecStorageWriter
+    from .tools.safetensors_on_save import SafetensorsExport
     from .tools.verify import verify
 else:
 
