@@ -28,7 +28,7 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     StorageError,
 )
-from dcp_fsspec.checkpoint import commit, deletion, layout, listing, loadable, pointer, retention
+from dcp_fsspec.checkpoint import commit, deletion, layout, listing, loadable, pointer, record, retention
 from dcp_fsspec.checkpoint.record import CommitRecord, read_commit_record
 from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.urls import Location, resolve
@@ -725,3 +725,32 @@ def test_discard_iterations_uncommits_the_recorded_before_removing_any_folder(
     with pytest.raises(PermissionError):
         deletion.discard_iterations(root, [1, 2], recorded=recorded)
     assert seen == [committed_then]
+
+
+def test_a_retired_mark_uncommits_the_iteration_and_keeps_its_files_referable(root: Location) -> None:
+    _save(root, 1, 2, 3)
+    saved = read_commit_record(root, 1)
+    assert saved is not None
+    mark = record.retired_mark(saved)
+    assert json.loads(mark) == {**json.loads(saved.to_json()), "retired": True}
+    root.fs.pipe_file(record.record_path(root, 1), mark)
+    assert read_commit_record(root, 1) is None and listing.committed_iterations(root) == [2, 3]
+    root.fs.rm(record.record_path(root, 2))
+    assert [record.referable(root, i) for i in (1, 2, 3, 4)] == [True, False, True, False]
+
+
+def test_a_record_retired_false_is_still_a_commit_record(root: Location) -> None:
+    _save(root, 1)
+    saved = read_commit_record(root, 1)
+    assert saved is not None
+    root.fs.pipe_file(record.record_path(root, 1), json.dumps({**json.loads(saved.to_json()), "retired": False}).encode())
+    assert read_commit_record(root, 1) == saved and record.referable(root, 1)
+
+
+def test_whether_an_unreadable_record_is_referable_is_an_error_naming_it(root: Location) -> None:
+    _save(root, 1)
+    path = record.record_path(root, 1)
+    root.fs.pipe_file(path, b"not json")
+    with pytest.raises(CorruptCheckpointError, match="is unreadable") as raised:
+        record.referable(root, 1)
+    assert root.url_of(path) in str(raised.value)
