@@ -335,10 +335,10 @@ def test_a_load_parses_each_keys_metadata_once(tmp_path: Any, monkeypatch: pytes
     """The commit's token check parses every key's ``.metadata``; the load's readers take the
     parsed result rather than parsing the bytes again (on one rank, where rank 0's reads serve)."""
     from dcp_fsspec.checkpoint import preflight
-    from dcp_fsspec.storage import decoding
+    from dcp_fsspec.storage import metadata_file
 
     parsed: list[str] = []
-    real = decoding.parse_metadata
+    real = metadata_file.parse_metadata
 
     def counting(raw: bytes, url: str, **kwargs: Any) -> Any:
         parsed.append(url)
@@ -346,7 +346,7 @@ def test_a_load_parses_each_keys_metadata_once(tmp_path: Any, monkeypatch: pytes
 
     with Checkpointer(str(tmp_path), {}) as ckpt:
         ckpt.save(1, **_small_state(1))
-        monkeypatch.setattr(decoding, "parse_metadata", counting)  # the token check's, imported when called
+        monkeypatch.setattr(metadata_file, "parse_metadata", counting)  # the token check's, imported when called
         monkeypatch.setattr(preflight, "parse_metadata", counting)  # the readers'
         state = _small_state(0)
         assert ckpt.load(**state) == 1

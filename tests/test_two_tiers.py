@@ -40,6 +40,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, LocalTier, RetryPolicy
 from dcp_fsspec.checkpoint import commit, deletion, drain, listing, pointer
 from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
+from dcp_fsspec.checkpoint.drainer import Drainer
 from dcp_fsspec.checkpoint.options import DRAIN_LATEST
 from dcp_fsspec.checkpoint.record import read_commit_record
 from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
@@ -699,7 +700,7 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
     drain_log.addHandler(first)
     drain_log.addHandler(second)
     ended = threading.Event()
-    drainer = drain.Drainer(local_root, durable, policy=DRAIN_LATEST, keep_last_n=None,
+    drainer = Drainer(local_root, durable, policy=DRAIN_LATEST, keep_last_n=None,
                             on_end=lambda event: ended.set() if event.iteration == 1 else None)  # fmt: skip
     try:
         caplog.set_level(logging.INFO, logger="dcp_fsspec")  # the holds read the drain's INFO lines

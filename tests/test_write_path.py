@@ -89,7 +89,7 @@ def test_saves_and_loads_run_with_the_collector_paused_and_switch_it_back_on(
 
         monkeypatch.setattr(owner, name, recording)
 
-    spy(writer_module, "_split_into_files", "inside write_data")  # called only by write_data
+    spy(writer_module, "split_into_files", "inside write_data")  # called only by write_data
     spy(FsspecStorageReader, "_records_for", "inside read_data")  # called only by read_data
     spy(FsspecStorageWriter, "prepare_local_plan", "writer planning")  # not paused by the writer
     spy(FsspecStorageReader, "prepare_local_plan", "reader planning")

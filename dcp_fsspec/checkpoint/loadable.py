@@ -107,13 +107,13 @@ def first_key_problem(
 
     A key is that save's when its ``.metadata`` (as ``folder`` read it) carries ``save_id`` and
     every data file of its own it names is there (in ``folder``'s listing, or confirmed one by one).
-    ``trust_checkpoint``: unpickle ``.metadata`` in full (see :func:`~dcp_fsspec.storage.decoding.parse_metadata`).
+    ``trust_checkpoint``: unpickle ``.metadata`` in full (see :func:`~dcp_fsspec.storage.metadata_file.parse_metadata`).
 
     Raises:
         CorruptCheckpointError: a ``.metadata`` is not DCP metadata.
         StorageError: the backend failed.
     """
-    from ..storage.decoding import parse_metadata  # needs torch; ls, prune and cp never get here
+    from ..storage.metadata_file import parse_metadata  # needs torch; ls, prune and cp never get here
 
     for key in keys:
         key_folder = layout.key_path(root, iteration, key)

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError
-from ..storage.decoding import read_metadata
+from ..storage.metadata_file import read_metadata
 from ..storage.failures import unwrap_dcp
 from ..storage.reader import FsspecStorageReader
 from ..storage.retry import RetryPolicy

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError
-from ..storage.decoding import parse_metadata
+from ..storage.metadata_file import parse_metadata
 from ..storage.names import METADATA_NAME
 from ..storage.reader import FsspecStorageReader
 from ..storage.trust import SafeLoadPlanner

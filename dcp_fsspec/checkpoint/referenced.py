@@ -28,7 +28,7 @@ def key_references(root: Location, iteration: int, key: str) -> dict[str, int]:
         StorageError: the backend failed.
     """
     # torch's: only incremental runs pay for importing it.
-    from ..storage.decoding import read_metadata
+    from ..storage.metadata_file import read_metadata
 
     folder = root.at(layout.key_path(root, iteration, key))
     records: dict[tuple[str, int], int] = {}

@@ -2,7 +2,7 @@
 
 :class:`TwoTiers` is what the Checkpointer holds when it is given ``local_dirname``: after each
 local commit it hands the iteration, with its save's token, to every rank's
-:class:`~.drain.Drainer` (each copies the files it wrote; under ``drain="latest"`` the ranks agree
+:class:`~.drainer.Drainer` (each copies the files it wrote; under ``drain="latest"`` the ranks agree
 first on which waiting iterations to drop), applies the local retention (``keep_last_n_local``;
 never an iteration still to drain, never the newest), and warns if the last drain failed; at
 ``wait`` it waits for every rank's drain and raises any rank's error on every rank. These steps
@@ -36,7 +36,8 @@ from ..storage.names import POINTER_NAME
 from ..storage.urls import Location, resolve
 from . import deletion, layout, listing, loadable, pointer, retention
 from ._collectives import Collectives
-from .drain import Drainer, DrainJob
+from .drain import DrainJob
+from .drainer import Drainer
 from .options import DRAIN_LATEST
 from .events import CheckpointEvent
 from .record import read_commit_record
@@ -131,7 +132,7 @@ class TwoTiers:
         collectives: the ranks the checkpoint spans.
         keep_last_n_local: local retention (>= 1).
         keep_last_n: durable retention (``None``: keep all).
-        drain: the drain policy (:data:`~.drain.DRAIN_EVERY` or :data:`~.drain.DRAIN_LATEST`).
+        drain: the drain policy (:data:`~.options.DRAIN_EVERY` or :data:`~.options.DRAIN_LATEST`).
         on_drain_end: called with each ``drain_end`` event.
     """
 

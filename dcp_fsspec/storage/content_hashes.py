@@ -10,21 +10,26 @@ digest, never by the CRC-32 the records also carry.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
+import fsspec
 import xxhash
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from .decoding import read_metadata
+from .metadata_file import read_metadata
 from .names import CONTENT_HASHES_NAME
+from .records import FramedTensor
 from .references import is_reference, reference_prefix, reference_problem
-from .urls import Location
+from .retry import RetryPolicy
+from .urls import Location, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +171,20 @@ def read_base(base: Location, folder: str, transforms: list[str]) -> dict[Metada
     return records
 
 
+def base_of(
+    location: Location, base: str | os.PathLike[str], storage_options: dict[str, Any] | None,
+    fs: fsspec.AbstractFileSystem | None, retry: RetryPolicy | None,
+) -> Location:  # fmt: skip
+    """The base checkpoint at ``base`` of a save into ``location``, on the same filesystem.
+
+    Raises:
+        ValueError: ``base`` is not a checkpoint ``location`` may refer to.
+    """
+    found = resolve(base, storage_options, fs or location.fs, retry=retry)
+    base_prefix(location.path, found)
+    return found
+
+
 def base_prefix(folder: str, base: Location) -> str:
     """The relative path from the checkpoint at ``folder`` to ``base`` (``../step-10/``).
 
@@ -179,3 +198,31 @@ def base_prefix(folder: str, base: Location) -> str:
             "in the same run ('run/step-10' for 'run/step-20', or another iteration's same key)"
         )
     return prefix
+
+
+def content_digest(data: Any, framed: FramedTensor | None) -> bytes:
+    """The content digest of one record: its header (dtype and shape) and bytes, or an object's bytes."""
+    return record_digest([data.getbuffer()] if framed is None else [framed.header, framed.data])
+
+
+BaseRecords = dict[MetadataIndex, BaseRecord]
+
+
+@dataclasses.dataclass
+class IncrementalPrefix(_StoragePrefix):
+    """A rank's file prefix, with the base's records of the items it writes (from the coordinator)."""
+
+    base: BaseRecords = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hashed:
+    """An incremental save's storage info of one record, with its digest for the coordinator."""
+
+    info: _StorageInfo
+    digest: bytes
+
+
+def unhashed(stored: _StorageInfo | Hashed) -> _StorageInfo:
+    """The storage info of a record, whether or not it carries a digest."""
+    return stored.info if isinstance(stored, Hashed) else stored

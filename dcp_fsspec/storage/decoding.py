@@ -1,262 +1,40 @@
-"""Decoding what a DCP checkpoint stores: its ``.metadata``, and each record as its bytes arrive.
+"""Decoding each record of a DCP checkpoint as its bytes arrive.
 
 Loads (:mod:`.reader`) and verification (:mod:`.verification`) read the same files, so what
-the bytes mean is decided once, here. :func:`read_metadata` is the one place ``.metadata`` is
-unpickled (with :mod:`.trust`'s allow-list) and checked (every entry inside the checkpoint
-folder, at a real offset and length). :class:`RecordDecoder` receives one record's bytes in
-order: it finds the tensor's header in the first bytes (:func:`~.records.parse_layout`), hands
-each piece of the tensor's bytes to a destination (a load's target tensor, or none when only
-verifying) while computing their CRC-32, and keeps the data descriptor after them, where
-torch's writer stores the CRC. A record it cannot stream (an archive our parser does not know, a
-record a load must reshape) is held whole and decoded once, with ``torch.load`` as the fallback.
-What is wrong with a record is a :class:`RecordFault` naming the error class a load raises for
-it, so a load and a verification reject the same damage the same way. :func:`feed_records`
-walks fetched spans onto the records they hold.
+the bytes mean is decided once, here (``.metadata``'s are in :mod:`.metadata_file`).
+:class:`RecordDecoder` receives one record's bytes in order: it finds the tensor's header in the
+first bytes (:func:`~.records.parse_layout`), hands each piece of the tensor's bytes to a
+destination (a load's target tensor, or none when only verifying) while computing their CRC-32,
+and keeps the data descriptor after them, where torch's writer stores the CRC. A record it cannot
+stream (an archive our parser does not know, a record a load must reshape) is held whole and
+decoded once, with ``torch.load`` as the fallback. What is wrong with a record is a
+:class:`RecordFault` naming the error class a load raises for it, so a load and a verification
+reject the same damage the same way. :func:`feed_records` walks fetched spans onto the records
+they hold.
 """
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard, TypeVar
+from typing import TypeVar
 
 import torch
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as LegacyTensorProperties
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from ..errors import (
-    CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     RecordFormatError,
 )
 from .crc import crc32
-from .failures import storage_errors
 from .fetch import Span
-from .names import metadata_name, relative_path_problem
-from .references import is_reference, reference_problem
 from .records import RecordLayout, descriptor_crc, parse_layout, tensor_from_record
-from .trust import unpickle_metadata
-from .urls import Location
 
 MiB = 1024 * 1024
 # A descriptor (signature + CRC) follows a record's data; 8 bytes are enough to read the CRC.
 CRC_TAIL = 8
 # A record's zip header and data.pkl are a few hundred bytes; past this there is none to find.
 _MAX_HEADER = MiB
-
-
-# --- .metadata -----------------------------------------------------------------------------------
-
-
-def metadata_url(location: Location, rank: int | None = None) -> str:
-    """The URL of the ``.metadata`` (or ``__{rank}.metadata``) of the checkpoint at ``location``."""
-    return location.url_of(location.join(metadata_name(rank)))
-
-
-def read_metadata(
-    location: Location,
-    rank: int | None = None,
-    *,
-    trust_checkpoint: bool = False,
-    extents: bool = True,
-    max_entries: int | None = None,
-    references: bool = False,
-) -> Metadata:
-    """Read, unpickle and check the ``.metadata`` of the DCP checkpoint at ``location``.
-
-    Args:
-        location: the checkpoint folder.
-        rank: read ``__{rank}.metadata`` instead (saves made without collectives).
-        trust_checkpoint: unpickle any class it names (see :func:`parse_metadata`).
-        extents: check each record's offset and length too (see :func:`check_metadata`).
-        max_entries: refuse it past this many entries or records (see :func:`parse_metadata`).
-        references: allow references to sibling checkpoints (see :func:`check_metadata`).
-
-    Raises:
-        CheckpointNotFoundError: there is no ``.metadata``: no committed checkpoint here.
-        CorruptCheckpointError: it is not DCP metadata, or names a class outside the allow-list
-            (see :func:`parse_metadata`).
-        UsageError: it holds more than ``max_entries`` entries or records.
-        StorageError: the backend failed.
-    """
-    path = location.join(metadata_name(rank))
-    url = metadata_url(location, rank)
-    try:
-        with storage_errors("read", repr(url)):
-            raw = location.retry.run(location.fs, "cat_file", path, url=url)
-    except FileNotFoundError as e:
-        why = (
-            "its bucket does not exist; create the bucket or fix the URL"
-            if location.backend.container_missing(e)
-            else f"{url!r} does not exist (the save never finished, or the URL is wrong)"
-        )
-        raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
-    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint, extents=extents, max_entries=max_entries, references=references)
-
-
-def parse_metadata(
-    raw: bytes,
-    url: str,
-    *,
-    trust_checkpoint: bool = False,
-    extents: bool = True,
-    max_entries: int | None = None,
-    references: bool = False,
-) -> Metadata:
-    """Unpickle ``.metadata``'s bytes, read from ``url`` (named in errors), and check what they say.
-
-    Unless ``trust_checkpoint``, only the classes DCP metadata consists of are unpickled
-    (:func:`~.trust.unpickle_metadata`): a crafted file cannot run code. Either way, every entry
-    is checked before any data file is opened (:func:`check_metadata`): a storage entry names a
-    file inside the checkpoint folder, at an offset >= 0, with a length > 0.
-
-    The whole file is parsed into memory. ``max_entries`` bounds that: past that many state-dict
-    entries, or that many records, the parse stops.
-
-    Raises:
-        CorruptCheckpointError: the bytes do not unpickle, name a class outside the allow-list,
-            or hold something else than well-formed DCP ``Metadata``.
-        UsageError: it holds more than ``max_entries`` entries or records.
-    """
-    metadata = unpickle_metadata(raw, url, trust_checkpoint=trust_checkpoint, max_entries=max_entries)
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{url!r} does not hold DCP metadata (found {type(metadata).__name__})")
-    check_metadata(metadata, url, extents=extents, references=references)
-    return metadata
-
-
-def check_metadata(metadata: Metadata, url: str, *, extents: bool = True, references: bool = False) -> None:
-    """Check that ``metadata`` (from ``url``) is shaped as DCP writes it, so that nothing reading it
-    fails later with a misleading error, reads outside the checkpoint folder, or reads nothing.
-
-    Args:
-        extents: check that each record lies at an offset >= 0 and has a length > 0. Without
-            it, :func:`extent_error` checks that later.
-        references: a data file may also be a sibling checkpoint's (``../step-10/…``); another
-            iteration's same key (``../../iter_N/key/…``) always may (see :mod:`.references`).
-
-    Raises:
-        CorruptCheckpointError: naming the entry and what is wrong with it.
-    """
-
-    def bad(entry: object, what: str) -> CorruptCheckpointError:
-        return _corrupt(url, entry, what)
-
-    entries = metadata.state_dict_metadata
-    if not isinstance(entries, dict):
-        raise bad("state_dict_metadata", f"is a {type(entries).__name__}, not a dict")
-    for fqn, meta in entries.items():
-        if not isinstance(fqn, str):
-            raise bad(fqn, "is not named by a string")
-        if isinstance(meta, TensorStorageMetadata):
-            _check_tensor(fqn, meta, bad)
-        elif not isinstance(meta, BytesStorageMetadata):
-            raise bad(fqn, f"is described by a {type(meta).__name__}, not a tensor's or an object's metadata")
-    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
-        raise bad("storage_meta", f"is a {type(metadata.storage_meta).__name__}, not DCP's StorageMeta")
-    storage = metadata.storage_data
-    if storage is None:
-        return  # the reader and verification say so, naming what they need it for
-    if not isinstance(storage, dict):
-        raise bad("storage_data", f"is a {type(storage).__name__}, not a dict")
-    checked_paths: set[str] = set()
-    for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
-            raise bad(getattr(index, "fqn", index), "has a storage key that is not a MetadataIndex")
-        fqn = index.fqn
-        if not isinstance(info, _StorageInfo):
-            raise bad(fqn, f"has storage info of type {type(info).__name__}")
-        path = info.relative_path
-        if path not in checked_paths:
-            problem = _stored_path_problem(path, url, references)
-            if problem is not None:
-                raise bad(fqn, f"names the data file {path!r}, which is outside the checkpoint folder: {problem}")
-            checked_paths.add(path)
-        problem = _extent_problem(info) if extents else None
-        if problem is not None:
-            raise bad(fqn, problem)
-        descriptors = info.transform_descriptors
-        if descriptors is not None and (
-            not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)
-        ):
-            raise bad(fqn, f"has transform descriptors {descriptors!r}, not a list of strings")
-
-
-def _stored_path_problem(path: object, metadata_url: str, siblings: bool) -> str | None:
-    """Why a data file named in the ``.metadata`` at ``metadata_url`` may not be read; None if it may.
-
-    Inside the checkpoint folder, or a reference of an allowed shape (:mod:`.references`).
-    """
-    if isinstance(path, str) and is_reference(path):
-        return reference_problem(path, posixpath.dirname(metadata_url), siblings=siblings)
-    return relative_path_problem(path)
-
-
-def extent_error(metadata: Metadata, url: str) -> CorruptCheckpointError | None:
-    """The error for the first record of ``metadata`` (from ``url``, checked by
-    :func:`check_metadata` without ``extents``) at a negative offset or of no length, else None."""
-    for index, info in (metadata.storage_data or {}).items():
-        problem = _extent_problem(info)
-        if problem is not None:
-            return _corrupt(url, index.fqn, problem)
-    return None
-
-
-def _extent_problem(info: _StorageInfo) -> str | None:
-    """What is wrong with where a record lies, or None."""
-    if not _is_int(info.offset) or info.offset < 0:
-        return f"is stored at offset {info.offset!r} of {info.relative_path!r}; an offset must be an int >= 0"
-    if not _is_int(info.length) or info.length <= 0:
-        return f"is stored as {info.length!r} bytes of {info.relative_path!r}; a record is at least 1 byte"
-    return None
-
-
-def _corrupt(url: str, entry: object, what: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{url!r} is corrupt: entry {entry!r} {what}; restore it or load another checkpoint")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_tensor(fqn: str, meta: TensorStorageMetadata, bad: Callable[[object, str], CorruptCheckpointError]) -> None:
-    properties = getattr(meta, "properties", None)
-    # Older DCP metadata pickled the sharded-tensor module's TensorProperties (same fields);
-    # torch still loads it (its test_compatibility.py::test_sharded_tensor_dependency).
-    if not isinstance(properties, (TensorProperties, LegacyTensorProperties)) or not isinstance(
-        getattr(properties, "dtype", None), torch.dtype
-    ):
-        raise bad(fqn, "has no tensor dtype")
-    size = getattr(meta, "size", None)
-    if not _is_shape(size):
-        raise bad(fqn, f"has the shape {size!r}, not a tuple of ints >= 0")
-    chunks = getattr(meta, "chunks", None)
-    if not isinstance(chunks, list):
-        raise bad(fqn, f"has chunks {chunks!r}, not a list")
-    for chunk in chunks:
-        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if (
-            not isinstance(chunk, ChunkStorageMetadata)
-            or not _is_shape(offsets) or not _is_shape(sizes)
-            or not len(offsets) == len(sizes) == len(size)
-            or any(o + s > whole for o, s, whole in zip(offsets, sizes, size))
-        ):  # fmt: skip
-            raise bad(fqn, f"has a chunk at {offsets!r} of {sizes!r} that does not lie within its shape {tuple(size)}")
-
-
-def _is_shape(value: object) -> TypeGuard[tuple[int, ...]]:
-    return isinstance(value, tuple) and all(_is_int(v) and v >= 0 for v in value)
 
 
 # --- records -------------------------------------------------------------------------------------

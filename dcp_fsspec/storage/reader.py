@@ -39,7 +39,8 @@ from ..errors import (
 )
 from .collector import collector_paused
 from .cooperative import Group, SharedReads, plan_shared_reads, read_shared, share_metadata
-from .decoding import extent_error, feed_records, metadata_url, parse_metadata, read_metadata
+from .decoding import feed_records
+from .metadata_file import extent_error, metadata_url, parse_metadata, read_metadata
 from .backends.base import InPlaceFiles
 from .fetch import Span, fetch_in_order, plan_spans
 from .load_decoder import LoadDecoder, LoadRecord

@@ -50,7 +50,10 @@ def reference_problem(name: str, folder: str, *, siblings: bool = True) -> str |
     if rest[0] == own[-depth]:
         return "it names this checkpoint's own folder from outside"
     if depth == 1 and not siblings:
-        return "it names a sibling checkpoint's file; pass references=True to the reader to follow an incremental save's references"
+        return (
+            "it names a sibling checkpoint's file (an incremental save's base); pass references=True "
+            "(--references in the CLI) to follow it"
+        )
     if depth == 2 and not (rest[1] == own[-1] and ITERATION_RE.fullmatch(rest[0]) and ITERATION_RE.fullmatch(own[-2])):
         return "two levels up it may only name the same key of another iteration ('../../iter_N/key/file')"
     return None

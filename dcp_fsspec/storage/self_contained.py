@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CorruptCheckpointError
 from .copying import Piece
-from .decoding import read_metadata
+from .metadata_file import read_metadata
 from .failures import storage_errors
 from .names import CONTENT_HASHES_NAME, DATA_SUFFIX, METADATA_NAME
 from .references import is_reference, sibling_folders
@@ -74,7 +74,7 @@ def plan_self_contained(
 
     Args:
         location: the checkpoint folder.
-        metadata: its ``.metadata``, as :func:`~.decoding.read_metadata` returned it.
+        metadata: its ``.metadata``, as :func:`~.metadata_file.read_metadata` returned it.
         own: the names of the files in its folder (the new files' names avoid them).
         keep: whether a reference to a file (its path) stays as it is: the copy holds that
             file too.

@@ -1,6 +1,6 @@
 """Verifying one DCP checkpoint on storage without loading it: every file, record and CRC-32.
 
-What is checked: ``.metadata`` unpickles (:func:`~.decoding.read_metadata`, as a load reads
+What is checked: ``.metadata`` unpickles (:func:`~.metadata_file.read_metadata`, as a load reads
 it: only DCP metadata's classes, every entry inside the folder at a real offset and length); every tensor chunk it lists has a storage entry; every data file an entry names exists and
 is long enough for every item in it; every tensor record decodes with the decoder loads use
 (:class:`~.decoding.RecordDecoder`), holds the dtype and shape ``.metadata`` promises, and its
@@ -50,11 +50,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDriverError, StorageError
-from .decoding import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_records, read_metadata
+from .decoding import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_records
+from .metadata_file import read_metadata
 from .failures import storage_errors
 from .fetch import Span, fetch_in_order, plan_spans
 from .names import METADATA_NAME
-from .references import is_reference, referenced_folders, sibling_folders
+from .references import is_reference, referenced_folders
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .self_contained import folder_sizes
 from .transforms import missing_package, reader_transforms, untransform, untransformed_limit
@@ -250,7 +251,7 @@ class _Checkpoint:
 
     def _metadata(self) -> Metadata | None:
         try:
-            metadata = read_metadata(self.location, trust_checkpoint=self.trust_checkpoint, references=True)
+            metadata = read_metadata(self.location, trust_checkpoint=self.trust_checkpoint, references=self.references)
         except CheckpointNotFoundError:
             self.problem(self.metadata_url, None, "does not exist", error=CheckpointNotFoundError)
             return None
@@ -259,14 +260,6 @@ class _Checkpoint:
             return None
         if not isinstance(metadata.storage_data, dict):
             self.problem(self.metadata_url, None, "holds DCP metadata without storage data")
-            return None
-        siblings = sibling_folders((info.relative_path for info in metadata.storage_data.values()), self.location.url)
-        if siblings and not self.references:
-            self.problem(
-                self.metadata_url, None,
-                f"refers to records of the sibling checkpoint {self.location.url_of(self.location.join(siblings[0]))} "
-                "(an incremental save's base); pass --references (references=True) to follow it",
-            )  # fmt: skip
             return None
         return metadata
 

@@ -12,7 +12,6 @@ checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import pickle
 import uuid
@@ -27,15 +26,25 @@ from torch.futures import Future
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ..errors import CheckpointExistsError, DcpFsspecError, StorageError
 from . import names
 from .collector import collector_paused
-from .content_hashes import BaseRecord, base_prefix, encode_hashes, read_base, record_digest
-from .records import FramedTensor, encode_framed, frame_tensor
+from .content_hashes import (
+    BaseRecord,
+    BaseRecords,
+    Hashed,
+    IncrementalPrefix,
+    base_of,
+    content_digest,
+    encode_hashes,
+    read_base,
+    unhashed,
+)
+from .records import FramedTensor, encode_framed
 from .failures import storage_errors
 from .file_syncs import FileSyncs
 from .retry import DEFAULT_RETRY, RetryPolicy
@@ -43,13 +52,13 @@ from .backends import Versioned
 from .settings import merge_storage_kwargs
 from .transforms import compression_extensions, write_transformed, writer_transforms
 from .uploads import ByteBudget, FileUpload
-from .urls import UrlBound, resolve
+from .urls import UrlBound
+from .write_plan import FILES_PER_RANK, checked_settings, frame_item, split_into_files, write_tensor_record
 
 # torch writes this version into .metadata; keep in step so its readers see the same thing.
 DCP_VERSION = "1.0.0"
 
 MiB = 1024 * 1024
-_FILES_PER_RANK = 8
 
 
 class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
@@ -168,7 +177,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         *,
         fs: fsspec.AbstractFileSystem | None = None,
         overwrite: bool = True,
-        files_per_rank: int = _FILES_PER_RANK,
+        files_per_rank: int = FILES_PER_RANK,
         part_size: int = 16 * MiB,
         multipart_threshold: int = 64 * MiB,
         max_inflight_bytes: int = 128 * MiB,
@@ -193,7 +202,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        files_per_rank = _checked_settings(
+        files_per_rank = checked_settings(
             files_per_rank, thread_count, file_syncs=file_syncs, metadata_commits=metadata_commits,
             serialization_format=serialization_format,
         )  # fmt: skip
@@ -202,9 +211,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         self.transforms = writer_transforms(extensions)
         self._bind(path, options, fs, retry)
         self.incremental = incremental or base is not None
-        self.base = None if base is None else resolve(base, options, fs or self.location.fs, retry=retry)
-        if self.base is not None:
-            base_prefix(self.location.path, self.base)  # a base it cannot refer to: said now
+        self.base = None if base is None else base_of(self.location, base, options, fs, retry)
         self.overwrite = overwrite
         self.files_per_rank = files_per_rank
         self.part_size = part_size
@@ -214,13 +221,11 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         self.metadata_commits = metadata_commits
         self.file_syncs = file_syncs
         self.checksums = checksums
-        self.compression = compression
-        self.compression_level = compression_level
+        self.compression, self.compression_level = compression, compression_level
         self.single_file_per_rank = single_file_per_rank
         self.per_thread_copy_ahead = per_thread_copy_ahead
         self.serialization_format = serialization_format
-        self._given_save_id = save_id
-        self.save_id = save_id or uuid.uuid4().hex
+        self._given_save_id, self.save_id = save_id, save_id or uuid.uuid4().hex
         self.unique_file_names = unique_file_names
         self.is_coordinator = False
         self.rank: int | None = None
@@ -298,12 +303,12 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         per item, ``files_per_rank`` at a time, without ``single_file_per_rank``)."""
         prefix: _StoragePrefix = plan.storage_data
         if self.single_file_per_rank:
-            bins = _split_into_files(plan.items, self.files_per_rank)
+            bins = split_into_files(plan.items, self.files_per_rank)
         else:
             bins = [[item] for item in plan.items]
         budget = ByteBudget(self.max_inflight_bytes)
         backend = self.location.backend
-        base = prefix.base if isinstance(prefix, _IncrementalPrefix) else {}
+        base = prefix.base if isinstance(prefix, IncrementalPrefix) else {}
         jobs = [(names.data_file_name(prefix.prefix, n), items, base) for n, items in enumerate(bins)]
         results: list[WriteResult] = []
         # A rank may have nothing to write (DCP gives each replicated item to one rank only).
@@ -320,7 +325,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         return done
 
     def _write_files_at_once(
-        self, workers: int, budget: ByteBudget, jobs: list[tuple[str, list[WriteItem], _BaseRecords]], planner: SavePlanner
+        self, workers: int, budget: ByteBudget, jobs: list[tuple[str, list[WriteItem], BaseRecords]], planner: SavePlanner
     ) -> list[WriteResult]:
         """Write each job's file on ``workers`` threads; raise the first failure once all finished."""
         results: list[WriteResult] = []
@@ -341,7 +346,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         """Write ``.metadata`` (the commit point): every rank's data is already written."""
         metadata.version = DCP_VERSION
         written = [wr for rank_results in results for wr in rank_results]
-        metadata.storage_data = {wr.index: _unhashed(wr.storage_data) for wr in written}
+        metadata.storage_data = {wr.index: unhashed(wr.storage_data) for wr in written}
         metadata.storage_meta = self.storage_meta()
         path, backend, data = self._metadata_path(), self.location.backend, pickle.dumps(metadata)
         if self.incremental:
@@ -381,7 +386,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         name: str,
         items: list[WriteItem],
         planner: SavePlanner,
-        base: _BaseRecords,
+        base: BaseRecords,
     ) -> list[WriteResult]:
         """Write ``items`` into the data file ``name``, but not those ``base`` holds already.
 
@@ -394,11 +399,11 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         try:
             for item in items:
                 data = planner.resolve_data(item)
-                framed = _framed(item, data)
-                digest = _digest(data, framed) if self.incremental else None
+                framed = frame_item(item, data)
+                digest = content_digest(data, framed) if self.incremental else None
                 known = base.get(item.index)
                 if known is not None and known.digest == digest:
-                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=_Hashed(known.info, known.digest)))
+                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=Hashed(known.info, known.digest)))
                     continue
                 if upload is None:
                     upload = self._new_upload(path, budget)
@@ -406,7 +411,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 descriptors = self._write_record(upload, item, data, framed)
                 length = upload.size - offset
                 info = _StorageInfo(name, offset, length, transform_descriptors=descriptors)
-                stored = info if digest is None else _Hashed(info, digest)
+                stored = info if digest is None else Hashed(info, digest)
                 results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=stored))
             if upload is not None:
                 upload.commit()
@@ -432,14 +437,14 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     def _write_record(self, upload: FileUpload, item: WriteItem, data: Any, framed: FramedTensor | None) -> list[str] | None:
         """Append one item's record to ``upload``, through the transforms if there are any.
 
-        ``framed``: the tensor's record as :func:`_framed` made it; ``None`` for an object's bytes.
+        ``framed``: the tensor's record as :func:`~.write_plan.frame_item` made it; ``None`` for an object's bytes.
         Returns the record's transform descriptors, ``None`` without transforms (as torch stores
         them: older readers never see the field).
         """
         if framed is None:
             buffers: list[bytes | memoryview] = [data.getbuffer()]
         elif not self.transforms.extensions:
-            _write_tensor(upload, framed, checksum=self.checksums)
+            write_tensor_record(upload, framed, checksum=self.checksums)
             return None
         else:
             buffers = encode_framed(framed, checksum=self.checksums).buffers()
@@ -462,7 +467,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         prefix = self._prefix(rank)
         if not self.incremental:
             return _StoragePrefix(prefix)
-        return _IncrementalPrefix(prefix, {item.index: base[item.index] for item in plan.items if item.index in base})
+        return IncrementalPrefix(prefix, {item.index: base[item.index] for item in plan.items if item.index in base})
 
     def _write_content_hashes(self, digests: dict[MetadataIndex, bytes]) -> None:
         """The coordinator, just before ``.metadata``: every entry's digest, bound to this save."""
@@ -475,112 +480,3 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     @property
     def _transform_names(self) -> list[str]:
         return [ext.get_descriptor() for ext in self.transforms.extensions]
-
-
-_BaseRecords = dict[MetadataIndex, BaseRecord]
-
-
-@dataclasses.dataclass
-class _IncrementalPrefix(_StoragePrefix):
-    """A rank's file prefix, with the base's records of the items it writes (from the coordinator)."""
-
-    base: _BaseRecords = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Hashed:
-    """An incremental save's storage info of one record, with its digest for the coordinator."""
-
-    info: _StorageInfo
-    digest: bytes
-
-
-def _unhashed(stored: _StorageInfo | _Hashed) -> _StorageInfo:
-    return stored.info if isinstance(stored, _Hashed) else stored
-
-
-def _framed(item: WriteItem, data: Any) -> FramedTensor | None:
-    """The tensor record of a tensor item (``None`` for an object's bytes), its type checked.
-
-    Raises:
-        TypeError: DCP resolved the item to something else than its type says.
-    """
-    if item.type == WriteItemType.BYTE_IO:
-        if not isinstance(data, io.BytesIO):
-            raise TypeError(f"DCP resolved BYTE_IO item {item.index.fqn!r} to {type(data).__name__}")
-        return None
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"DCP resolved tensor item {item.index.fqn!r} to {type(data).__name__}")
-    return frame_tensor(data)
-
-
-def _digest(data: Any, framed: FramedTensor | None) -> bytes:
-    """The content digest of one record: its header (dtype and shape) and bytes, or an object's bytes."""
-    return record_digest([data.getbuffer()] if framed is None else [framed.header, framed.data])
-
-
-def _checked_settings(
-    files_per_rank: int, thread_count: int | None, *, file_syncs: FileSyncs | None, metadata_commits: bool,
-    serialization_format: SerializationFormat,
-) -> int:  # fmt: skip
-    """The files written at once per rank, once the writer's settings are checked together.
-
-    Raises:
-        ValueError: ``files_per_rank`` (or ``thread_count``) below 1, both given and different,
-            ``file_syncs`` with ``metadata_commits``, or a format other than ``TORCH_SAVE``.
-    """
-    if thread_count is not None:
-        if files_per_rank not in (_FILES_PER_RANK, thread_count):
-            raise ValueError(
-                f"thread_count={thread_count} and files_per_rank={files_per_rank} name the same "
-                "setting (files written at once per rank); give one of them"
-            )
-        files_per_rank = thread_count
-    if files_per_rank < 1:
-        raise ValueError(f"files_per_rank (thread_count) must be at least 1, got {files_per_rank}")
-    if file_syncs is not None and metadata_commits:
-        raise ValueError("file_syncs needs metadata_commits=False: the caller commits once they are done")
-    if serialization_format != SerializationFormat.TORCH_SAVE:
-        raise ValueError(
-            f"serialization_format={serialization_format} is not written by FsspecStorageWriter (only "
-            "TORCH_SAVE, DCP's record format); use torch's HuggingFaceStorageWriter for safetensors"
-        )
-    return files_per_rank
-
-
-def _write_tensor(upload: FileUpload, record: FramedTensor, *, checksum: bool) -> None:
-    """Append a tensor's record to ``upload``. Its CRC-32 comes from the upload, which computes
-    it in the pass it makes over the bytes anyway (S3 checksums every request body)."""
-    upload.write([record.header])
-    crc = 0
-    if checksum and len(record.data):
-        crc = upload.write_checksummed(record.data)
-    elif len(record.data):
-        upload.write([record.data])
-    upload.write([record.trailer(crc)])
-
-
-def _item_nbytes(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    numel = 1
-    for s in item.tensor_data.size:
-        numel *= s
-    return numel * item.tensor_data.properties.dtype.itemsize
-
-
-# Below this much data per file, more files only add requests.
-_MIN_FILE_BYTES = 32 * MiB
-
-
-def _split_into_files(items: list[WriteItem], max_files: int) -> list[list[WriteItem]]:
-    """Balance items over files by size (largest first into the lightest file)."""
-    total = sum(_item_nbytes(i) for i in items)
-    n = max(1, min(max_files, total // _MIN_FILE_BYTES, len(items)))
-    bins: list[list[WriteItem]] = [[] for _ in range(n)]
-    sizes = [0] * n
-    for item in sorted(items, key=_item_nbytes, reverse=True):
-        k = sizes.index(min(sizes))
-        bins[k].append(item)
-        sizes[k] += _item_nbytes(item) or 1
-    return [b for b in bins if b]

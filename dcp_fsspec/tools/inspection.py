@@ -20,7 +20,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..checkpoint import layout
-from ..storage.decoding import read_metadata
+from ..storage.metadata_file import read_metadata
 from ..storage.references import is_reference
 from ..storage.urls import Location, resolve
 from . import _cli, targets

@@ -23,6 +23,7 @@ iteration it copies too, and copies the records of any other (a retired iteratio
 from __future__ import annotations
 
 import argparse
+import builtins
 import logging
 import os
 import posixpath
@@ -60,6 +61,21 @@ class CopyResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def count(self, files: dict[str, int], assembled: dict[str, list[Piece]], written: dict[str, builtins.bytes]) -> None:
+        """Count what the copy writes: ``files`` as they are, the ``assembled`` data files, the
+        ``written`` ``.metadata``."""
+        self.referenced_bytes = pieces_bytes(assembled)
+        self.files = len(files) + len(assembled) + len(written)
+        self.bytes = sum(files.values()) + self.referenced_bytes + sum(map(len, written.values()))
+
+    def done(self, start: float) -> None:
+        """The copy that began at ``start`` (``time.perf_counter``) is done: time it and log it."""
+        self.seconds = time.perf_counter() - start
+        logger.info(
+            "copied %s (%d files, %s) to %s in %.1f s", self.src, self.files, human_bytes(self.bytes), self.dst,
+            self.seconds,
+        )  # fmt: skip
 
     def lines(self) -> list[str]:
         """The result in words, for the terminal."""
@@ -125,20 +141,14 @@ def copy_checkpoint(
     for name in written:
         del files[name]
     _clear_destination(dest, [*files, *written], overwrite)
-    result.referenced_bytes = pieces_bytes(assembled)
-    result.files = len(files) + len(assembled) + len(written)
-    result.bytes = sum(files.values()) + result.referenced_bytes + sum(map(len, written.values()))
+    result.count(files, assembled, written)
     if progress is not None:
         progress.add_total(result.bytes)
     copy_files(
         source, dest, files, workers=workers, chunk_bytes=chunk_bytes,
         on_bytes=None if progress is None else progress.advance, assembled=assembled, written=written,
     )  # fmt: skip
-    result.seconds = time.perf_counter() - start
-    logger.info(
-        "copied %s (%d files, %s) to %s in %.1f s", source.url, result.files, human_bytes(result.bytes),
-        dest.url, result.seconds,
-    )  # fmt: skip
+    result.done(start)
     return result
 
 
