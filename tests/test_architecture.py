@@ -178,3 +178,22 @@ def test_the_public_names_are_one_list_that_the_type_checkers_imports_match() ->
     assert dcp_fsspec.__all__ == sorted([*dcp_fsspec._EXPORTS, "__version__"])
     for name in dcp_fsspec._EXPORTS:  # each resolves, from the module the list names
         assert getattr(dcp_fsspec, name) is not None
+
+
+# docs/architecture.md's rule for a module a newcomer can read in one sitting.
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_module_is_over_500_lines_and_no_function_over_60() -> None:
+    long_modules, long_functions = [], []
+    for name, path in sorted(_modules().items()):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            long_modules.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{name}.{node.name}: {length} lines")
+    assert long_modules == [] and long_functions == [], (long_modules, long_functions)
