@@ -702,12 +702,6 @@ def test_discard_iterations_deletes_the_folders_named_and_leaves_the_others_comm
     assert listing.committed_iterations(root) == [3] and _committed(root, 3)
 
 
-def test_discard_iteration_deletes_one_folder(root: Location) -> None:
-    _save(root, 1, 2)
-    deletion.discard_iteration(root, 1)
-    assert layout.list_iterations(root) == [2]
-
-
 @pytest.mark.parametrize(("recorded", "committed_then"), [(None, [3]), ([2], [1, 3])])
 def test_discard_iterations_uncommits_the_recorded_before_removing_any_folder(
     root: Location, monkeypatch: pytest.MonkeyPatch, recorded: list[int] | None, committed_then: list[int]

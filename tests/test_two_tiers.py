@@ -278,7 +278,7 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
         ckpt.wait()
         if rank == 0:  # undo the durable copy of 2: the state a drain killed part-way leaves
             root = resolve(url, options)
-            deletion.discard_iteration(root, 2)
+            deletion.discard_iterations(root, [2])
             commit.write_atomically(root, root.join(POINTER_NAME), b"iter_000000001\n")
     torch.save(state, f"{out}.{rank}")
 
@@ -625,7 +625,7 @@ def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any], lo
                 torch.save(state, f"{out}.{iteration}")
         if rank == 0:
             root = resolve(url, options)
-            deletion.discard_iteration(root, 6)
+            deletion.discard_iterations(root, [6])
             commit.write_atomically(root, root.join(POINTER_NAME), b"iter_000000004\n")
 
 

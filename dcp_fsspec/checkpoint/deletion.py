@@ -17,11 +17,6 @@ from . import layout
 from .record import parse_record, record_path, retired_mark
 
 
-def discard_iteration(root: Location, iteration: int) -> None:
-    """Delete ``iteration``'s folder, uncommitting it first (:func:`discard_iterations`)."""
-    discard_iterations(root, [iteration])
-
-
 def discard_iterations(root: Location, iterations: Sequence[int], *, recorded: Sequence[int] | None = None) -> None:
     """Delete the folders of ``iterations``, uncommitting them all first.
 
