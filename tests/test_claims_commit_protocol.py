@@ -446,7 +446,8 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     assert listed.folders == (3, 4, 8, 9)
     assert (listed.read, listed.records, listed.finished) == ({3, 8, 9}, {3}, {(3, "model")})
     # What ls shows as an iteration's size: its files' bytes, not its folders' nor a bare file's.
-    assert listed.sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1, 9: 2}
+    sizes = {i: listed.size(i) for i in listed.files}
+    assert sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1, 9: 2}
     assert listing.committed_iterations(root) == [3]
     assert listing.listed_inspection(root, listed, 4) == (None, "has no .commit.json (its save never finished)")
     assert listing.listed_inspection(root, listed, 4, latest=5)[1] == listing.inspect_iteration(root, 4, latest=5)[1]
