@@ -13,8 +13,10 @@ from dcp_fsspec.storage import records
 from dcp_fsspec.storage.archive import ArchiveFormat
 from dcp_fsspec.storage.record_pickle import TensorSpec
 from dcp_fsspec.storage.records import (
+    EncodedRecord,
     descriptor_crc,
-    encode_tensor,
+    encode_framed,
+    frame_tensor,
     parse_layout,
     storage_ready,
     tensor_bytes,
@@ -22,6 +24,11 @@ from dcp_fsspec.storage.records import (
 )
 from tests.states import DTYPES, random_tensor
 from tests.helpers import differences_outside_the_serialization_id
+
+
+def encode_tensor(tensor: torch.Tensor) -> EncodedRecord:
+    """A tensor's whole record, as the writer encodes it where a transform follows."""
+    return encode_framed(frame_tensor(tensor))
 
 GEN = torch.Generator().manual_seed(3)
 CASES = {

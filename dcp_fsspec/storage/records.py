@@ -195,17 +195,12 @@ def frame_tensor(tensor: torch.Tensor) -> FramedTensor:
     return FramedTensor(template.header, data, t, template.trailer, template.crc_offsets)
 
 
-def encode_tensor(tensor: torch.Tensor, *, checksum: bool = True) -> EncodedRecord:
-    """Encode ``tensor`` as torch's per-tensor record without copying its data.
+def encode_framed(framed: FramedTensor, *, checksum: bool = True) -> EncodedRecord:
+    """The record of a framed tensor (:func:`frame_tensor`), its CRC-32 computed here.
 
     ``checksum``: compute the data's CRC-32 for the record (else the record stores 0, which
     torch's readers do not check and ours skip).
     """
-    return encode_framed(frame_tensor(tensor), checksum=checksum)
-
-
-def encode_framed(framed: FramedTensor, *, checksum: bool = True) -> EncodedRecord:
-    """The record of a framed tensor (:func:`frame_tensor`), its CRC-32 computed here."""
     crc = crc32(framed.data, 0) if checksum and len(framed.data) else 0
     return EncodedRecord(framed.header, framed.data, framed.trailer(crc), crc, framed.tensor)
 

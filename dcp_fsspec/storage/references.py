@@ -51,8 +51,8 @@ def reference_problem(name: str, folder: str, *, siblings: bool = True) -> str |
         return "it names this checkpoint's own folder from outside"
     if depth == 1 and not siblings:
         return (
-            "it names a sibling checkpoint's file (an incremental save's base); pass references=True "
-            "(--references in the CLI) to follow it"
+            f"it names a file of the sibling checkpoint {_resolved(folder, posixpath.dirname(name))} (an "
+            "incremental save's base); pass references=True (--references in the CLI) to follow it"
         )
     if depth == 2 and not (rest[1] == own[-1] and ITERATION_RE.fullmatch(rest[0]) and ITERATION_RE.fullmatch(own[-2])):
         return "two levels up it may only name the same key of another iteration ('../../iter_N/key/file')"
@@ -82,7 +82,7 @@ def _path_of(url_or_path: str) -> str:
     return url_or_path.split("://", 1)[-1]
 
 
-def sibling_folders(names: Iterable[str], folder: str) -> list[str]:
-    """The sibling checkpoints (``../step-10``) that data file ``names``, read from the
-    ``.metadata`` of the checkpoint at ``folder``, refer to: those followed only when told."""
-    return sorted(f for f in referenced_folders(names) if reference_problem(f + "/f", folder, siblings=False) is not None)
+def _resolved(folder: str, name: str) -> str:
+    """``name`` (relative, with ``..``) joined to ``folder`` (a path or URL), for a message."""
+    scheme, sep, path = folder.rpartition("://")
+    return f"{scheme}{sep}{posixpath.normpath(posixpath.join(path, name))}"

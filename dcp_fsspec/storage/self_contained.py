@@ -23,7 +23,7 @@ from .copying import Piece
 from .metadata_file import read_metadata
 from .failures import storage_errors
 from .names import CONTENT_HASHES_NAME, DATA_SUFFIX, METADATA_NAME
-from .references import is_reference, sibling_folders
+from .references import is_reference
 from .urls import Location
 
 @dataclass(frozen=True)
@@ -149,14 +149,7 @@ def self_contained_files(
     for name in sorted(n for n in files if posixpath.basename(n) == METADATA_NAME and posixpath.dirname(n) in hashed):
         folder = posixpath.dirname(name)
         key = source.at(source.join(folder)) if folder else source
-        metadata = read_metadata(key, references=True, trust_checkpoint=trust_checkpoint)
-        siblings = sibling_folders((info.relative_path for info in (metadata.storage_data or {}).values()), key.url)
-        if siblings and not references:
-            raise CorruptCheckpointError(
-                f"not copying {key.url}: it refers to records of the sibling checkpoint "
-                f"{key.url_of(key.join(siblings[0]))} (an incremental save's base); pass --references "
-                "(references=True) to copy them in"
-            )
+        metadata = read_metadata(key, references=references, trust_checkpoint=trust_checkpoint)
         own = [posixpath.basename(n) for n in files if posixpath.dirname(n) == folder]
         plan = plan_self_contained(key, metadata, own, keep=keep, prefix=prefix)
         if plan is not None:
