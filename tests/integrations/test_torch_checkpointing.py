@@ -17,6 +17,7 @@ from tests.conftest import import_or_skip
 
 import_or_skip("torch_checkpointing", "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'")
 
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from torch_checkpointing import CheckpointManager  # noqa: E402
 from torch_checkpointing.storage.base_storage import ReadArgs  # noqa: E402
 
@@ -239,3 +240,70 @@ def test_commit_by_marker_refuses_a_storage_config_that_cannot_check_the_marker_
     config = CheckpointManager.Config.with_sync_save()
     with pytest.raises(UsageError, match="storage_config"):
         commit_by_marker(config)
+
+
+class _Training:
+    """A small AdamW run whose every step sees the same batch, resumed or not."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(8, 4)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+    def train(self, first: int, last: int, manager: CheckpointManager | None = None) -> None:
+        """Steps ``first`` to ``last``; with ``manager``, a save after each even step."""
+        for step in range(first, last + 1):
+            batch = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            self.model(batch).square().mean().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            if manager is not None and step % 2 == 0:
+                model_state, optim_state = get_state_dict(self.model, self.optimizer)
+                manager.save(f"step_{step}", {"model": model_state, "optim": optim_state})
+
+    def resume(self, manager: CheckpointManager, step: int) -> None:
+        """Load ``step`` as docs/torch-checkpointing.md does: into get_state_dict's templates."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        restored = manager.load(f"step_{step}", into={"model": model_state, "optim": optim_state})
+        set_state_dict(self.model, self.optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+
+@pytest.mark.parametrize("marker", [False, True], ids=["rename", "marker"])
+def test_training_resumed_through_their_manager_ends_where_a_run_never_stopped_ends(
+    tc_backend: Backend, marker: bool
+) -> None:
+    never_stopped = _Training()
+    never_stopped.train(1, 8)
+    first = _Training()
+    manager = _manager(tc_backend, marker=marker)
+    try:
+        first.train(1, 5, manager)  # stops after step 5; step_4 is the latest save
+    finally:
+        manager.close()
+    resumed = _Training()
+    manager = _manager(tc_backend, marker=marker)
+    try:
+        resumed.resume(manager, 4)
+        resumed.train(5, 8)
+    finally:
+        manager.close()
+    assert resumed.optimizer.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
+    assert_equal(resumed.state(), never_stopped.state())
+
+
+def test_a_fresh_optimizers_own_state_dict_as_the_target_restores_no_moments(local_backend: Backend) -> None:
+    """Why the recipe loads into get_state_dict's templates: their load fills only the entries the
+    target already has, and a fresh optimizer's state_dict() has none."""
+    trained = _Training()
+    trained.train(1, 2)
+    manager = _manager(local_backend)
+    try:
+        manager.save("step_2", {"optim": trained.optimizer.state_dict()})
+        fresh = _Training()
+        restored = manager.load("step_2", into={"optim": fresh.optimizer.state_dict()})
+    finally:
+        manager.close()
+    assert trained.optimizer.state_dict()["state"] and not restored["optim"]["state"]
