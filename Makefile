@@ -1,6 +1,7 @@
 # Quick start: `make demo` runs the main job on an embedded S3 server; `make test` runs the suite.
-# Each target creates its own virtual environment with a CPU build of torch first: .venv for the
-# suite and the benchmarks, .venv-demo and .venv-docs with only their extra.
+# Each target sets up the virtual environment it needs: .venv (a CPU build of torch first, then
+# the test extra) for the suite and the benchmarks; .venv-demo (torch and the demo extra) for the
+# demo, unless a venv already holds what it needs; .venv-docs (the docs extra, no torch).
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
@@ -23,15 +24,28 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# A venv for one light target: a CPU torch, then this checkout with only that target's extra.
-.venv-%/.installed: pyproject.toml
-	$(PYTHON) -m venv .venv-$*
-	.venv-$*/bin/python -m pip install -q "$(TORCH)"
-	.venv-$*/bin/python -m pip install -q -e ".[$*]"
+# The demo's own light venv: a CPU torch, then this checkout with the demo extra only.
+.venv-demo/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-demo
+	.venv-demo/bin/python -m pip install -q "$(TORCH)"
+	.venv-demo/bin/python -m pip install -q -e ".[demo]"
 	touch $@
 
-demo: .venv-demo/.installed
-	.venv-demo/bin/python -m dcp_fsspec demo
+# The demo runs in the first venv that can already import it and moto's server: the active one
+# ($VIRTUAL_ENV), then .venv. Only where neither can is .venv-demo made. DEMO_ARGS go to the
+# demo, e.g. DEMO_ARGS='--url runs/demo' keeps its checkpoints.
+DEMO_READY := import dcp_fsspec.demo, moto.server
+DEMO_ARGS ?=
+demo:
+	@for py in $${VIRTUAL_ENV:+"$$VIRTUAL_ENV/bin/python"} "$(PY)"; do \
+		if [ -x "$$py" ] && "$$py" -c "$(DEMO_READY)" 2>/dev/null; then \
+			echo "make demo: in $$py"; exec "$$py" -m dcp_fsspec demo $(DEMO_ARGS); \
+		fi; \
+	done; \
+	$(MAKE) -q .venv-demo/.installed || { \
+		echo "make demo: no venv here runs the demo; making .venv-demo (a CPU torch and the demo extra)"; \
+		$(MAKE) --no-print-directory .venv-demo/.installed; \
+	} && exec .venv-demo/bin/python -m dcp_fsspec demo $(DEMO_ARGS)
 
 # The suite, under ten minutes on two cores. The slow multi-rank cases (marker `slow`) run too
 # under SLOW=1, which .ci/run sets: `make test SLOW=1` runs everything.
@@ -66,9 +80,18 @@ clean:
 	rm -rf $(VENV) .venv-demo .venv-docs .pytest_cache
 
 # The documentation site (docs/, mkdocs.yml) into site/, in a venv of its own with the pinned
-# `docs` extra. --strict: a broken link or a docstring reference that does not resolve fails.
-# The charts it shows are committed; `python -m benchmarks.plot --check` fails when they no
-# longer match benchmarks/results/latest.json.
+# `docs` extra and none of the package's dependencies: mkdocstrings reads the sources as text, and
+# the charts need only matplotlib, so torch is not installed. --strict: a broken link or a
+# docstring reference that does not resolve fails. The charts it shows are committed;
+# `python -m benchmarks.plot --check` fails when they no longer match
+# benchmarks/results/latest.json.
+.venv-docs/.installed: pyproject.toml .ci/extra_requirements.py
+	$(PYTHON) -m venv .venv-docs
+	.venv-docs/bin/python -m pip install -q 'tomli>=1.1; python_version < "3.11"'
+	.venv-docs/bin/python .ci/extra_requirements.py docs > .venv-docs/requirements.txt
+	.venv-docs/bin/python -m pip install -q -r .venv-docs/requirements.txt
+	touch $@
+
 .PHONY: docs
 docs: .venv-docs/.installed
 	.venv-docs/bin/python -m benchmarks.plot --check
