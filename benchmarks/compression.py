@@ -1,4 +1,4 @@
-"""What zstd compression (``FsspecStorageWriter(compression="zstd")``) costs and saves.
+"""What zstd compression (``WriterSettings(compression="zstd")``) costs and saves.
 
 For each backend (a local folder, S3 on moto), state and compression level: the bytes stored,
 and save and load throughput in GB/s of *state* (uncompressed tensor bytes, so rows compare).
@@ -68,15 +68,15 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
+    from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, WriterSettings
     from dcp_fsspec.storage.urls import resolve
 
     state = build_state(spec["state"], spec["size_mib"])
     level = spec["level"]
-    compression = {} if level is None else {"compression": "zstd", "compression_level": level}
+    settings = WriterSettings() if level is None else WriterSettings(compression="zstd", compression_level=level)
     options = spec["storage_options"]
     start = time.perf_counter()
-    dcp.save(state, storage_writer=FsspecStorageWriter(spec["url"], options, **compression), no_dist=True)
+    dcp.save(state, storage_writer=FsspecStorageWriter(spec["url"], options, settings=settings), no_dist=True)
     saved = time.perf_counter() - start
     location = resolve(spec["url"], options)
     stored = sum(info["size"] for info in location.fs.ls(location.path, detail=True) if info["name"].endswith(".distcp"))

@@ -29,6 +29,7 @@ import torch.multiprocessing as mp
 from . import state as st
 from .run import git_revision
 from .s3server import CountingS3Server, delta, fetch_counters
+from dcp_fsspec import ReaderSettings
 
 READERS = ("torch-fsspec", "ours", "ours-cooperative")
 BUCKET = "bench"
@@ -41,7 +42,7 @@ def _reader(name: str, url: str, options: dict[str, Any]) -> Any:
         return FsspecReader(url, **options)
     from dcp_fsspec import FsspecStorageReader
 
-    return FsspecStorageReader(url, storage_options=options, cooperative=name == "ours-cooperative")
+    return FsspecStorageReader(url, storage_options=options, settings=ReaderSettings(cooperative=name == 'ours-cooperative'))
 
 
 def _rank(rank: int, world: int, store: str, reader: str, url: str, options: dict[str, Any], args: dict[str, Any]) -> None:

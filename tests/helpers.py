@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -10,16 +11,28 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, ReaderSettings, WriterSettings
 from tests.conftest import Backend
 
 
+def _with_settings(settings_class: type, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the fields of ``settings_class`` gathered into ``settings=``."""
+    fields = {f.name for f in dataclasses.fields(settings_class)}
+    chosen = {k: v for k, v in options.items() if k in fields}
+    rest = {k: v for k, v in options.items() if k not in fields}
+    return {**rest, "settings": settings_class(**chosen)} if chosen else rest
+
+
 def save(state: dict, backend: Backend, url: str | None = None, **options: Any) -> None:
+    """``dcp.save`` with our writer; ``options`` may mix its keywords and WriterSettings' fields."""
+    options = _with_settings(WriterSettings, options)
     writer = FsspecStorageWriter(url or backend.url, storage_options=backend.storage_options, **options)
     dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def load(state: dict, backend: Backend, url: str | None = None, **options: Any) -> dict:
+    """``dcp.load`` with our reader; ``options`` may mix its keywords and ReaderSettings' fields."""
+    options = _with_settings(ReaderSettings, options)
     reader = FsspecStorageReader(url or backend.url, storage_options=backend.storage_options, **options)
     dcp.load(state, storage_reader=reader, no_dist=True)
     return state

@@ -40,10 +40,38 @@ def _state(value: float) -> dict[str, Any]:
     return {"w": torch.full((ELEMENTS,), value), "b": torch.arange(8.0) + value, "step": int(value)}
 
 
-@pytest.mark.parametrize(("settings", "constructor"), [(WriterSettings(), FsspecStorageWriter), (ReaderSettings(), FsspecStorageReader)])
-def test_settings_hold_the_constructors_keywords_with_their_defaults(settings: Any, constructor: type) -> None:
+@pytest.mark.parametrize(
+    ("constructor", "own"),
+    [
+        (FsspecStorageWriter, ["path", "storage_options", "settings", "retry", "incremental", "base"]),
+        (FsspecStorageReader, ["path", "storage_options", "settings", "retry", "process_group", "references"]),
+    ],
+)
+def test_the_storage_classes_take_a_url_its_options_one_settings_value_and_torchs_keywords(
+    constructor: type, own: list[str]
+) -> None:
     parameters = inspect.signature(constructor).parameters
-    assert settings.as_kwargs() == {name: parameters[name].default for name in settings.as_kwargs()}
+    public = [name for name, p in parameters.items() if not name.startswith("_") and p.kind != p.VAR_KEYWORD]
+    assert public == own
+    assert list(parameters.values())[-1].kind == inspect.Parameter.VAR_KEYWORD  # torch's, then storage options
+
+
+@pytest.mark.parametrize(
+    ("constructor", "field", "settings"),
+    [(FsspecStorageWriter, "part_size", "WriterSettings"), (FsspecStorageReader, "window_bytes", "ReaderSettings")],
+)
+def test_a_setting_given_as_a_keyword_is_refused_naming_where_it_goes(
+    memory_backend: Backend, constructor: type, field: str, settings: str
+) -> None:
+    with pytest.raises(TypeError, match=rf"settings={settings}\({field}=1024\)"):
+        constructor(memory_backend.url, **{field: 1024})
+
+
+def test_torchs_keywords_keep_their_meaning(memory_backend: Backend) -> None:
+    writer = FsspecStorageWriter(memory_backend.url, thread_count=3, sync_files=False, overwrite=False)
+    assert (writer.thread_count, writer.settings.files_per_rank, writer.sync_files, writer.overwrite) == (3, 3, False, False)
+    with pytest.raises(ValueError, match="thread_count=3 and files_per_rank=2"):
+        FsspecStorageWriter(memory_backend.url, settings=WriterSettings(files_per_rank=2), thread_count=3)
 
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async_with_pinned_mem"])

@@ -33,6 +33,7 @@ from dcp_fsspec.checkpoint.record import CommitRecord, read_commit_record
 from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.urls import Location, resolve
 from tests.conftest import Backend
+from dcp_fsspec.storage.write_plan import WriteContext
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -264,7 +265,7 @@ def test_a_retention_plan_for_fewer_than_one_iteration_is_refused_naming_the_val
 
 def _written_key(root: Location, iteration: int, save_id: str) -> None:
     """One key of ``iteration`` finished by a save whose token is ``save_id``; not committed."""
-    writer = FsspecStorageWriter(root.url_of(layout.key_path(root, iteration, "model")), save_id=save_id)
+    writer = FsspecStorageWriter(root.url_of(layout.key_path(root, iteration, 'model')), _context=WriteContext(save_id=save_id))
     dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
 
 

@@ -26,6 +26,7 @@ from dcp_fsspec import FsspecStorageWriter, StorageError
 from dcp_fsspec.storage import names
 from tests.conftest import Backend
 from tests.helpers import raises_through_dcp
+from dcp_fsspec import WriterSettings
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
 
@@ -63,7 +64,7 @@ def _kill_at(target: str, nth: int) -> None:
 def _save_and_die(backend: Backend) -> None:
     torch.set_num_threads(1)  # a forked child must not reuse the parent's thread pool
     _kill_at(*KILL_AT[backend.name])
-    writer = FsspecStorageWriter(backend.url, storage_options=backend.storage_options, part_size=PART, files_per_rank=1)
+    writer = FsspecStorageWriter(backend.url, storage_options=backend.storage_options, settings=WriterSettings(part_size=PART, files_per_rank=1))
     dcp.save({"w": torch.arange(ELEMENTS, dtype=torch.float32)}, storage_writer=writer, no_dist=True)
     os._exit(0)  # the kill point was never reached: the parent reports it
 
@@ -114,7 +115,7 @@ def test_a_memory_save_that_fails_part_way_through_a_data_file_leaves_no_file_un
         return real_write(self, data)
 
     monkeypatch.setattr(MemoryFile, "write", write_then_fail)
-    writer = FsspecStorageWriter(memory_backend.url, part_size=PART, files_per_rank=1)
+    writer = FsspecStorageWriter(memory_backend.url, settings=WriterSettings(part_size=PART, files_per_rank=1))
     with raises_through_dcp(StorageError) as raised:
         dcp.save({"w": torch.arange(ELEMENTS, dtype=torch.float32)}, storage_writer=writer, no_dist=True)
     monkeypatch.undo()

@@ -23,6 +23,7 @@ from dcp_fsspec.tools.listing import list_run
 from tests.conftest import Backend
 from tests.test_cli_errors import no_credentials  # noqa: F401 - the fixture, shared
 from tests.test_verify import _run
+from dcp_fsspec import WriterSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -162,7 +163,7 @@ def test_verify_counts_tensors_saved_without_a_checksum_apart_from_non_tensor_en
     capsys: pytest.CaptureFixture[str], memory_backend: Backend
 ) -> None:
     state = {"w": torch.ones(3), "b": torch.ones(2), "step": 7}
-    dcp.save(state, storage_writer=FsspecStorageWriter(memory_backend.url, checksums=False), no_dist=True)
+    dcp.save(state, storage_writer=FsspecStorageWriter(memory_backend.url, settings=WriterSettings(checksums=False)), no_dist=True)
     code, out, err = _cli_run(capsys, "verify", memory_backend.url)
     assert code == 0, err
     assert (

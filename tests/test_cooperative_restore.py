@@ -88,7 +88,7 @@ def _load_and_compare(rank: int, world_size: int, url: str, options: list[dict[s
     dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
     dist.barrier()
     together = zeros_like(expected)
-    reader = FsspecStorageReader(url, storage_options=options[rank], cooperative=True, **SMALL_READS)
+    reader = FsspecStorageReader(url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True))
     dcp.load(together, storage_reader=reader)
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
@@ -129,7 +129,7 @@ def _load_expecting_failure(
 ) -> None:
     """Load cooperatively; every rank must fail with the same ``kind`` of error naming ``named``."""
     retry = RetryPolicy(attempts=2, base_delay=0.01, deadline=60)
-    reader = FsspecStorageReader(url, storage_options=options[rank], cooperative=True, retry=retry, **SMALL_READS)
+    reader = FsspecStorageReader(url, storage_options=options[rank], retry=retry, **SMALL_READS, settings=ReaderSettings(cooperative=True))
     with pytest.raises(CheckpointException) as raised:
         dcp.load(zeros_like(replicated_state()), storage_reader=reader)
     failures = {r: e for r, (e, _trace) in raised.value.failures.items()}
@@ -227,7 +227,7 @@ def _load_dtensors(
     alone = targets()
     dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
     together = targets()
-    dcp.load(together, storage_reader=FsspecStorageReader(url, storage_options=options[rank], cooperative=True, **SMALL_READS))
+    dcp.load(together, storage_reader=FsspecStorageReader(url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)))
     for key, value in full.items():
         mine = distribute_tensor(value, mesh, placements[key]).to_local()
         assert isinstance(together[key], DTensor) and torch.equal(together[key].to_local(), alone[key].to_local()), key
@@ -280,7 +280,7 @@ def _fsdp2_round_trip(rank: int, world_size: int, url: str, options: list[dict[s
     dcp.save(get_model_state_dict(saved), storage_writer=FsspecStorageWriter(url, storage_options=options[rank]))
     loaded = model(2)
     state = get_model_state_dict(loaded)
-    dcp.load(state, storage_reader=FsspecStorageReader(url, storage_options=options[rank], cooperative=True, **SMALL_READS))
+    dcp.load(state, storage_reader=FsspecStorageReader(url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)))
     set_model_state_dict(loaded, state)
     for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a.to_local(), b.to_local()), name

@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, ReaderSettings
 from dcp_fsspec.errors import ChecksumMismatchError, CorruptCheckpointError
 from dcp_fsspec.storage import reader as reader_module
 from dcp_fsspec.storage.backends.s3 import S3Backend
 from dcp_fsspec.storage.fetch import fetch_in_order
 from tests.conftest import Backend
 from tests.helpers import raises_through_dcp
+from dcp_fsspec import WriterSettings
 
 MiB = 1 << 20
 GEN = torch.Generator().manual_seed(11)
@@ -39,12 +40,12 @@ def place(request: pytest.FixtureRequest) -> Backend:
 
 
 def _save(place: Backend, state: dict[str, torch.Tensor]) -> str:
-    dcp.save(state, storage_writer=FsspecStorageWriter(place.url, place.storage_options, files_per_rank=1))
+    dcp.save(state, storage_writer=FsspecStorageWriter(place.url, place.storage_options, settings=WriterSettings(files_per_rank=1)))
     return place.url
 
 
-def _reader(place: Backend, **kwargs: int) -> FsspecStorageReader:
-    return FsspecStorageReader(place.url, place.storage_options, **kwargs)
+def _reader(place: Backend, **settings: int) -> FsspecStorageReader:
+    return FsspecStorageReader(place.url, place.storage_options, settings=ReaderSettings(**settings))
 
 
 @pytest.mark.parametrize("max_request_mib", [16, 1])  # one read per record, or several pieces each

@@ -25,6 +25,7 @@ from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointE
 from .conftest import Backend
 from .distributed import run_ranks
 from .helpers import raises_through_dcp, save
+from dcp_fsspec import ReaderSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -167,7 +168,7 @@ def test_dcp_load_of_a_damaged_data_file_fails_before_any_target_changes(store: 
     fs, files = _data_files(store)
     _damage(fs, files[0], damage)
     target = _two_big_tensors(0.0)
-    reader = FsspecStorageReader(store.url, storage_options=store.storage_options, max_request_bytes=1024 * 1024)
+    reader = FsspecStorageReader(store.url, storage_options=store.storage_options, settings=ReaderSettings(max_request_bytes=1024 * 1024))
     with raises_through_dcp(CorruptCheckpointError) as raised:
         dcp.load(target, storage_reader=reader, no_dist=True)
     assert not target["a"].any() and not target["b"].any(), "a target changed before the error"

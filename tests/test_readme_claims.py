@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, ResumeOptions, StorageError
 from dcp_fsspec.storage import names
 from tests.conftest import Backend
+from dcp_fsspec.storage.write_plan import WriteContext
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -100,10 +101,10 @@ def test_a_ready_filesystem_can_be_passed_as_fs_instead_of_storage_options() -> 
     """README, the storage layer: "a ready filesystem can be passed as `fs=` instead"."""
     fs = fsspec.filesystem("memory", skip_instance_cache=True)  # a store of its own
     state = {"w": torch.arange(10.0)}
-    dcp.save(state, storage_writer=FsspecStorageWriter("memory://given/ckpt", fs=fs), no_dist=True)
+    dcp.save(state, storage_writer=FsspecStorageWriter('memory://given/ckpt', _context=WriteContext(fs=fs)), no_dist=True)
     assert fs.exists("/given/ckpt/.metadata")
     back = {"w": torch.zeros(10)}
-    dcp.load(back, storage_reader=FsspecStorageReader("memory://given/ckpt", fs=fs), no_dist=True)
+    dcp.load(back, storage_reader=FsspecStorageReader('memory://given/ckpt', _fs=fs), no_dist=True)
     assert torch.equal(back["w"], state["w"])
 
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from fsspec.implementations.local import LocalFileSystem
 
-from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter, ReaderSettings
 from dcp_fsspec.storage import reader as reader_module
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
@@ -93,7 +93,7 @@ def test_load_of_a_subset_and_of_resized_chunks_reads_what_is_needed(
     storage = FsspecStorageReader(backend.url, storage_options=backend.storage_options).read_metadata().storage_data
     needed = sum(info.length for index, info in storage.items() if index.fqn in ("matrix", "small.t4"))
     everything = sum(info.length for info in storage.values())
-    gap = FsspecStorageReader(backend.url, storage_options=backend.storage_options).max_gap_bytes
+    gap = ReaderSettings().max_gap_bytes
     # The two records, and at most a gap's worth of neighbours per request: not the whole files.
     assert needed <= sum(fetched) <= needed + gap * len(fetched) < everything
     assert len(fetched) <= 2

@@ -196,7 +196,7 @@ class LoadPipeline:
         keys = dict(plan.keys)
         for key, where in keys.items():
             if where.metadata is None:
-                location = FsspecStorageReader(where.url, fs=source.fs, retry=self._retry).location
+                location = FsspecStorageReader(where.url, retry=self._retry, _fs=source.fs).location
                 metadata = read_metadata(location, trust_checkpoint=self._trust_checkpoint)
                 keys[key] = dataclasses.replace(where, metadata=metadata)
         return dataclasses.replace(plan, keys=keys)
@@ -241,9 +241,7 @@ class LoadPipeline:
         # Cooperative where the ranks read one copy together: not a local tier (each rank's own).
         together = self._collectives.distributed and tier != LOCAL
         settings = self._settings_together if together else self._settings_alone
-        reader_options = dict(
-            fs=source.fs, retry=self._retry, process_group=self._collectives.group, **settings.as_kwargs(),
-        )  # fmt: skip
+        reader_options = dict(settings=settings, retry=self._retry, process_group=self._collectives.group, _fs=source.fs)
         # The model first: optimizers are restored by the names of its parameters.
         ordered = [(k, plan.keys[k]) for k in sorted(plan.keys, key=lambda k: k != MODEL_KEY)]
         start = time.perf_counter()

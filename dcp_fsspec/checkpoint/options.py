@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
-from ..storage.settings import ReaderSettings, WriterSettings, _Keywords
+from ..storage.settings import ReaderSettings, WriterSettings
 from ..storage.urls import redact_url
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class LocalTier:
 
 
 @dataclass(frozen=True)
-class CheckpointerOptions(_Keywords):
+class CheckpointerOptions:
     """Every keyword-only option of the :class:`~dcp_fsspec.Checkpointer`, as one value.
 
     The integrations that build a Checkpointer for you take one of these and pass it on whole,
@@ -137,6 +137,10 @@ class CheckpointerOptions(_Keywords):
     retry: RetryPolicy | None = DEFAULT_RETRY
     writer_settings: WriterSettings | None = None
     reader_settings: ReaderSettings | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields by name, to pass as ``**keywords`` to the Checkpointer."""
+        return {option.name: getattr(self, option.name) for option in dataclasses.fields(self)}
 
     def require_default(self, owner: str, reasons: dict[str, str]) -> None:
         """Refuse a field ``owner`` decides itself; ``reasons`` maps each such field to what to do.

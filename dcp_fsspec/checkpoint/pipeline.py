@@ -37,6 +37,7 @@ from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import WriterSettings
 from ..storage.urls import resolve
 from ..storage.verification import verify_checkpoint
+from ..storage.write_plan import WriteContext
 from ..storage.writer import FsspecStorageWriter
 from . import commit, layout, listing, retention
 from ._collectives import Collectives
@@ -205,23 +206,26 @@ class SavePipeline:
         base_url = None
         if base is not None and key in base.keys:
             base_url = self._root.url_of(layout.key_path(self._root, base.iteration, key))
-        writer = FsspecStorageWriter(
-            url,
+        context = WriteContext(
             fs=self._root.fs,  # the pipeline's own: not one built from the URL again per key
-            retry=self.settings.retry,
             save_id=prepared.save_id,
             unique_file_names=unique_file_names,
-            incremental=self.settings.incremental,
-            base=base_url,
-            # Not the storage writer's default (True, torch's): the iteration was cleared at
-            # prepare, so a key's .metadata here now is another save's, and must stay: the
-            # writer refuses before it writes a byte over that key's files.
-            overwrite=False,
             # The commit record, not a key's .metadata, commits the save: the key's folder is
             # fsynced once, with the others', before it (:meth:`_sync_key_folders`).
             metadata_commits=False,
             file_syncs=syncs,
-            **self.settings.writer.as_kwargs(),
+        )
+        writer = FsspecStorageWriter(
+            url,
+            settings=self.settings.writer,
+            retry=self.settings.retry,
+            incremental=self.settings.incremental,
+            base=base_url,
+            _context=context,
+            # Not the storage writer's default (True, torch's): the iteration was cleared at
+            # prepare, so a key's .metadata here now is another save's, and must stay: the
+            # writer refuses before it writes a byte over that key's files.
+            overwrite=False,
         )
         try:
             dcp.save(

@@ -243,9 +243,7 @@ def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings
 def _checkpoint_entries(source: Location, reader: ReaderSettings) -> tuple[str, ...] | None:
     """The entry names in the ``.metadata`` of a single DCP checkpoint at ``source``, or None."""
     try:
-        metadata = FsspecStorageReader(
-            source.url, fs=source.fs, retry=source.retry, **reader.as_kwargs()
-        ).read_metadata()
+        metadata = FsspecStorageReader(source.url, settings=reader, retry=source.retry, _fs=source.fs).read_metadata()
     except CheckpointNotFoundError:
         return None
     return tuple(metadata.state_dict_metadata)

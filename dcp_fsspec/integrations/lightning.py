@@ -396,7 +396,7 @@ class _ShardedStorage:
         if is_global_zero:
             write_file(child(where, META_FILE), _torch_bytes(meta))
         writer = FsspecStorageWriter(
-            url, self.storage_options, overwrite=True, retry=self.retry, **self.writer_settings.as_kwargs()
+            url, self.storage_options, settings=self.writer_settings, retry=self.retry, overwrite=True
         )
         if self.async_mode == ASYNC_DISABLED:
             blocking(lambda: dcp.save(shards, storage_writer=writer), f"saving {where.url}")
@@ -441,7 +441,7 @@ class _ShardedStorage:
         shards: dict[str, Any] = {model_key: get_model_state_dict(model)}
         shards.update({key: get_optimizer_state_dict(model, opt) for key, opt in optimizers.items()})
         reader = FsspecStorageReader(
-            url, self.storage_options, retry=self.retry, **self.reader_settings.as_kwargs()
+            url, self.storage_options, settings=self.reader_settings, retry=self.retry
         )
         trusted = self.reader_settings.trust_checkpoint
         planner = SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=trusted)

@@ -141,7 +141,7 @@ class FsspecCheckpointManager(CheckpointManager):
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         writer = FsspecStorageWriter(
-            checkpoint_id, self.storage_options, overwrite=True, retry=self.retry, **self.writer_settings.as_kwargs()
+            checkpoint_id, self.storage_options, settings=self.writer_settings, retry=self.retry, overwrite=True
         )
         response: Future[Any] | AsyncSaveResponse | None = None
         self._saving = checkpoint_id
@@ -165,7 +165,7 @@ class FsspecCheckpointManager(CheckpointManager):
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         reader = FsspecStorageReader(
-            checkpoint_id, self.storage_options, retry=self.retry, **self.reader_settings.as_kwargs()
+            checkpoint_id, self.storage_options, settings=self.reader_settings, retry=self.retry
         )
         planner = SafeLoadPlanner(trust_checkpoint=self.reader_settings.trust_checkpoint)
         blocking(

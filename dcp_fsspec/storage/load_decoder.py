@@ -53,10 +53,10 @@ class LoadDecoder(RecordDecoder):
     """
 
     def __init__(self, record: LoadRecord, planner: LoadPlanner, reader: DecodingOptions) -> None:
-        super().__init__(record, checksum=reader.verify_checksums)
+        super().__init__(record, checksum=reader.settings.verify_checksums)
         self.record = record
         self.planner = planner
-        self.trust_checkpoint = reader.trust_checkpoint
+        self.trust_checkpoint = reader.settings.trust_checkpoint
         self.transforms = reader.transforms
         self.state_dict_metadata = reader.state_dict_metadata
         self.undo_queue = reader._undo_queue

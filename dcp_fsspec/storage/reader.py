@@ -24,7 +24,6 @@ from typing import Any
 import fsspec
 import torch.distributed as dist
 from torch.futures import Future
-from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -47,7 +46,7 @@ from .load_decoder import LoadDecoder, LoadRecord
 from .names import METADATA_NAME
 from .references import referenced_folders
 from .retry import DEFAULT_RETRY, RetryPolicy
-from .settings import merge_storage_kwargs
+from .settings import ReaderSettings, split_keywords
 from .transforms import UndoQueue, reader_transforms
 from .urls import UrlBound
 from .workers import Workers
@@ -63,6 +62,8 @@ _CHECKSUM_THREADS = 4  # the CRC-32 (zlib's or ISA-L's) runs without the GIL
 # threads and back than on reading them.
 _ON_THIS_THREAD_MAX = 16 * MiB
 _UNDO_THREADS = 4  # zstd decompresses without the GIL
+# torch's FileSystemReader keywords, with torch's defaults.
+TORCH_READER_DEFAULTS: dict[str, Any] = {"_extension_registry": None}
 
 
 class FsspecStorageReader(UrlBound, StorageReader):
@@ -78,42 +79,24 @@ class FsspecStorageReader(UrlBound, StorageReader):
     Args:
         path: the checkpoint folder: any fsspec URL or a local path.
         storage_options: options for the fsspec filesystem.
-        fs: a ready fsspec filesystem to use instead of one built from the URL.
-        verify_checksums: check every tensor's bytes against the CRC-32 stored in its record
-            (records written without one — CRC 0 — are not checked).
-        window_bytes: downloaded-but-not-yet-decoded data held at once (bounds load memory;
-            big records are read in place and take none of it).
-        max_request_bytes: the largest single ranged read; bigger records are split.
-        max_gap_bytes: neighbouring ranges closer than this are fetched in one request.
-        threads: concurrent reads on filesystems without an async API, and of big records.
+        settings: how records are read and checked: checksums, memory, request sizes,
+            threads, cooperation, trust (:class:`~dcp_fsspec.ReaderSettings`).
         retry: how reads are retried on throttling, 5xx and dropped connections, and the
-            deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`); ``None``:
-            only the driver's own retries.
-        trust_checkpoint: unpickle ``.metadata`` in full, whatever classes it names (which runs
-            any code it holds): only for checkpoints you wrote yourself. By default only DCP
-            metadata's own classes are admitted (:mod:`~dcp_fsspec.storage.trust`), and a
-            non-tensor entry is handed to torch's ``DefaultLoadPlanner`` (``dcp.load``'s default,
-            which unpickles it in full) only once it loaded with ``torch.load(weights_only=True)``.
-            Other planners load non-tensor entries their own way:
-            :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner` as ``weights_only`` does.
-        _extension_registry: torch's (``FileSystemReader``): where the ``transform_descriptors``
-            of transformed records (``stream.zstd/1``…) are looked up; default torch's registry,
-            which knows ``ZStandard``. Register your own ``StreamTransformExtension`` classes
-            there. A transformed record is fetched whole and its transforms undone on the
-            loading thread (never on fsspec's event loop) before it is decoded and checksummed.
-        cooperative: with ``dcp.load`` on several ranks, read each record that several ranks
-            need once, on one of them, and broadcast it over ``process_group``; ``.metadata`` is
-            read by rank 0 and broadcast (:mod:`~dcp_fsspec.storage.cooperative`). Every rank of
-            the group must load together, with the group ``dcp.load`` is given. ``None``: off.
-        process_group: the group of a cooperative load; ``None``: the default group.
+            deadline of each (see :class:`~dcp_fsspec.RetryPolicy`); ``None``: only the
+            driver's own retries.
+        process_group: the group of a cooperative load (``settings.cooperative``); ``None``: the
+            default group. Every rank of the group must load together, with the group
+            ``dcp.load`` is given.
         references: follow references into sibling checkpoints (``../step-10/…``), which a save
             with ``FsspecStorageWriter(base=…)`` writes beside its base; each must be a committed
             checkpoint. References into another iteration of a :class:`~dcp_fsspec.Checkpointer`
             run are followed either way. ``False``: no data file outside the folder is read.
-        **storage_kwargs: torch ``FsspecReader``-style storage options (``anon=True``), merged
-            into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
-
-    It takes every keyword of torch's ``FileSystemReader`` and ``FsspecReader``.
+        **keywords: torch's ``_extension_registry`` (``FileSystemReader``): where the
+            ``transform_descriptors`` of transformed records (``stream.zstd/1``…) are looked up;
+            default torch's registry, which knows ``ZStandard``. A transformed record is fetched
+            whole and its transforms undone on the loading thread before it is decoded and
+            checksummed. Any other keyword is a storage option (``anon=True``), as in torch's
+            ``FsspecReader``; prefer ``storage_options``.
 
     Attributes:
         metadata_failure: why ``.metadata`` could not be used, once a read of it failed (not
@@ -126,30 +109,22 @@ class FsspecStorageReader(UrlBound, StorageReader):
         path: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         *,
-        fs: fsspec.AbstractFileSystem | None = None,
-        verify_checksums: bool = True,
-        window_bytes: int = 128 * MiB,
-        max_request_bytes: int = 16 * MiB,
-        max_gap_bytes: int = 64 * 1024,
-        threads: int = 16,
+        settings: ReaderSettings | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
-        trust_checkpoint: bool = False,
-        cooperative: bool | None = None,
         process_group: dist.ProcessGroup | None = None,
         references: bool = False,
-        _extension_registry: ExtensionRegistry | None = None,
-        **storage_kwargs: Any,
+        _fs: fsspec.AbstractFileSystem | None = None,
+        **keywords: Any,
     ) -> None:
         super().__init__()
-        self._bind(path, merge_storage_kwargs(type(self).__init__, storage_options, storage_kwargs), fs, retry)
-        self.transforms = reader_transforms(_extension_registry)
-        self.trust_checkpoint = trust_checkpoint
-        self.verify_checksums = verify_checksums
-        self.window_bytes = window_bytes
-        self.max_request_bytes = max_request_bytes
-        self.max_gap_bytes = max_gap_bytes
-        self.threads = threads
-        self.cooperative = bool(cooperative)
+        torch_keywords, options = split_keywords(
+            type(self).__name__, ReaderSettings, TORCH_READER_DEFAULTS, storage_options, keywords
+        )
+        settings = settings or ReaderSettings()
+        self._bind(path, options, _fs, retry)
+        self.transforms = reader_transforms(torch_keywords["_extension_registry"])
+        self.settings = settings
+        self.cooperative = bool(settings.cooperative)
         self.process_group = process_group
         self.references = references
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
@@ -188,7 +163,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
             # is there but damaged or refused is not a reason to read another file instead.
             raise self.metadata_failure
         rank = kwargs.get("rank")
-        read = partial(read_metadata, self.location, rank, trust_checkpoint=self.trust_checkpoint, extents=False,
+        read = partial(read_metadata, self.location, rank, trust_checkpoint=self.settings.trust_checkpoint, extents=False,
                        references=self.references)  # fmt: skip
         group = self._group() if rank is None else None
         try:
@@ -196,7 +171,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 metadata = read()
             else:
                 url = metadata_url(self.location)
-                parse = partial(parse_metadata, url=url, trust_checkpoint=self.trust_checkpoint, extents=False,
+                parse = partial(parse_metadata, url=url, trust_checkpoint=self.settings.trust_checkpoint, extents=False,
                                 references=self.references)  # fmt: skip
                 metadata = share_metadata(read, parse, group)
         except CheckpointNotFoundError:
@@ -251,9 +226,9 @@ class FsspecStorageReader(UrlBound, StorageReader):
         group = self._group()
         if group is None or len(plans) != group.size:
             return plans  # DCP runs over another group, or none: each rank reads alone
-        round_bytes = max(self.max_request_bytes, self.window_bytes // group.size)
-        return plan_shared_reads(plans, self.storage_data, piece_bytes=self.max_request_bytes,
-                                 round_bytes=round_bytes, max_gap=self.max_gap_bytes)  # fmt: skip
+        round_bytes = max(self.settings.max_request_bytes, self.settings.window_bytes // group.size)
+        return plan_shared_reads(plans, self.storage_data, piece_bytes=self.settings.max_request_bytes,
+                                 round_bytes=round_bytes, max_gap=self.settings.max_gap_bytes)  # fmt: skip
 
     @collector_paused()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -266,13 +241,13 @@ class FsspecStorageReader(UrlBound, StorageReader):
             assert group is not None  # prepare_global_plan shared reads over it
             records = read_shared(plan.storage_data, group, self.location, partial(self._records_for, plan),
                                   lambda r: LoadDecoder(r, planner, self), self._load_error,
-                                  window_bytes=self.window_bytes // group.size, threads=self.threads)  # fmt: skip
+                                  window_bytes=self.settings.window_bytes // group.size, threads=self.settings.threads)  # fmt: skip
         else:
             records = self._records_for(plan)
         undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
         files = self.location.backend.in_place_files()
         small_here = self.location.answers_locally and sum(r.length for r in records) <= _ON_THIS_THREAD_MAX
-        threads = 0 if small_here else self.threads
+        threads = 0 if small_here else self.settings.threads
         pools = (Workers("read", threads), Workers("crc", threads and _CHECKSUM_THREADS)) if files is not None else ()
         try:
             in_place: list[ThreadFuture[Callable[[], None]]] = []
@@ -387,7 +362,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         it must buffer (a resharded read, say) is read whole into its buffer instead.
         """
         reads, checks = pools
-        at_least = _IN_PLACE_MIN if self.location.is_local else max(_IN_PLACE_MIN, self.max_request_bytes)
+        at_least = _IN_PLACE_MIN if self.location.is_local else max(_IN_PLACE_MIN, self.settings.max_request_bytes)
         big = [r for r in records if r.length >= at_least]
         heads = [reads.submit(files.read, r.path, min(r.length, _HEAD_BYTES), r.offset) for r in big]
         started = []
@@ -400,8 +375,8 @@ class FsspecStorageReader(UrlBound, StorageReader):
             decoder.feed(memoryview(head))
             dest, start = decoder.rest_in_place()
             pieces = [
-                (p, reads.submit(files.read_into, rec.path, rec.offset + start + p, dest[p : p + self.max_request_bytes]))
-                for p in range(0, len(dest), self.max_request_bytes)
+                (p, reads.submit(files.read_into, rec.path, rec.offset + start + p, dest[p : p + self.settings.max_request_bytes]))
+                for p in range(0, len(dest), self.settings.max_request_bytes)
             ]
             started.append(checks.submit(self._checksum_when_read, decoder, pieces, files))
         return [r for r in records if r.length < at_least], started
@@ -411,7 +386,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
     ) -> Callable[[], None]:
         dest, _ = decoder.rest_in_place()
         for piece, read in pieces:
-            self._check_read(decoder.record, read.result(), min(self.max_request_bytes, len(dest) - piece))
+            self._check_read(decoder.record, read.result(), min(self.settings.max_request_bytes, len(dest) - piece))
         return decoder.checksum_in_place(files)
 
     def _check_read(self, rec: LoadRecord, got: int, wanted: int) -> None:
@@ -425,12 +400,12 @@ class FsspecStorageReader(UrlBound, StorageReader):
         """Fetch records concurrently and in file order, decoding each as its bytes arrive."""
         spans = plan_spans(
             [(r.path, r.offset, r.end) for r in records],
-            max_gap=self.max_gap_bytes,
-            max_span=self.max_request_bytes,
+            max_gap=self.settings.max_gap_bytes,
+            max_span=self.settings.max_request_bytes,
         )
         records.sort(key=lambda r: (r.path, r.offset))
         fetched = fetch_in_order(
-            self.location.fs, spans, window_bytes=self.window_bytes, threads=threads, retry=self.location.retry
+            self.location.fs, spans, window_bytes=self.settings.window_bytes, threads=threads, retry=self.location.retry
         )
         feed_records(records, self._whole_spans(fetched), lambda i: LoadDecoder(records[i], planner, self))
 

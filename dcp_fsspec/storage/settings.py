@@ -1,17 +1,15 @@
 """The tuning of our storage writer and reader, as small values that travel.
 
-A :class:`~dcp_fsspec.checkpoint.Checkpointer` makes writers and readers in several places, one
-of them a background process; passing one frozen, picklable value down from the user keeps
-every one of them tuned alike. Each holds exactly the constructor keywords of its class, with
-the same defaults, and gives them back with :meth:`WriterSettings.as_kwargs`.
+The writer and the reader each take one settings value. A
+:class:`~dcp_fsspec.checkpoint.Checkpointer` makes writers and readers in several places, one of
+them a background process; one frozen, picklable value passed down keeps them all tuned alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,17 +17,8 @@ MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class _Keywords:
-    """Shared by the settings dataclasses: their fields, as constructor keywords."""
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The fields by name, to pass as ``**keywords`` to the writer's or reader's constructor."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-
-@dataclass(frozen=True)
-class WriterSettings(_Keywords):
-    """How :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` writes (its tuning keywords).
+class WriterSettings:
+    """How :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` writes: its ``settings``.
 
     Args:
         files_per_rank: at most this many data files per rank, written concurrently.
@@ -57,9 +46,11 @@ class WriterSettings(_Keywords):
         """Check the compression now, not at the first save.
 
         Raises:
-            ValueError: an unknown compression, or a level without one.
+            ValueError: ``files_per_rank`` below 1, an unknown compression, or a level without one.
             MissingDriverError: ``"zstd"`` without the ``zstandard`` package.
         """
+        if self.files_per_rank < 1:
+            raise ValueError(f"files_per_rank must be at least 1, got {self.files_per_rank}")
         if self.compression is not None or self.compression_level is not None:
             from .transforms import compression_extensions  # torch: only for those who compress
 
@@ -67,8 +58,8 @@ class WriterSettings(_Keywords):
 
 
 @dataclass(frozen=True)
-class ReaderSettings(_Keywords):
-    """How :class:`~dcp_fsspec.storage.reader.FsspecStorageReader` reads (its tuning keywords).
+class ReaderSettings:
+    """How :class:`~dcp_fsspec.storage.reader.FsspecStorageReader` reads: its ``settings``.
 
     Args:
         verify_checksums: check each tensor's CRC-32 against its record, where one was stored.
@@ -76,8 +67,9 @@ class ReaderSettings(_Keywords):
         max_request_bytes: the largest single ranged read.
         max_gap_bytes: neighbouring reads this close are merged into one request.
         threads: concurrent reads on filesystems without an async API.
-        cooperative: when several ranks load, each record several of them need is read from
-            storage by one and broadcast to the others (see the reader's ``cooperative``).
+        cooperative: when several ranks load with ``dcp.load``, each record several of them need
+            is read from storage by one and broadcast to the others over the reader's
+            ``process_group``; ``.metadata`` is read by rank 0 and broadcast.
             ``None``: on in :meth:`Checkpointer.load <dcp_fsspec.Checkpointer.load>`, off in a
             plain reader; ``False`` turns it off there too.
         trust_checkpoint: what is read was written by you: unpickle ``.metadata`` and
@@ -97,30 +89,50 @@ class ReaderSettings(_Keywords):
     trust_checkpoint: bool = False
 
 
-def merge_storage_kwargs(
-    constructor: Callable[..., Any], storage_options: dict[str, Any] | None, storage_kwargs: dict[str, Any]
-) -> dict[str, Any] | None:
-    """``storage_options`` plus torch-``FsspecWriter``-style ``**storage_kwargs``, as one dict.
+def split_keywords(
+    owner: str,
+    settings_class: type,
+    torch_defaults: Mapping[str, Any],
+    storage_options: dict[str, Any] | None,
+    keywords: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """torch's keywords and the storage options, out of a constructor's ``**keywords``.
 
-    Those keywords go to the fsspec filesystem, which takes (and may ignore) any name, so a
-    misspelt keyword of the ``constructor``'s own (``file_per_rank=``) would otherwise vanish there.
+    torch's ``FsspecWriter`` and ``FsspecReader`` pass every keyword they do not know to the
+    fsspec filesystem. Ours do the same, after taking out torch's own names (filled with torch's
+    defaults). A name of our settings, or one that looks like a misspelt name, would otherwise
+    vanish into the filesystem, so it is refused.
+
+    Returns:
+        torch's keywords, every one of ``torch_defaults`` present; the merged storage options.
 
     Raises:
-        TypeError: a storage keyword that looks like a misspelling of one of the constructor's.
-        ValueError: a storage option given both ways.
+        TypeError: a field of ``settings_class`` given as a keyword, or a misspelt name.
+        ValueError: a storage option given both in ``storage_options`` and as a keyword.
     """
-    if not storage_kwargs:
-        return storage_options
-    owner = constructor.__qualname__.split(".")[0]
-    known = list(inspect.signature(constructor).parameters)
-    for name in storage_kwargs:
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-        if close:
+    fields = [field.name for field in dataclasses.fields(settings_class)]
+    torch_keywords = dict(torch_defaults)
+    storage_kwargs = {}
+    for name, value in keywords.items():
+        if name in torch_defaults:
+            torch_keywords[name] = value
+        elif name in fields:
             raise TypeError(
-                f"{owner}() got an unexpected keyword argument {name!r}: did you mean {close[0]!r}? "
-                "(other keywords are passed to the fsspec filesystem as storage options)"
+                f"{owner}() takes {name!r} in its settings: pass "
+                f"settings={settings_class.__name__}({name}={value!r})"
             )
+        else:
+            close = difflib.get_close_matches(name, [*torch_defaults, *fields], n=1, cutoff=0.8)
+            if close:
+                raise TypeError(
+                    f"{owner}() got an unexpected keyword argument {name!r}: did you mean {close[0]!r}? "
+                    "(other keywords are passed to the fsspec filesystem as storage options)"
+                )
+            storage_kwargs[name] = value
     both = sorted(set(storage_kwargs) & set(storage_options or {}))
     if both:
-        raise ValueError(f"{owner}(): storage option(s) {both} given both in storage_options and as keywords; give each once")
-    return {**(storage_options or {}), **storage_kwargs}
+        raise ValueError(
+            f"{owner}(): storage option(s) {both} given both in storage_options and as keywords; give each once"
+        )
+    merged = {**(storage_options or {}), **storage_kwargs} if storage_kwargs else storage_options
+    return torch_keywords, merged

@@ -7,8 +7,12 @@ record's frame, and :func:`write_tensor_record` appends a tensor's record to an 
 
 from __future__ import annotations
 
+import dataclasses
 import io
+from dataclasses import dataclass
 from typing import Any
+
+import fsspec
 
 import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -16,41 +20,89 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .file_syncs import FileSyncs
 from .records import FramedTensor, frame_tensor
+from .settings import WriterSettings
 from .uploads import FileUpload
 
 MiB = 1024 * 1024
-FILES_PER_RANK = 8
+FILES_PER_RANK = WriterSettings.files_per_rank
 # Below this much data per file, more files only add requests.
 _MIN_FILE_BYTES = 32 * MiB
 
 
-def checked_settings(
-    files_per_rank: int, thread_count: int | None, *, file_syncs: FileSyncs | None, metadata_commits: bool,
-    serialization_format: SerializationFormat,
-) -> int:  # fmt: skip
-    """The files written at once per rank, once the writer's settings are checked together.
+# torch's FileSystemWriter/FsspecWriter keywords, with torch's defaults (``sync_files`` and
+# ``thread_count`` default to the settings' values).
+TORCH_WRITER_DEFAULTS: dict[str, Any] = {
+    "overwrite": True,
+    "sync_files": None,
+    "thread_count": None,
+    "single_file_per_rank": True,
+    "per_thread_copy_ahead": 10_000_000,
+    "cache_staged_state_dict": False,
+    "serialization_format": SerializationFormat.TORCH_SAVE,
+    "_extensions": None,
+}
+
+
+@dataclass(frozen=True)
+class WriteContext:
+    """What a caller that commits the checkpoint itself (a Checkpointer) tells the writer.
+
+    Attributes:
+        fs: the caller's filesystem, reused rather than built again from the URL.
+        save_id: the save's identity in ``.metadata``, so the caller's commit can tell its own
+            ``.metadata`` from another save's; ``None``: a fresh one per save.
+        unique_file_names: ``save_id`` in every data file's name, so that a save sharing the
+            folder with another never writes over its files.
+        metadata_commits: ``.metadata`` commits the checkpoint (torch's rule): the folder is
+            fsynced after the data files and after ``.metadata``. ``False`` where the caller
+            commits later and fsyncs the folder itself.
+        file_syncs: only with ``metadata_commits=False``: the files' fsyncs run on these
+            threads, which the caller waits for before its commit.
+    """
+
+    fs: fsspec.AbstractFileSystem | None = None
+    save_id: str | None = None
+    unique_file_names: bool = False
+    metadata_commits: bool = True
+    file_syncs: FileSyncs | None = None
+
+
+def with_torch_keywords(settings: WriterSettings, torch_keywords: dict[str, Any]) -> WriterSettings:
+    """``settings`` with torch's ``sync_files`` and ``thread_count`` applied, where given.
 
     Raises:
-        ValueError: ``files_per_rank`` (or ``thread_count``) below 1, both given and different,
-            ``file_syncs`` with ``metadata_commits``, or a format other than ``TORCH_SAVE``.
+        ValueError: ``thread_count`` below 1, or different from a ``files_per_rank`` set apart
+            from the default.
     """
+    changes: dict[str, Any] = {}
+    if torch_keywords["sync_files"] is not None:
+        changes["sync_files"] = torch_keywords["sync_files"]
+    thread_count = torch_keywords["thread_count"]
     if thread_count is not None:
-        if files_per_rank not in (FILES_PER_RANK, thread_count):
+        if settings.files_per_rank not in (FILES_PER_RANK, thread_count):
             raise ValueError(
-                f"thread_count={thread_count} and files_per_rank={files_per_rank} name the same "
-                "setting (files written at once per rank); give one of them"
+                f"thread_count={thread_count} and files_per_rank={settings.files_per_rank} name the "
+                "same setting (files written at once per rank); give one of them"
             )
-        files_per_rank = thread_count
-    if files_per_rank < 1:
-        raise ValueError(f"files_per_rank (thread_count) must be at least 1, got {files_per_rank}")
-    if file_syncs is not None and metadata_commits:
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be at least 1, got {thread_count}")
+        changes["files_per_rank"] = thread_count
+    return dataclasses.replace(settings, **changes) if changes else settings
+
+
+def check_context(context: WriteContext, serialization_format: SerializationFormat) -> None:
+    """Refuse what the writer cannot do.
+
+    Raises:
+        ValueError: ``file_syncs`` with ``metadata_commits``, or a format other than ``TORCH_SAVE``.
+    """
+    if context.file_syncs is not None and context.metadata_commits:
         raise ValueError("file_syncs needs metadata_commits=False: the caller commits once they are done")
     if serialization_format != SerializationFormat.TORCH_SAVE:
         raise ValueError(
             f"serialization_format={serialization_format} is not written by FsspecStorageWriter (only "
             "TORCH_SAVE, DCP's record format); use torch's HuggingFaceStorageWriter for safetensors"
         )
-    return files_per_rank
 
 
 def item_nbytes(item: WriteItem) -> int:

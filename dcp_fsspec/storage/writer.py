@@ -15,16 +15,13 @@ import dataclasses
 import os
 import pickle
 import uuid
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import fsspec
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.futures import Future
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -46,19 +43,25 @@ from .content_hashes import (
 )
 from .records import FramedTensor, encode_framed
 from .failures import storage_errors
-from .file_syncs import FileSyncs
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .backends import Versioned
-from .settings import merge_storage_kwargs
+from .settings import WriterSettings, split_keywords
 from .transforms import compression_extensions, write_transformed, writer_transforms
 from .uploads import ByteBudget, FileUpload
 from .urls import UrlBound
-from .write_plan import FILES_PER_RANK, checked_settings, frame_item, split_into_files, write_tensor_record
+from .write_plan import (
+    TORCH_WRITER_DEFAULTS,
+    WriteContext,
+    check_context,
+    frame_item,
+    split_into_files,
+    with_torch_keywords,
+    write_tensor_record,
+)
 
 # torch writes this version into .metadata; keep in step so its readers see the same thing.
 DCP_VERSION = "1.0.0"
 
-MiB = 1024 * 1024
 
 
 class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
@@ -81,72 +84,21 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     never replaced, in :meth:`finish` (a conditional write): of two saves racing into one folder,
     the second to finish raises :class:`CheckpointExistsError` and the first's checkpoint stays.
 
-    It takes every keyword of torch's ``FileSystemWriter`` and ``FsspecWriter``, with torch's
-    meaning and defaults (``overwrite=True`` among them), so torch code runs with the class
-    swapped; they are keyword-only here (the second positional argument is ``storage_options``).
-    Like ``FileSystemWriter`` it is its own ``AsyncStager`` for ``dcp.async_save``.
+    torch's own keywords (``overwrite``, ``sync_files``, ``thread_count``,
+    ``single_file_per_rank``, ``per_thread_copy_ahead``, ``cache_staged_state_dict``,
+    ``serialization_format``, ``_extensions``) keep torch's meaning and defaults, so torch code
+    runs with the class swapped. Like torch's ``FsspecWriter``, any other keyword is a storage
+    option. Like ``FileSystemWriter``, it is its own ``AsyncStager`` for ``dcp.async_save``.
 
     Args:
         path: the checkpoint folder: any fsspec URL (``s3://bucket/ckpt``, ``memory://x``) or a
             local path (``~`` and relative paths are resolved in this process).
         storage_options: options for the fsspec filesystem (credentials, ``client_kwargs``…).
-        fs: a ready fsspec filesystem to use instead of one built from the URL.
-        overwrite: ``True`` (torch's default) replaces a committed checkpoint at the URL;
-            ``False`` raises :class:`CheckpointExistsError` ("Checkpoint already exists …").
-        files_per_rank: at most this many data files per rank, written concurrently (fewer for
-            a small state: at least 32 MiB a file).
-        part_size: multipart upload part size on object stores.
-        multipart_threshold: on S3, a data file up to this size goes up in one PUT, a larger one
-            as a multipart upload (a single PUT is fewer requests and less server work). Up to
-            this much of each file waits, uncopied, for its request; tensors that had to be moved
-            to CPU or made contiguous first wait as those copies.
-        max_inflight_bytes: request bytes in flight at once across all files (S3; bodies are
-            views of the tensors' memory, not copies).
-        sync_files: fsync local files and folders (durability across power loss); object
-            stores publish a file whole on completion and need no sync.
-        metadata_commits: ``.metadata`` is what makes the folder a checkpoint (torch's rule, and
-            any standalone DCP checkpoint's): with ``sync_files`` the folder is fsynced after
-            each rank's data files and again after ``.metadata``, so no power loss can keep a
-            ``.metadata`` without the files it names. ``False`` where the caller commits the
-            checkpoint later, in a record of its own (a :class:`~dcp_fsspec.Checkpointer`'s
-            keys): the files are still fsynced, the folder is not, and the caller fsyncs it
-            (``sync_folder``) before its commit: a save of several keys then fsyncs each key's
-            folder once, not once per rank and again after ``.metadata``.
-        file_syncs: only with ``metadata_commits=False``: the local files' fsyncs go to these
-            threads (the backend's :meth:`~.backends.base.Backend.file_syncs`), which the caller
-            waits for before its folder fsyncs and its commit; the writer returns without
-            waiting, so the next key's planning overlaps the disk's flushes.
-        checksums: store the CRC-32 of every tensor in its record (torch's zip field), which
-            :class:`FsspecStorageReader` verifies (after undoing any transform).
+        settings: how files are written: their number per rank, part sizes, the memory in
+            flight, checksums, compression (:class:`~dcp_fsspec.WriterSettings`).
         retry: how storage requests are retried on throttling, 5xx and dropped connections,
-            and the deadline of each (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`);
-            ``None``: only the driver's own retries.
-        save_id: this save's identity, written into ``.metadata`` (``storage_meta.save_id``), so
-            a commit can tell its own ``.metadata`` from another save's into the same folder;
-            ``None``: a fresh random id per save.
-        unique_file_names: put ``save_id`` into every data file's name
-            (``__{rank}_{save_id}_{n}.distcp`` instead of torch's ``__{rank}_{n}.distcp``), so
-            that a save sharing the folder with another one never writes over its files.
-        compression: ``"zstd"``: compress every record in torch's ``ZStandard`` format (the
-            ``stream.zstd/1`` transform, which torch's readers undo); needs the ``zstandard``
-            package (``pip install 'dcp-fsspec[zstd]'``). ``None``: records as they are.
-        compression_level: the zstd level, 1 (fast) to 22 (small), negative for zstd's fastest;
-            default 3, zstd's and torch's.
-        single_file_per_rank: torch's: ``False`` writes one file per tensor or object instead of
-            up to ``files_per_rank`` per rank (still ``files_per_rank`` at a time).
-        thread_count: torch's name for the concurrency: the number of files per rank written at
-            once, i.e. ``files_per_rank`` (torch writes one file per thread too). ``None`` (the
-            default, unlike torch's 1) keeps ``files_per_rank``; give one of the two.
-        per_thread_copy_ahead: accepted for torch's signature and kept as an attribute, but it
-            changes nothing here: torch copies up to this many bytes from the GPU ahead of the
-            write (one thread, CUDA only); our file threads each copy a device tensor to the
-            CPU right before streaming it, so at most ``files_per_rank`` tensors are in host
-            memory at once.
-        cache_staged_state_dict: torch's (``BlockingAsyncStager``): when ``dcp.async_save``
-            stages through this writer, keep the CPU copy and reuse it on the next stage
-            (less staging latency, the state's size in host memory kept); reuse the writer.
-        serialization_format: torch's; only ``SerializationFormat.TORCH_SAVE`` (the DCP record
-            format this writer streams). For safetensors use torch's ``HuggingFaceStorageWriter``.
+            and the deadline of each (see :class:`~dcp_fsspec.RetryPolicy`); ``None``: only
+            the driver's own retries.
         incremental: digest every record (xxh3-128) and store the digests beside ``.metadata``
             (``.content_hashes.json``), so that a later save can name this one as its ``base``.
         base: an earlier checkpoint of the same run to save incrementally against (implies
@@ -154,20 +106,31 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             again, and ``.metadata`` refers to the base's bytes instead (``../step-10/…``). It must
             be a sibling folder (``run/step-10`` for ``run/step-20``), or the same key of another
             iteration of a :class:`~dcp_fsspec.Checkpointer` run; keep it as long as this one.
-        _extensions: torch's experimental stream transforms (``[ZStandard()]``, an
-            ``StreamTransformExtension`` of your own), applied to every record in the writer's
-            file threads, in torch's order and with torch's descriptors. With ``compression`` too,
-            the data is compressed first and then passed through these (compress, then encrypt).
-        **storage_kwargs: torch ``FsspecWriter``-style storage options (``anon=True``), merged
-            into ``storage_options`` (prefer that dict: a misspelt keyword goes to the filesystem).
+        **keywords: torch's keywords, with torch's meaning:
+
+            * ``overwrite`` (default ``True``) replaces a committed checkpoint at the URL;
+              ``False`` raises :class:`CheckpointExistsError` ("Checkpoint already exists …").
+            * ``sync_files`` overrides ``settings.sync_files``.
+            * ``thread_count`` is torch's name for ``settings.files_per_rank``; give one of the two.
+            * ``single_file_per_rank=False`` writes one file per tensor or object instead of
+              up to ``files_per_rank`` per rank (still ``files_per_rank`` at a time).
+            * ``per_thread_copy_ahead`` is kept as an attribute and changes nothing: each file
+              thread copies a device tensor to the CPU right before streaming it.
+            * ``cache_staged_state_dict``: when ``dcp.async_save`` stages through this writer,
+              keep the CPU copy and refill it on the next stage (reuse the writer).
+            * ``serialization_format``: only ``SerializationFormat.TORCH_SAVE``. For safetensors
+              use torch's ``HuggingFaceStorageWriter``.
+            * ``_extensions``: torch's experimental stream transforms, applied to every record
+              in torch's order, after ``settings.compression`` (compress, then encrypt).
+
+            Any other keyword is a storage option (``anon=True``), as in torch's ``FsspecWriter``.
+            Prefer ``storage_options``: there a misspelt name is not mistaken for an option.
 
     Raises:
-        ValueError: ``files_per_rank`` (or ``thread_count``) below 1, both given and different,
-            an unknown ``compression`` or ``serialization_format``, a ``base`` that is not a
-            sibling checkpoint.
-        TypeError: an ``_extensions`` entry that is not a ``StreamTransformExtension``; a
-            storage keyword that looks like a misspelt keyword of this class.
-        MissingDriverError: ``compression="zstd"`` without the ``zstandard`` package.
+        ValueError: ``thread_count`` below 1 or different from ``settings.files_per_rank``, an
+            unknown ``serialization_format``, a ``base`` that is not a sibling checkpoint.
+        TypeError: a setting given as a keyword (it goes in ``settings``), a misspelt keyword,
+            an ``_extensions`` entry that is not a ``StreamTransformExtension``.
     """
 
     def __init__(
@@ -175,66 +138,51 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         path: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
         *,
-        fs: fsspec.AbstractFileSystem | None = None,
-        overwrite: bool = True,
-        files_per_rank: int = FILES_PER_RANK,
-        part_size: int = 16 * MiB,
-        multipart_threshold: int = 64 * MiB,
-        max_inflight_bytes: int = 128 * MiB,
-        sync_files: bool = True,
-        metadata_commits: bool = True,
-        file_syncs: FileSyncs | None = None,
-        checksums: bool = True,
+        settings: WriterSettings | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
-        save_id: str | None = None,
-        unique_file_names: bool = False,
-        compression: str | None = None,
-        compression_level: int | None = None,
-        single_file_per_rank: bool = True,
-        thread_count: int | None = None,
-        per_thread_copy_ahead: int = 10_000_000,
-        cache_staged_state_dict: bool = False,
-        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         incremental: bool = False,
         base: str | os.PathLike[str] | None = None,
-        _extensions: Sequence[StreamTransformExtension] | None = None,
-        **storage_kwargs: Any,
+        _context: WriteContext | None = None,
+        **keywords: Any,
     ) -> None:
+        torch_keywords, options = split_keywords(
+            type(self).__name__, WriterSettings, TORCH_WRITER_DEFAULTS, storage_options, keywords
+        )
+        settings = with_torch_keywords(settings or WriterSettings(), torch_keywords)
+        context = _context or WriteContext()
+        check_context(context, torch_keywords["serialization_format"])
         StorageWriter.__init__(self)
-        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        files_per_rank = checked_settings(
-            files_per_rank, thread_count, file_syncs=file_syncs, metadata_commits=metadata_commits,
-            serialization_format=serialization_format,
-        )  # fmt: skip
-        options = merge_storage_kwargs(type(self).__init__, storage_options, storage_kwargs)
-        extensions = [*(_extensions or ()), *compression_extensions(compression, compression_level)]
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=torch_keywords["cache_staged_state_dict"])
+        extensions = [
+            *(torch_keywords["_extensions"] or ()),
+            *compression_extensions(settings.compression, settings.compression_level),
+        ]
         self.transforms = writer_transforms(extensions)
-        self._bind(path, options, fs, retry)
+        self._bind(path, options, context.fs, retry)
+        self.settings = settings
         self.incremental = incremental or base is not None
-        self.base = None if base is None else base_of(self.location, base, options, fs, retry)
-        self.overwrite = overwrite
-        self.files_per_rank = files_per_rank
-        self.part_size = part_size
-        self.multipart_threshold = multipart_threshold
-        self.max_inflight_bytes = max_inflight_bytes
-        self.sync_files = sync_files
-        self.metadata_commits = metadata_commits
-        self.file_syncs = file_syncs
-        self.checksums = checksums
-        self.compression, self.compression_level = compression, compression_level
-        self.single_file_per_rank = single_file_per_rank
-        self.per_thread_copy_ahead = per_thread_copy_ahead
-        self.serialization_format = serialization_format
-        self._given_save_id, self.save_id = save_id, save_id or uuid.uuid4().hex
-        self.unique_file_names = unique_file_names
+        self.base = None if base is None else base_of(self.location, base, options, context.fs, retry)
+        self.overwrite = torch_keywords["overwrite"]
+        self.single_file_per_rank = torch_keywords["single_file_per_rank"]
+        self.per_thread_copy_ahead = torch_keywords["per_thread_copy_ahead"]
+        self.serialization_format = torch_keywords["serialization_format"]
+        self.metadata_commits = context.metadata_commits
+        self.file_syncs = context.file_syncs
+        self.unique_file_names = context.unique_file_names
+        self._given_save_id, self.save_id = context.save_id, context.save_id or uuid.uuid4().hex
         self.is_coordinator = False
         self.rank: int | None = None
         self.use_collectives = True
 
     @property
     def thread_count(self) -> int:
-        """torch's name for :attr:`files_per_rank`."""
-        return self.files_per_rank
+        """torch's name for ``settings.files_per_rank``."""
+        return self.settings.files_per_rank
+
+    @property
+    def sync_files(self) -> bool:
+        """torch's attribute: ``settings.sync_files``."""
+        return self.settings.sync_files
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A CPU copy of ``state_dict`` for ``dcp.async_save`` (torch's ``BlockingAsyncStager``).
@@ -303,22 +251,22 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         per item, ``files_per_rank`` at a time, without ``single_file_per_rank``)."""
         prefix: _StoragePrefix = plan.storage_data
         if self.single_file_per_rank:
-            bins = split_into_files(plan.items, self.files_per_rank)
+            bins = split_into_files(plan.items, self.settings.files_per_rank)
         else:
             bins = [[item] for item in plan.items]
-        budget = ByteBudget(self.max_inflight_bytes)
+        budget = ByteBudget(self.settings.max_inflight_bytes)
         backend = self.location.backend
         base = prefix.base if isinstance(prefix, IncrementalPrefix) else {}
         jobs = [(names.data_file_name(prefix.prefix, n), items, base) for n, items in enumerate(bins)]
         results: list[WriteResult] = []
         # A rank may have nothing to write (DCP gives each replicated item to one rank only).
-        workers = max(1, min(len(jobs), self.files_per_rank))
+        workers = max(1, min(len(jobs), self.settings.files_per_rank))
         if workers == 1:  # one file at a time (a small key's one file): no thread to start
             for name, items, base in jobs:
                 results.extend(self._write_file(budget, name, items, planner, base))
         else:
             results = self._write_files_at_once(workers, budget, jobs, planner)
-        if self.sync_files and self.metadata_commits:
+        if self.settings.sync_files and self.metadata_commits:
             backend.sync_folder(self.location.path)  # the data files' names, before .metadata's
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
@@ -360,7 +308,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 if not created:
                     existing = backend.read_versioned(path).data
                     if existing is None and not backend.conditional_writes:
-                        backend.write_small_atomic(path, data, fsync=self.sync_files,
+                        backend.write_small_atomic(path, data, fsync=self.settings.sync_files,
                                                    sync_folder=self.metadata_commits, syncs=self.file_syncs)
                     created = existing is None and not backend.conditional_writes or existing == data
         if not created:
@@ -427,10 +375,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         with storage_errors("create", self.location.url_of(path)):
             return self.location.backend.new_upload(
                 path,
-                part_size=self.part_size,
+                part_size=self.settings.part_size,
                 budget=budget,
-                fsync=self.sync_files,
-                multipart_threshold=self.multipart_threshold,
+                fsync=self.settings.sync_files,
+                multipart_threshold=self.settings.multipart_threshold,
                 syncs=self.file_syncs,
             )
 
@@ -444,10 +392,10 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         if framed is None:
             buffers: list[bytes | memoryview] = [data.getbuffer()]
         elif not self.transforms.extensions:
-            write_tensor_record(upload, framed, checksum=self.checksums)
+            write_tensor_record(upload, framed, checksum=self.settings.checksums)
             return None
         else:
-            buffers = encode_framed(framed, checksum=self.checksums).buffers()
+            buffers = encode_framed(framed, checksum=self.settings.checksums).buffers()
         if not self.transforms.extensions:
             upload.write(buffers)
             return None
@@ -475,7 +423,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         data = encode_hashes(digests, self._transform_names, self.save_id)
         with storage_errors("write", self.location.url_of(path), also=(ValueError,)):
             # Its folder is synced with .metadata's, which is written next.
-            self.location.backend.write_small_atomic(path, data, fsync=self.sync_files, sync_folder=False, syncs=self.file_syncs)
+            self.location.backend.write_small_atomic(path, data, fsync=self.settings.sync_files, sync_folder=False, syncs=self.file_syncs)
 
     @property
     def _transform_names(self) -> list[str]:

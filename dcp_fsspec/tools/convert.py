@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from ..errors import CheckpointExistsError, CorruptCheckpointError, MissingDriverError, UsageError
 from ..storage.failures import storage_errors, unwrap_dcp
 from ..storage.reader import FsspecStorageReader
+from ..storage.settings import ReaderSettings
 from ..storage.trust import SafeLoadPlanner
 from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
@@ -182,7 +183,7 @@ def load_state_dict(
 def _load_one(location: Location, progress: Progress | None, trust_checkpoint: bool, max_bytes: int | None) -> dict[str, Any]:
     start = time.perf_counter()
     state_dict: dict[str, Any] = {}
-    reader = FsspecStorageReader(location.url, fs=location.fs, trust_checkpoint=trust_checkpoint)
+    reader = FsspecStorageReader(location.url, settings=ReaderSettings(trust_checkpoint=trust_checkpoint), _fs=location.fs)
     try:
         _load_state_dict(
             state_dict,

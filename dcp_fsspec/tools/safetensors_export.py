@@ -29,6 +29,7 @@ from ..checkpoint._collectives import Collectives
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
 from ..storage.failures import storage_errors
 from ..storage.reader import FsspecStorageReader
+from ..storage.settings import ReaderSettings
 from ..storage.records import tensor_bytes
 from ..storage.uploads import ByteBudget, FileUpload, publish_whole
 from ..storage.urls import Location, resolve
@@ -155,7 +156,7 @@ def _plan(
     _check_options(out, dtype, max_shard_size)
     source = _source(resolve(url, storage_options))
     target = resolve(out, out_storage_options)
-    reader = FsspecStorageReader(source.url, fs=source.fs, trust_checkpoint=trust_checkpoint)
+    reader = FsspecStorageReader(source.url, settings=ReaderSettings(trust_checkpoint=trust_checkpoint), _fs=source.fs)
     metadata = reader.read_metadata()
     check_claimed_sizes(metadata, source.url, None)
     reader.set_up_storage_reader(metadata, True)

@@ -66,8 +66,8 @@ class TensorPieces:
         self.records = records
         self.files = files
         self.url = url
-        self._request = reader.max_request_bytes
-        self._pool = Workers("export-read", reader.threads)
+        self._request = reader.settings.max_request_bytes
+        self._pool = Workers("export-read", reader.settings.threads)
 
     def send(self, buffer_bytes: int, send: Callable[[torch.Tensor], None]) -> None:
         """Hand the tensor's rows to ``send`` in order, in pieces of about ``buffer_bytes``, in the output dtype."""
@@ -149,7 +149,7 @@ def open_pieces(reader: FsspecStorageReader, metadata: Metadata, entry: Entry, u
     places = [RecordPlace(path, location.url_of(path), i.offset, i.length) for path, i in zip(paths, stored)]
     files = location.backend.in_place_files() or location.backend.range_reader()
     try:
-        with Workers("export-read", reader.threads) as pool:
+        with Workers("export-read", reader.settings.threads) as pool:
             heads = [pool.submit(files.read, p.path, min(p.length, _HEAD_BYTES), p.offset) for p in places]
             records = []
             for place, head, block, chunk in zip(places, heads, blocks, meta.chunks):
@@ -157,7 +157,7 @@ def open_pieces(reader: FsspecStorageReader, metadata: Metadata, entry: Entry, u
                 if layout is None:
                     files.close()
                     return None
-                records.append(_record(place, head.result()[: layout.data_start], layout, block, reader.verify_checksums))
+                records.append(_record(place, head.result()[: layout.data_start], layout, block, reader.settings.verify_checksums))
     except BaseException:
         files.close()
         raise

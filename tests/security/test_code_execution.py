@@ -196,7 +196,7 @@ def test_trust_checkpoint_loads_ones_own_checkpoint_holding_any_picklable_object
     with Checkpointer(local_backend.url, reader_settings=ReaderSettings(trust_checkpoint=True)) as ckpt:
         assert ckpt.load(model=_model(), extra=extra) == 1
     assert extra == {"note": Note("mine")}
-    reader = FsspecStorageReader(local_backend.sub("iter_000000001", "extra"), trust_checkpoint=True)
+    reader = FsspecStorageReader(local_backend.sub('iter_000000001', 'extra'), settings=ReaderSettings(trust_checkpoint=True))
     assert reader.read_metadata().__dict__["extra"] == Note("in .metadata")
 
 

@@ -25,35 +25,37 @@ from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageReader,
 from dcp_fsspec.checkpoint.pipeline import SavePipeline
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
+from dcp_fsspec import WriterSettings
+from dcp_fsspec.storage.reader import TORCH_READER_DEFAULTS
+from dcp_fsspec.storage.write_plan import TORCH_WRITER_DEFAULTS
 
 
-def _keywords(cls: type) -> dict[str, inspect.Parameter]:
+def _keywords(cls: type) -> dict[str, Any]:
+    """The keywords of ``cls`` other than the path, with their defaults."""
     return {
-        name: p
+        name: p.default
         for name, p in inspect.signature(cls.__init__).parameters.items()
-        if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        if name not in ("self", "path") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
 
 
-# Where our default differs from torch's, on purpose (each said in the class's docstring).
-_OUR_DEFAULTS = {"thread_count": None}  # None: keep files_per_rank (8), not torch's 1 thread
+# Where our default differs from torch's, on purpose (each said in the class's docstring): None
+# keeps the settings' value (8 files per rank, not torch's 1 thread; sync_files True, as torch's).
+_OUR_DEFAULTS = {"thread_count": None, "sync_files": None}
 
 
 @pytest.mark.parametrize("theirs", [FileSystemWriter, FsspecWriter])
 def test_the_writer_takes_every_keyword_of_torchs_writers_with_torchs_defaults(theirs: type) -> None:
-    ours = _keywords(FsspecStorageWriter)
-    for name, param in _keywords(theirs).items():
-        assert name in ours, f"{theirs.__name__}({name}=…) is not accepted by FsspecStorageWriter"
-        expected = _OUR_DEFAULTS.get(name, param.default)
-        if name != "path":
-            assert ours[name].default == expected, name
+    for name, default in _keywords(theirs).items():
+        assert name in TORCH_WRITER_DEFAULTS, f"{theirs.__name__}({name}=…) is not accepted by FsspecStorageWriter"
+        assert TORCH_WRITER_DEFAULTS[name] == _OUR_DEFAULTS.get(name, default), name
+    assert WriterSettings().sync_files is _keywords(FileSystemWriter)["sync_files"]
 
 
 @pytest.mark.parametrize("theirs", [FileSystemReader, FsspecReader])
 def test_the_reader_takes_every_keyword_of_torchs_readers(theirs: type) -> None:
-    ours = _keywords(FsspecStorageReader)
-    for name, param in _keywords(theirs).items():
-        assert name in ours and (name == "path" or ours[name].default == param.default), name
+    for name, default in _keywords(theirs).items():
+        assert TORCH_READER_DEFAULTS.get(name, "missing") == default, name
 
 
 def test_torch_style_construction_saves_and_loads(tmp_path: Path) -> None:
@@ -70,7 +72,7 @@ def test_torch_style_construction_saves_and_loads(tmp_path: Path) -> None:
         _extensions=None,
         serialization_format=SerializationFormat.TORCH_SAVE,
     )
-    assert writer.thread_count == writer.files_per_rank == 2 and writer.per_thread_copy_ahead == 1_000_000
+    assert writer.thread_count == writer.settings.files_per_rank == 2 and writer.per_thread_copy_ahead == 1_000_000
     dcp.save(state, storage_writer=writer, no_dist=True)
     target = {"w": torch.zeros(64, 8), "b": torch.zeros(5, dtype=torch.int64)}
     dcp.load(target, storage_reader=FsspecStorageReader(path=tmp_path, _extension_registry=None), no_dist=True)
@@ -79,7 +81,7 @@ def test_torch_style_construction_saves_and_loads(tmp_path: Path) -> None:
 
 def test_thread_count_and_a_different_files_per_rank_are_refused() -> None:
     with pytest.raises(ValueError, match="thread_count=2 and files_per_rank=3"):
-        FsspecStorageWriter("memory://x", thread_count=2, files_per_rank=3)
+        FsspecStorageWriter('memory://x', thread_count=2, settings=WriterSettings(files_per_rank=3))
     with pytest.raises(ValueError, match="at least 1"):
         FsspecStorageWriter("memory://x", thread_count=0)
 

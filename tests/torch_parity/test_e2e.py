@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict, _lo
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, WriterSettings
 from tests.conftest import Backend
 
 
@@ -99,7 +99,7 @@ def test_training_resumes_exactly_after_a_save_and_load(backend: Backend, how: s
     train_state = TrainState()
     _train(model, optim, 2, train_state)
     sd = {"app": _App(model, optim), "train_state": train_state}
-    options = {"compression": "zstd"} if how == "zstd" else {}
+    options = {"settings": WriterSettings(compression="zstd")} if how == "zstd" else {}
     writer = FsspecStorageWriter(backend.url, backend.storage_options, cache_staged_state_dict=how.endswith("cached"), **options)
     if how.startswith("async"):
         dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD, no_dist=True).result(timeout=120)

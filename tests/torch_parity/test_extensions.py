@@ -239,11 +239,11 @@ def test_an_extension_of_the_wrong_kind_is_refused() -> None:
 @needs_zstd
 def test_bad_compression_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="'lz4' is not supported"):
-        FsspecStorageWriter("memory://x", compression="lz4")
+        FsspecStorageWriter('memory://x', settings=WriterSettings(compression='lz4'))
     with pytest.raises(ValueError, match="needs compression='zstd'"):
-        FsspecStorageWriter("memory://x", compression_level=3)
+        FsspecStorageWriter('memory://x', settings=WriterSettings(compression_level=3))
     with pytest.raises(ValueError, match="compression_level must be"):
-        FsspecStorageWriter("memory://x", compression="zstd", compression_level=99)
+        FsspecStorageWriter('memory://x', settings=WriterSettings(compression='zstd', compression_level=99))
 
 
 # --- the Checkpointer -------------------------------------------------------------------------
