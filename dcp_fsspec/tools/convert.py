@@ -5,7 +5,7 @@ DCP's ``_EmptyStateDictLoadPlanner`` (what torch's ``dcp_to_torch_save`` does wi
 reader), so any URL works; non-tensor entries load as :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner`
 loads them (no code from the checkpoint runs) unless ``trust_checkpoint``. The whole state dict is held in memory once. A single checkpoint
 becomes its state dict; an iteration folder (or a save_dirname's latest) becomes
-``{key: state_dict}``. The output is written through the storage layer's atomic uploads, so it
+``{key: state_dict}``. The subcommands' options are in :mod:`.convert_options`. The output is written through the storage layer's atomic uploads, so it
 is complete or absent, on any URL too.
 
 safetensors holds only a flat mapping of names to tensors: nested keys are joined with ``.``,
@@ -16,7 +16,6 @@ conversion needs about twice the state dict's size.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -41,7 +40,8 @@ from ..storage.reader import FsspecStorageReader
 from ..storage.trust import SafeLoadPlanner
 from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
-from . import _cli, targets
+from . import targets
+from .convert_options import MACHINE_MEMORY, memory_size
 from .progress import Progress, human_bytes
 from .results import WrittenFiles
 
@@ -59,19 +59,6 @@ class ConvertResult(WrittenFiles):
     def lines(self) -> list[str]:
         """Each entry safetensors could not hold, then what was written."""
         return self._lines(f"{self.out} ({self.format}): ", "tensors and plain values")
-
-
-# ``max_bytes``' default: this machine's memory (:func:`memory_size`).
-MACHINE_MEMORY = -1
-
-
-def memory_size() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say): the default
-    limit of what a conversion may hold, since it holds the whole state dict at once."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def check_claimed_sizes(metadata: Metadata, url: str, max_bytes: int | None) -> int:
@@ -333,38 +320,3 @@ class _Output(io.RawIOBase):
         except BaseException:
             self._upload.abort()
             raise
-
-
-# --- the subcommands -----------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to write (any fsspec URL or local path)") -> None:
-    source = ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
-    _cli.add_standard_arguments(parser, source, ("out", out_help), destination=True)
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    _cli.add_trust_flag(parser)
-    parser.add_argument(
-        "--max-bytes", type=int, default=MACHINE_MEMORY, metavar="N",
-        help="the most tensor bytes a checkpoint's .metadata may make the conversion hold in memory "
-        "(default: this machine's memory); sizes read from storage beyond it are refused before allocating",
-    )  # fmt: skip
-
-
-def _main(args: argparse.Namespace, fmt: Format) -> int:
-    source_options, out_options = _cli.both_storage_options(args, args.url, args.out)
-    with Progress("converting") as progress:
-        result = convert(
-            args.url, args.out, source_options, out_options,
-            fmt=fmt, overwrite=args.overwrite, progress=progress, trust_checkpoint=args.trust,
-            max_bytes=args.max_bytes,
-        )  # fmt: skip
-    _cli.report(args, result.to_dict(), result.lines())
-    return _cli.EXIT_OK
-
-
-def main_to_torch(args: argparse.Namespace) -> int:
-    return _main(args, "torch")
-
-
-def main_to_safetensors(args: argparse.Namespace) -> int:
-    return _main(args, "safetensors")
