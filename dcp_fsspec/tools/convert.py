@@ -5,8 +5,8 @@ DCP's ``_EmptyStateDictLoadPlanner`` (what torch's ``dcp_to_torch_save`` does wi
 reader), so any URL works; non-tensor entries load as :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner`
 loads them (no code from the checkpoint runs) unless ``trust_checkpoint``. The whole state dict is held in memory once. A single checkpoint
 becomes its state dict; an iteration folder (or a save_dirname's latest) becomes
-``{key: state_dict}``. The subcommands' options are in :mod:`.convert_options`. The output is written through the storage layer's atomic uploads, so it
-is complete or absent, on any URL too.
+``{key: state_dict}``. The output is written through the storage layer's atomic uploads, so it
+is complete or absent, on any URL too. The subcommands' options are in :mod:`.convert_options`.
 
 safetensors holds only a flat mapping of names to tensors: nested keys are joined with ``.``,
 plain values (numbers, strings, booleans, None) go into the file's metadata as JSON, and
@@ -41,7 +41,6 @@ from ..storage.trust import SafeLoadPlanner
 from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
 from . import targets
-from .convert_options import MACHINE_MEMORY, memory_size
 from .progress import Progress, human_bytes
 from .results import WrittenFiles
 
@@ -59,6 +58,19 @@ class ConvertResult(WrittenFiles):
     def lines(self) -> list[str]:
         """Each entry safetensors could not hold, then what was written."""
         return self._lines(f"{self.out} ({self.format}): ", "tensors and plain values")
+
+
+# ``max_bytes``' default: this machine's memory (:func:`memory_size`).
+MACHINE_MEMORY = -1
+
+
+def memory_size() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say): the default
+    limit of what a conversion may hold, since it holds the whole state dict at once."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def check_claimed_sizes(metadata: Metadata, url: str, max_bytes: int | None) -> int:

@@ -7,24 +7,10 @@ does the work and needs torch, is imported when the command runs.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Literal
 
 from . import _cli
 from .progress import Progress
-
-# ``max_bytes``' default: this machine's memory (:func:`memory_size`).
-MACHINE_MEMORY = -1
-
-
-def memory_size() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say): the default
-    limit of what a conversion may hold, since it holds the whole state dict at once."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
 
 def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to write (any fsspec URL or local path)") -> None:
     source = ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
@@ -32,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to 
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     _cli.add_trust_flag(parser)
     parser.add_argument(
-        "--max-bytes", type=int, default=MACHINE_MEMORY, metavar="N",
+        "--max-bytes", type=int, default=None, metavar="N",
         help="the most tensor bytes a checkpoint's .metadata may make the conversion hold in memory "
         "(default: this machine's memory); sizes read from storage beyond it are refused before allocating",
     )  # fmt: skip
@@ -40,13 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to 
 
 def _main(args: argparse.Namespace, fmt: Literal["torch", "safetensors"]) -> int:
     source_options, out_options = _cli.both_storage_options(args, args.url, args.out)
-    from .convert import convert  # torch: only once the command line is known to be right
+    from .convert import MACHINE_MEMORY, convert  # torch: only once the command line is known to be right
 
     with Progress("converting") as progress:
         result = convert(
             args.url, args.out, source_options, out_options,
             fmt=fmt, overwrite=args.overwrite, progress=progress, trust_checkpoint=args.trust,
-            max_bytes=args.max_bytes,
+            max_bytes=MACHINE_MEMORY if args.max_bytes is None else args.max_bytes,
         )  # fmt: skip
     _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK
