@@ -3,8 +3,9 @@
 Each subcommand lives in its own module, which adds its options and runs it, so this file stays
 a table of subcommands, plus the one place where errors become exit codes (listed in
 :mod:`dcp_fsspec.tools._cli` and in ``--help``). A subcommand's module is imported only when
-that subcommand runs (or shows its ``--help``): most of them import torch, which takes seconds,
-and ``--help``, ``ls``, ``prune`` and ``cp`` do not need it.
+that subcommand runs (or shows its ``--help``). None of those modules imports torch, which takes
+seconds: the command line, its URLs and its ``--storage-options`` JSON are checked first, and
+only the conversions (and ``demo``) import torch, once they start work.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
            "copy a checkpoint or a whole run between any two URLs, committing last"),
     "prune": ("tools.prune", "main",
               "delete all but the newest N committed iterations (never the latest)"),
-    "to-torch": ("tools.convert", "main_to_torch",
+    "to-torch": ("tools.convert_options", "main_to_torch",
                  "convert a checkpoint to one torch.save file"),
     "to-safetensors": ("tools.safetensors_cli", "main",
                        "export a checkpoint's tensors as sharded safetensors (a folder) or one .safetensors file"),
@@ -145,9 +146,16 @@ def _urls(args: argparse.Namespace) -> list[str]:
     return [getattr(args, name) for name in ("url", "src", "dst", "out") if getattr(args, name, None)]
 
 
+def _check_storage_options(args: argparse.Namespace) -> None:
+    """Parse the ``--storage-options`` JSON given, before the subcommand does anything (UsageError)."""
+    for name, flag in (("storage_options", "--storage-options"), ("dst_storage_options", "--dst-storage-options")):
+        _cli.storage_options(getattr(args, name, None), flag)
+
+
 def _run(args: argparse.Namespace) -> int:
     """Run the subcommand; its errors become one line (or JSON) and the exit code for their kind."""
     try:
+        _check_storage_options(args)
         return int(args.run(args))
     except Exception as e:  # noqa: BLE001 - every error is reported, by type (see _cli.failure_for)
         urls = _urls(args)

@@ -1,8 +1,8 @@
 """What a new user meets in the ``dcp-fsspec`` command line's first hour.
 
-A checkpoint's own file given for its folder (``.metadata``, the pointer, a commit record), a
-copy to S3 whose options went to the local source, a bucket that does not exist, and
-``verify``'s count of items without a checksum. Each is run as users run the command line,
+A file given for a folder (refused by every command, naming the folder to give), a retired
+iteration, ``prune``'s first call, a copy to S3 whose options went to the local source, a bucket
+that does not exist, and ``verify``'s count of items without a checksum. Each is run as users run the command line,
 ``cli.main([...])``, on real storage: memory://, local disk and a moto S3 server.
 """
 
@@ -17,8 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import FsspecStorageWriter, StorageError, cli, verify
+from dcp_fsspec.checkpoint.record import read_commit_record, record_path, retired_mark
 from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.urls import resolve
 from dcp_fsspec.tools import _cli
+from dcp_fsspec.tools import verify as verify_tool
 from dcp_fsspec.tools.listing import list_run
 from tests.conftest import Backend
 from tests.test_cli_errors import no_credentials  # noqa: F401 - the fixture, shared
@@ -41,74 +44,83 @@ def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
     return dict(doc)
 
 
-# -- a checkpoint's own file, given for its folder ------------------------------------------------
+# -- a file given for a folder: refused by every command, naming the folder to give -----------------
+
+# Each command, with what it needs after the URL.
+_COMMANDS = {
+    "ls": [], "inspect": [], "verify": [], "cp": ["{tmp}/copy"], "prune": ["--keep", "1", "--dry-run"],
+    "to-torch": ["{tmp}/out.pt"], "to-safetensors": ["{tmp}/out"],
+}  # fmt: skip
+# A file of a run (under its save_dirname) → the folder the error names instead.
+_FILES = {
+    "latest_checkpoint.txt": "",
+    "iter_000000001/.commit.json": "iter_000000001",
+    "iter_000000001/model/.metadata": "iter_000000001/model",
+    "iter_000000001/model/__0_0.distcp": "iter_000000001/model",
+}
 
 
-def test_inspect_of_a_metadata_file_shows_the_checkpoint_that_holds_it(
-    capsys: pytest.CaptureFixture[str], local_backend: Backend
+def test_every_command_is_given_every_cli_command() -> None:
+    assert set(_COMMANDS) == set(cli._COMMANDS) - {"demo"}
+
+
+@pytest.mark.parametrize("command", sorted(_COMMANDS))
+@pytest.mark.parametrize("file", sorted(_FILES))
+def test_every_command_refuses_a_file_of_a_run_and_names_the_folder_to_give(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, file: str
 ) -> None:
-    _run(local_backend, [1])
-    model = local_backend.sub("iter_000000001", "model")
-    code, out, err = _cli_run(capsys, "inspect", f"{model}/.metadata")
-    assert code == 0, err
-    assert out.splitlines()[0] == model
-    assert any(line.startswith("0.weight ") for line in out.splitlines())
-
-
-def test_inspect_and_ls_of_the_pointer_file_show_its_save_dirname(
-    capsys: pytest.CaptureFixture[str], memory_backend: Backend
-) -> None:
-    _run(memory_backend, [1, 2])
-    pointer = memory_backend.sub("latest_checkpoint.txt")
-    code, out, err = _cli_run(capsys, "inspect", pointer)
-    assert code == 0, err
-    assert out.splitlines()[0] == f"{memory_backend.sub('iter_000000002')}  (iteration 2)"
-    code, out, err = _cli_run(capsys, "ls", pointer)
-    assert code == 0, err
-    assert out.splitlines()[0] == memory_backend.url
-    assert [line.split()[0] for line in out.splitlines() if line.startswith("iter_")] == ["iter_000000001", "iter_000000002"]
-
-
-def test_prune_of_the_pointer_file_prunes_its_save_dirname(
-    capsys: pytest.CaptureFixture[str], memory_backend: Backend
-) -> None:
-    _run(memory_backend, [1, 2])
-    code, out, err = _cli_run(capsys, "prune", memory_backend.sub("latest_checkpoint.txt"), "--keep", "1", "--dry-run")
-    assert code == 0, err
-    assert "would delete iter_000000001" in out and f"{memory_backend.url}: would keep iter_000000002" in out
-
-
-def test_verify_of_a_commit_record_on_s3_verifies_its_iteration(
-    capsys: pytest.CaptureFixture[str], s3_backend: Backend
-) -> None:
-    _run(s3_backend, [1])
-    folder = s3_backend.sub("iter_000000001")
-    options = json.dumps(s3_backend.storage_options)
-    code, out, err = _cli_run(capsys, "verify", f"{folder}/.commit.json", "--storage-options", options)
-    assert code == 0, err
-    assert out.splitlines()[-1].startswith(f"OK {folder}: 1 checkpoint(s) (4 keys)")
-
-
-def test_ls_of_a_metadata_file_names_the_commands_and_urls_to_give(
-    capsys: pytest.CaptureFixture[str], local_backend: Backend
-) -> None:
-    _run(local_backend, [1])
-    model = local_backend.sub("iter_000000001", "model")
-    doc = _error(capsys, "ls", f"{model}/.metadata")
+    run = tmp_path / "run"
+    _run(Backend("local", str(run)), [1])
+    url, folder = str(run / file), str(run / _FILES[file]).rstrip("/")
+    extra = [arg.format(tmp=tmp_path) for arg in _COMMANDS[command]]
+    doc = _error(capsys, command, url, *extra)
     assert doc["kind"] == "not_found" and doc["exit_code"] == _cli.EXIT_NOT_FOUND
-    assert f"`dcp-fsspec inspect {model}`" in str(doc["error"])
-    assert f"`dcp-fsspec ls {local_backend.url}`" in str(doc["error"])
+    assert str(doc["error"]).startswith(f"{url} is a file, not a folder: give ")
+    assert f" that holds it, {folder}" in str(doc["error"])
+    assert not (tmp_path / "copy").exists() and not (tmp_path / "out.pt").exists()
 
 
 def test_a_file_that_is_not_a_checkpoints_own_is_refused_as_a_file_naming_it(
     capsys: pytest.CaptureFixture[str], local_backend: Backend
 ) -> None:
     _run(local_backend, [1])
-    notes = Path(local_backend.url, "notes.txt")
-    notes.write_text("lr 1e-3\n")
-    code, _, err = _cli_run(capsys, "inspect", str(notes))
+    model = Path(local_backend.url, "model.pt")
+    model.write_bytes(b"not a checkpoint")
+    code, _, err = _cli_run(capsys, "inspect", str(model))
     assert code == _cli.EXIT_NOT_FOUND
-    assert f"dcp-fsspec inspect: error: {notes} is a file, not a checkpoint's folder: give" in err
+    assert f"dcp-fsspec inspect: error: {model} is a file, not a folder: give a DCP checkpoint folder" in err
+
+
+# -- an incremental run's retired iteration -------------------------------------------------------
+
+
+def test_verify_notes_a_retired_iteration_as_retired_as_ls_shows_it(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend
+) -> None:
+    _run(memory_backend, [1, 2])
+    root = resolve(memory_backend.url, memory_backend.storage_options)
+    record = read_commit_record(root, 1)
+    assert record is not None
+    root.fs.pipe_file(record_path(root, 1), retired_mark(record))
+    folder = memory_backend.sub("iter_000000001")
+
+    report = verify(memory_backend.url)
+    assert report.ok and report.notes == [f"skipped {folder}: {verify_tool.RETIRED}"]
+    alone = verify(folder)
+    assert alone.ok and alone.notes == report.notes
+    code, out, _ = _cli_run(capsys, "ls", memory_backend.url)
+    assert code == 0 and any(line.startswith("iter_000000001") and "retired" in line for line in out.splitlines())
+
+
+# -- prune's help ---------------------------------------------------------------------------------
+
+
+def test_prune_help_shows_a_first_call_with_keep_and_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["prune", "--help"])
+    out = capsys.readouterr().out
+    assert "a first call deletes nothing" in out
+    assert "dcp-fsspec prune s3://bucket/run1/checkpoints --keep 3 --dry-run" in out
 
 
 # -- S3: where the options went, and a bucket that does not exist --------------------------------

@@ -1,5 +1,6 @@
-"""Start-up: ``dcp-fsspec --help``, ``ls``, ``prune`` and ``cp`` must not import torch (seconds),
-and the package's public names are imported on first use, not with the package.
+"""Start-up: every command but the conversions (and ``demo``) runs without importing torch
+(seconds): ``--help``, ``ls``, ``prune``, ``cp``, ``inspect`` and ``verify``; and every command's
+usage errors are found before it. The package's public names are imported on first use.
 
 Each case runs in a fresh interpreter, as the console script does, and reports whether torch
 got imported.
@@ -80,6 +81,32 @@ def test_prune_and_cp_do_not_import_torch(tmp_path: Path) -> None:
     copied = _command(tmp_path, "cp", backend.url, str(tmp_path / "copy"))
     assert pruned["code"] == 0 and copied["code"] == 0
     assert (pruned["torch"], copied["torch"]) == (False, False)
+
+
+def test_inspect_and_verify_do_not_import_torch(tmp_path: Path) -> None:
+    backend = Backend("local", str(tmp_path / "run"))
+    _run(backend, [1, 2])
+    inspected = _command(tmp_path, "inspect", backend.url)
+    verified = _command(tmp_path, "verify", backend.url)
+    assert inspected["code"] == 0 and "0.weight" in str(inspected["out"])
+    assert verified["code"] == 0 and str(verified["out"]).splitlines()[-1].startswith(f"OK {backend.url}")
+    assert (inspected["torch"], verified["torch"]) == (False, False)
+
+
+@pytest.mark.parametrize("command", sorted(set(cli._COMMANDS) - {"demo"}))
+def test_a_bad_storage_options_json_is_a_usage_error_before_torch_is_imported(tmp_path: Path, command: str) -> None:
+    argv = [command, str(tmp_path / "run"), *([str(tmp_path / "out")] if command in ("cp", "to-torch", "to-safetensors") else [])]
+    argv += ["--keep", "1"] if command == "prune" else []
+    result = _command(tmp_path, *argv, "--storage-options", "{key: 1}")
+    assert result["code"] == 2
+    assert result["torch"] is False
+
+
+@pytest.mark.parametrize("command", sorted(set(cli._COMMANDS) - {"demo"}))
+def test_every_commands_help_does_not_import_torch(tmp_path: Path, command: str) -> None:
+    result = _command(tmp_path, command, "--help")
+    assert result["code"] == 0 and f"dcp-fsspec {command}" in str(result["out"])
+    assert result["torch"] is False
 
 
 # -- the lazy package ----------------------------------------------------------------------------

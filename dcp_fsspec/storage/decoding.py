@@ -3,11 +3,12 @@
 Loads (:mod:`.reader`) and verification (:mod:`.verification`) read the same files, so what
 the bytes mean is decided once, here (``.metadata``'s are in :mod:`.metadata_file`).
 :class:`RecordDecoder` receives one record's bytes in order: it finds the tensor's header in the
-first bytes (:func:`~.records.parse_layout`), hands each piece of the tensor's bytes to a
+first bytes (:func:`~.record_layout.parse_layout`), hands each piece of the tensor's bytes to a
 destination (a load's target tensor, or none when only verifying) while computing their CRC-32,
 and keeps the data descriptor after them, where torch's writer stores the CRC. A record it cannot
 stream (an archive our parser does not know, a record a load must reshape) is held whole and
-decoded once, with ``torch.load`` as the fallback. What is wrong with a record is a
+decoded once, with ``torch.load`` as the fallback (torch is imported only then: a verification
+of streamed records runs without it). What is wrong with a record is a
 :class:`RecordFault` naming the error class a load raises for it, so a load and a verification
 reject the same damage the same way. :func:`feed_records` walks fetched spans onto the records
 they hold.
@@ -17,9 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from ..errors import (
     ChecksumMismatchError,
@@ -28,7 +27,10 @@ from ..errors import (
 )
 from .crc import crc32
 from .fetch import Span
-from .records import RecordLayout, descriptor_crc, parse_layout, tensor_from_record
+from .record_layout import RecordLayout, descriptor_crc, parse_layout
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 1024 * 1024
 # A descriptor (signature + CRC) follows a record's data; 8 bytes are enough to read the CRC.
@@ -232,6 +234,10 @@ class RecordDecoder:
             fault = self._compare(layout, data[layout.data_end :], crc32(data[layout.data_start : layout.data_end], 0))
             if fault is not None:
                 return fault
+        import torch
+
+        from .records import tensor_from_record
+
         try:
             tensor = tensor_from_record(data, layout)
         except Exception as e:  # noqa: BLE001 - torch.load's errors vary; all mean "not a tensor"

@@ -77,7 +77,7 @@ class LoadDecoder(RecordDecoder):
         whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == spec.size
         if whole and spec.is_dense:
             target = self.planner.resolve_tensor(item).detach()
-            if target.is_contiguous() and target.dtype == spec.dtype and tuple(target.shape) == spec.size:
+            if target.is_contiguous() and target.dtype == spec.torch_dtype and tuple(target.shape) == spec.size:
                 self._target = target
                 self.stream_into(tensor_bytes(target) if spec.nbytes else None)
                 return

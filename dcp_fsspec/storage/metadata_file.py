@@ -8,34 +8,84 @@ Loads, verification, copies and the tools all read it through here.
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from collections.abc import Callable
-from typing import TypeGuard
-
-import torch
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as LegacyTensorProperties
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from . import metadata_standins
 from .failures import storage_errors
+from .metadata_pickle import unpickle_metadata
 from .names import metadata_name, relative_path_problem
 from .references import is_reference, reference_problem
-from .trust import unpickle_metadata
 from .urls import Location
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+
+@dataclass(frozen=True)
+class _Classes:
+    """The classes a parsed ``.metadata`` is checked against: torch's, or their stand-ins."""
+
+    metadata: type
+    tensor: type
+    bytes: type
+    chunk: type
+    properties: tuple[type, ...]
+    index: type
+    storage_info: type
+    storage_meta: type
+    dtype: type
+
+
+_STAND_IN_CLASSES = _Classes(
+    metadata_standins.Metadata, metadata_standins.TensorStorageMetadata, metadata_standins.BytesStorageMetadata,
+    metadata_standins.ChunkStorageMetadata, (metadata_standins.TensorProperties,), metadata_standins.MetadataIndex,
+    metadata_standins.StorageInfo, metadata_standins.StorageMeta, metadata_standins.DType,
+)  # fmt: skip
+
+
+@functools.cache
+def _torch_classes() -> _Classes:
+    import torch
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as LegacyTensorProperties
+    from torch.distributed.checkpoint import metadata
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    # Older DCP metadata pickled the sharded-tensor module's TensorProperties (same fields);
+    # torch still loads it (its test_compatibility.py::test_sharded_tensor_dependency).
+    return _Classes(
+        metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata, (metadata.TensorProperties, LegacyTensorProperties), metadata.MetadataIndex,
+        _StorageInfo, metadata.StorageMeta, torch.dtype,
+    )  # fmt: skip
+
+
+def _classes_of(metadata: object) -> _Classes:
+    return _STAND_IN_CLASSES if isinstance(metadata, metadata_standins.Metadata) else _torch_classes()
 
 
 def metadata_url(location: Location, rank: int | None = None) -> str:
     """The URL of the ``.metadata`` (or ``__{rank}.metadata``) of the checkpoint at ``location``."""
     return location.url_of(location.join(metadata_name(rank)))
+
+
+@overload
+def read_metadata(
+    location: Location, rank: int | None = None, *, trust_checkpoint: bool = False, extents: bool = True,
+    max_entries: int | None = None, references: bool = False, stand_ins: Literal[False] = False,
+) -> Metadata: ...
+
+
+@overload
+def read_metadata(
+    location: Location, rank: int | None = None, *, trust_checkpoint: bool = False, extents: bool = True,
+    max_entries: int | None = None, references: bool = False, stand_ins: Literal[True],
+) -> metadata_standins.Metadata: ...
 
 
 def read_metadata(
@@ -46,7 +96,8 @@ def read_metadata(
     extents: bool = True,
     max_entries: int | None = None,
     references: bool = False,
-) -> Metadata:
+    stand_ins: bool = False,
+) -> Any:
     """Read, unpickle and check the ``.metadata`` of the DCP checkpoint at ``location``.
 
     Args:
@@ -56,6 +107,8 @@ def read_metadata(
         extents: check each record's offset and length too (see :func:`check_metadata`).
         max_entries: refuse it past this many entries or records (see :func:`parse_metadata`).
         references: allow references to sibling checkpoints (see :func:`check_metadata`).
+        stand_ins: return :mod:`.metadata_standins`' classes, not torch's: for tools that only
+            read what it says, without importing torch.
 
     Raises:
         CheckpointNotFoundError: there is no ``.metadata``: no committed checkpoint here.
@@ -76,7 +129,24 @@ def read_metadata(
             else f"{url!r} does not exist (the save never finished, or the URL is wrong)"
         )
         raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
-    return parse_metadata(raw, url, trust_checkpoint=trust_checkpoint, extents=extents, max_entries=max_entries, references=references)
+    return parse_metadata(
+        raw, url, trust_checkpoint=trust_checkpoint, extents=extents, max_entries=max_entries, references=references,
+        stand_ins=stand_ins,
+    )  # fmt: skip
+
+
+@overload
+def parse_metadata(
+    raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True, max_entries: int | None = None,
+    references: bool = False, stand_ins: Literal[False] = False,
+) -> Metadata: ...
+
+
+@overload
+def parse_metadata(
+    raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True, max_entries: int | None = None,
+    references: bool = False, stand_ins: Literal[True],
+) -> metadata_standins.Metadata: ...
 
 
 def parse_metadata(
@@ -87,11 +157,12 @@ def parse_metadata(
     extents: bool = True,
     max_entries: int | None = None,
     references: bool = False,
-) -> Metadata:
+    stand_ins: bool = False,
+) -> Any:
     """Unpickle ``.metadata``'s bytes, read from ``url`` (named in errors), and check what they say.
 
     Unless ``trust_checkpoint``, only the classes DCP metadata consists of are unpickled
-    (:func:`~.trust.unpickle_metadata`): a crafted file cannot run code. Either way, every entry
+    (:func:`~.metadata_pickle.unpickle_metadata`): a crafted file cannot run code. Either way, every entry
     is checked before any data file is opened (:func:`check_metadata`): a storage entry names a
     file inside the checkpoint folder, at an offset >= 0, with a length > 0.
 
@@ -103,14 +174,17 @@ def parse_metadata(
             or hold something else than well-formed DCP ``Metadata``.
         UsageError: it holds more than ``max_entries`` entries or records.
     """
-    metadata = unpickle_metadata(raw, url, trust_checkpoint=trust_checkpoint, max_entries=max_entries)
-    if not isinstance(metadata, Metadata):
+    metadata = unpickle_metadata(
+        raw, url, trust_checkpoint=trust_checkpoint, max_entries=max_entries, stand_ins=stand_ins
+    )
+    expected = _STAND_IN_CLASSES.metadata if stand_ins else _torch_classes().metadata
+    if not isinstance(metadata, expected):
         raise CorruptCheckpointError(f"{url!r} does not hold DCP metadata (found {type(metadata).__name__})")
     check_metadata(metadata, url, extents=extents, references=references)
     return metadata
 
 
-def check_metadata(metadata: Metadata, url: str, *, extents: bool = True, references: bool = False) -> None:
+def check_metadata(metadata: Any, url: str, *, extents: bool = True, references: bool = False) -> None:
     """Check that ``metadata`` (from ``url``) is shaped as DCP writes it, so that nothing reading it
     fails later with a misleading error, reads outside the checkpoint folder, or reads nothing.
 
@@ -123,6 +197,7 @@ def check_metadata(metadata: Metadata, url: str, *, extents: bool = True, refere
     Raises:
         CorruptCheckpointError: naming the entry and what is wrong with it.
     """
+    classes = _classes_of(metadata)
 
     def bad(entry: object, what: str) -> CorruptCheckpointError:
         return _corrupt(url, entry, what)
@@ -133,11 +208,11 @@ def check_metadata(metadata: Metadata, url: str, *, extents: bool = True, refere
     for fqn, meta in entries.items():
         if not isinstance(fqn, str):
             raise bad(fqn, "is not named by a string")
-        if isinstance(meta, TensorStorageMetadata):
-            _check_tensor(fqn, meta, bad)
-        elif not isinstance(meta, BytesStorageMetadata):
+        if isinstance(meta, classes.tensor):
+            _check_tensor(fqn, meta, classes, bad)
+        elif not isinstance(meta, classes.bytes):
             raise bad(fqn, f"is described by a {type(meta).__name__}, not a tensor's or an object's metadata")
-    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, classes.storage_meta):
         raise bad("storage_meta", f"is a {type(metadata.storage_meta).__name__}, not DCP's StorageMeta")
     storage = metadata.storage_data
     if storage is None:
@@ -146,10 +221,10 @@ def check_metadata(metadata: Metadata, url: str, *, extents: bool = True, refere
         raise bad("storage_data", f"is a {type(storage).__name__}, not a dict")
     checked_paths: set[str] = set()
     for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+        if not isinstance(index, classes.index) or not isinstance(index.fqn, str):
             raise bad(getattr(index, "fqn", index), "has a storage key that is not a MetadataIndex")
         fqn = index.fqn
-        if not isinstance(info, _StorageInfo):
+        if not isinstance(info, classes.storage_info):
             raise bad(fqn, f"has storage info of type {type(info).__name__}")
         path = info.relative_path
         if path not in checked_paths:
@@ -177,7 +252,7 @@ def _stored_path_problem(path: object, metadata_url: str, siblings: bool) -> str
     return relative_path_problem(path)
 
 
-def extent_error(metadata: Metadata, url: str) -> CorruptCheckpointError | None:
+def extent_error(metadata: Any, url: str) -> CorruptCheckpointError | None:
     """The error for the first record of ``metadata`` (from ``url``, checked by
     :func:`check_metadata` without ``extents``) at a negative offset or of no length, else None."""
     for index, info in (metadata.storage_data or {}).items():
@@ -204,13 +279,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_tensor(fqn: str, meta: TensorStorageMetadata, bad: Callable[[object, str], CorruptCheckpointError]) -> None:
+def _check_tensor(
+    fqn: str, meta: TensorStorageMetadata, classes: _Classes, bad: Callable[[object, str], CorruptCheckpointError]
+) -> None:
     properties = getattr(meta, "properties", None)
-    # Older DCP metadata pickled the sharded-tensor module's TensorProperties (same fields);
-    # torch still loads it (its test_compatibility.py::test_sharded_tensor_dependency).
-    if not isinstance(properties, (TensorProperties, LegacyTensorProperties)) or not isinstance(
-        getattr(properties, "dtype", None), torch.dtype
-    ):
+    if not isinstance(properties, classes.properties) or not isinstance(getattr(properties, "dtype", None), classes.dtype):
         raise bad(fqn, "has no tensor dtype")
     size = getattr(meta, "size", None)
     if not _is_shape(size):
@@ -221,7 +294,7 @@ def _check_tensor(fqn: str, meta: TensorStorageMetadata, bad: Callable[[object, 
     for chunk in chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
         if (
-            not isinstance(chunk, ChunkStorageMetadata)
+            not isinstance(chunk, classes.chunk)
             or not _is_shape(offsets) or not _is_shape(sizes)
             or not len(offsets) == len(sizes) == len(size)
             or any(o + s > whole for o, s, whole in zip(offsets, sizes, size))

@@ -2,28 +2,36 @@
 
 The restricted unpickler calls nothing the pickle names but two rebuild functions of ours and
 ``OrderedDict``. A crafted record can neither run code nor allocate: anything unexpected is a
-:class:`~dcp_fsspec.errors.RecordFormatError`.
+:class:`~dcp_fsspec.errors.RecordFormatError`. It does not import torch: dtypes come back as
+:class:`~.metadata_standins.DType`, so ``verify`` reads records without it.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RecordFormatError
+from .metadata_standins import DTYPES, STORAGE_DTYPES, DType, dtype_name
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What ``data.pkl`` says about the saved tensor."""
+    """What ``data.pkl`` says about the saved tensor.
 
-    dtype: torch.dtype
+    ``dtype`` is a :class:`~.metadata_standins.DType` (a torch dtype works too); loads use
+    :attr:`torch_dtype`.
+    """
+
+    dtype: DType
     storage_numel: int
     storage_offset: int
     size: tuple[int, ...]
@@ -31,7 +39,16 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.storage_numel * _element_size(self.dtype)
+        return self.storage_numel * self.dtype.itemsize
+
+    @functools.cached_property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype (imports torch; once per spec, and specs are shared by equal headers)."""
+        import torch
+
+        dtype = getattr(torch, dtype_name(self.dtype))
+        assert isinstance(dtype, torch.dtype)
+        return dtype
 
     @property
     def is_dense(self) -> bool:
@@ -46,13 +63,9 @@ class TensorSpec:
         return self.storage_offset == 0 and numel == self.storage_numel and self.stride == tuple(reversed(row_major))
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
 @dataclass(frozen=True)
 class _StorageRef:
-    dtype: torch.dtype
+    dtype: DType
     key: str
     numel: int
 
@@ -66,13 +79,13 @@ def _rebuild_v2(storage: _StorageRef, storage_offset: int, size: Any, stride: An
 def _rebuild_v3(
     storage: _StorageRef, storage_offset: int, size: Any, stride: Any, _grad: Any, _hooks: Any, dtype: Any, *_: Any
 ) -> TensorSpec:
-    if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
+    if not isinstance(storage, _StorageRef) or not isinstance(dtype, DType):
         raise RecordFormatError("data.pkl rebuilds a tensor from something else than its storage and dtype")
     # Newer dtypes (float8, uint16, …) pickle an untyped storage counted in bytes.
-    return _spec(dtype, storage.numel // _element_size(dtype), storage_offset, size, stride)
+    return _spec(dtype, storage.numel // dtype.itemsize, storage_offset, size, stride)
 
 
-def _spec(dtype: torch.dtype, numel: int, storage_offset: Any, size: Any, stride: Any) -> TensorSpec:
+def _spec(dtype: DType, numel: int, storage_offset: Any, size: Any, stride: Any) -> TensorSpec:
     """A :class:`TensorSpec` of plain non-negative ints, or RecordFormatError (a crafted data.pkl)."""
     size, stride = tuple(size), tuple(stride)
     if len(size) != len(stride) or not all(type(v) is int and v >= 0 for v in (numel, storage_offset, *size, *stride)):
@@ -84,7 +97,7 @@ def _spec(dtype: torch.dtype, numel: int, storage_offset: Any, size: Any, stride
 class _StorageType:
     """Stands in for a storage class named in ``data.pkl``: its dtype, and nothing to call."""
 
-    dtype: torch.dtype
+    dtype: DType
 
 
 class _SpecUnpickler(pickle.Unpickler):
@@ -92,7 +105,7 @@ class _SpecUnpickler(pickle.Unpickler):
 
     Nothing the pickle names is called except our own two rebuild functions (which only build a
     :class:`TensorSpec`) and ``OrderedDict`` (torch pickles a tensor's hooks as one): storage
-    classes come back as :class:`_StorageType` values and dtypes as themselves, neither callable,
+    classes come back as :class:`_StorageType` values and dtypes as :class:`DType`, neither callable,
     so a crafted record can neither run code nor allocate.
     """
 
@@ -102,16 +115,13 @@ class _SpecUnpickler(pickle.Unpickler):
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
             return _rebuild_v3
         if module in ("torch", "torch.storage") and name == "UntypedStorage":
-            return _StorageType(torch.uint8)
+            return _StorageType(STORAGE_DTYPES[name])
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
-        # vars(), not getattr(): torch's module __getattr__ imports submodules on first use.
-        if module == "torch" and name.endswith("Storage"):
-            dtype = getattr(vars(torch).get(name), "_dtype", None)
-            if isinstance(dtype, torch.dtype):
-                return _StorageType(dtype)
-        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
-            return vars(torch)[name]
+        if module == "torch" and name in STORAGE_DTYPES:
+            return _StorageType(STORAGE_DTYPES[name])
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]
         raise RecordFormatError(f"unexpected global {module}.{name} in a tensor record")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -120,7 +130,7 @@ class _SpecUnpickler(pickle.Unpickler):
         _, storage_type, key, _location, numel = pid
         if isinstance(storage_type, _StorageType):
             dtype = storage_type.dtype
-        elif isinstance(storage_type, torch.dtype):
+        elif isinstance(storage_type, DType):
             dtype = storage_type
         else:
             raise RecordFormatError("unexpected storage type in a tensor record")

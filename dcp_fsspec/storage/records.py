@@ -13,8 +13,8 @@ load what we write, but avoid its two costs:
   archive it does not reproduce), ``torch.save`` runs under ``torch.serialization.skip_data()``
   into a sink that keeps only the header and trailer, once per dtype and shape.
 * Decoding: torch's reader runs ``torch.load`` per record. We parse the zip's local headers and
-  ``data.pkl`` with a restricted unpickler (:mod:`record_pickle`), learn where the storage
-  bytes sit, and copy them straight into the target tensor, verifying the CRC-32 on the way.
+  ``data.pkl`` (:mod:`.record_layout`, with :mod:`.record_pickle`'s restricted unpickler), learn
+  where the storage bytes sit, and copy them straight into the target tensor, verifying the CRC-32 on the way.
   Anything unusual falls back to ``torch.load``.
 """
 
@@ -33,15 +33,17 @@ from torch.serialization import skip_data
 from ..errors import RecordFormatError
 from .archive import ArchiveFormat, can_write, pickle_tensor
 from .crc import crc32
-from .record_pickle import TensorSpec, parse_pickle
+from .record_layout import RecordLayout, descriptor_crc, parse_layout
 
-_LOCAL_HEADER = b"PK\x03\x04"
+__all__ = [
+    "EncodedRecord", "FramedTensor", "RecordLayout", "descriptor_crc", "encode_framed", "frame_tensor",
+    "parse_layout", "storage_ready", "tensor_bytes", "tensor_from_record",
+]  # fmt: skip
+
 _DESCRIPTOR = b"PK\x07\x08"
 _CENTRAL_HEADER = b"PK\x01\x02"
 _EOCD = b"PK\x05\x06"
 _ZIP64_EOCD_LOCATOR = b"PK\x06\x07"
-_LOCAL_HEADER_SIZE = 30
-_FLAG_DESCRIPTOR = 0x08
 
 
 # A ctypes byte array as long as memory can be: views of tensor memory are slices of one
@@ -250,119 +252,7 @@ def _data_crc_offsets(trailer: bytearray, *, data_end: int) -> tuple[int, int]:
     raise RecordFormatError("no central directory entry for data/0")
 
 
-# --- decoding ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RecordLayout:
-    """Where a record's tensor bytes are, relative to the record's first byte."""
-
-    spec: TensorSpec
-    data_start: int
-    # Where the CRC-32 of data/0 sits: in the local header (flag bit 3 clear), or in the data
-    # descriptor right after the data (torch's own writer).
-    crc_in_header: int | None
-
-    @property
-    def data_end(self) -> int:
-        return self.data_start + self.spec.nbytes
-
-
-# Records of one dtype and shape written by one writer share their header bytes exactly, so a
-# checkpoint of many small tensors parses each distinct header once: header length → bytes → layout.
-_KNOWN_HEADERS: dict[int, dict[bytes, RecordLayout]] = {}
-_MAX_KNOWN_HEADERS = 4096
-
-
-def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
-    """Parse a record's leading bytes; ``None`` if ``head`` is too short to say yet.
-
-    Raises:
-        RecordFormatError: the bytes are not a torch.save record we can decode directly.
-    """
-    buf = memoryview(head)
-    for length, known in _KNOWN_HEADERS.items():
-        if len(buf) >= length:
-            layout = known.get(bytes(buf[:length]))
-            if layout is not None:
-                return layout
-    layout = _parse_layout(buf)
-    if layout is not None and layout.crc_in_header is None:
-        # (A CRC in the local header differs per record; such headers are not worth keeping.)
-        if sum(len(k) for k in _KNOWN_HEADERS.values()) >= _MAX_KNOWN_HEADERS:
-            _KNOWN_HEADERS.clear()
-        _KNOWN_HEADERS.setdefault(layout.data_start, {})[bytes(buf[: layout.data_start])] = layout
-    return layout
-
-
-def _parse_layout(buf: memoryview) -> RecordLayout | None:
-    pos = 0
-    spec: TensorSpec | None = None
-    while True:
-        if len(buf) < pos + _LOCAL_HEADER_SIZE:
-            return None
-        if bytes(buf[pos : pos + 4]) != _LOCAL_HEADER:
-            raise RecordFormatError(f"no zip entry at byte {pos} of the record")
-        flags, method, crc, csize, _usize, name_len, extra_len = struct.unpack_from("<HHxxxxIIIHH", buf, pos + 6)
-        if method != 0:
-            raise RecordFormatError("compressed zip entry")
-        start = pos + _LOCAL_HEADER_SIZE + name_len + extra_len
-        if len(buf) < start:
-            return None
-        name = bytes(buf[pos + _LOCAL_HEADER_SIZE : pos + _LOCAL_HEADER_SIZE + name_len])
-        has_descriptor = bool(flags & _FLAG_DESCRIPTOR)
-        if name.endswith(b"/data/0"):
-            if spec is None:
-                raise RecordFormatError("data/0 before data.pkl")
-            return RecordLayout(spec, start, None if has_descriptor else crc)
-        end: int | None
-        if name.endswith(b"/data.pkl"):
-            parsed = parse_pickle(buf[start:])
-            if parsed is None:
-                return None
-            spec, length = parsed
-            end = start + length
-        elif not has_descriptor:
-            end = start + csize
-        else:
-            end = _find_descriptor(buf, start)
-        if end is not None and has_descriptor:
-            end = _skip_descriptor(buf, end)
-        if end is None:
-            return None
-        pos = end
-
-
-
-def _find_descriptor(buf: memoryview, start: int) -> int | None:
-    """Where the data descriptor of a small entry starting at ``start`` is (its size is only there)."""
-    window = bytes(buf[start : start + 4096])
-    at = 0
-    while (hit := window.find(_DESCRIPTOR, at)) >= 0:
-        if len(window) < hit + 16:
-            return None
-        if struct.unpack_from("<I", window, hit + 8)[0] == hit:
-            return start + hit
-        at = hit + 1
-    if len(window) < 4096:
-        return None
-    raise RecordFormatError("small zip entry without a data descriptor")
-
-
-def _skip_descriptor(buf: memoryview, pos: int) -> int | None:
-    """The end of the data descriptor at ``pos`` (16 bytes, or 24 with zip64 sizes)."""
-    if len(buf) < pos + 20:
-        return None
-    if bytes(buf[pos : pos + 4]) != _DESCRIPTOR:
-        raise RecordFormatError("missing zip data descriptor")
-    return pos + 16 if bytes(buf[pos + 16 : pos + 20]) == _LOCAL_HEADER else pos + 24
-
-
-def descriptor_crc(record_tail: bytes | bytearray | memoryview) -> int:
-    """The CRC-32 in the data descriptor that starts ``record_tail`` (right after data/0)."""
-    if bytes(record_tail[:4]) != _DESCRIPTOR:
-        raise RecordFormatError("no data descriptor after the tensor data")
-    return int(struct.unpack_from("<I", record_tail, 4)[0])
+# --- decoding (the header is parsed in :mod:`.record_layout`, without torch) ------------------
 
 
 def tensor_from_record(record: bytes | memoryview, layout: RecordLayout | None = None) -> torch.Tensor:
@@ -376,8 +266,8 @@ def tensor_from_record(record: bytes | memoryview, layout: RecordLayout | None =
         return torch.load(io.BytesIO(bytes(view)), map_location="cpu", weights_only=True)
     spec = layout.spec
     if spec.storage_numel == 0:
-        flat = torch.empty(0, dtype=spec.dtype)
+        flat = torch.empty(0, dtype=spec.torch_dtype)
     else:
         raw = view[layout.data_start : layout.data_end]
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(spec.dtype)
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(spec.torch_dtype)
     return flat.as_strided(spec.size, spec.stride, spec.storage_offset)

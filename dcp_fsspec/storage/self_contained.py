@@ -15,8 +15,7 @@ import pickle
 import posixpath
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING
 
 from ..errors import CorruptCheckpointError
 from .copying import Piece
@@ -25,6 +24,10 @@ from .failures import storage_errors
 from .names import CONTENT_HASHES_NAME, DATA_SUFFIX, METADATA_NAME
 from .references import is_reference
 from .urls import Location
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
 
 @dataclass(frozen=True)
 class SelfContained:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 from ..errors import CorruptCheckpointError, MissingDriverError
+from . import metadata_standins
 
 COMPRESSIONS = ("zstd",)
 # zstd's own default; torch's ZStandard compresses at it too.
@@ -164,15 +165,16 @@ _ARCHIVE_SLACK = 64 * 1024
 MAX_UNTRANSFORMED_OBJECT = 1024**3
 
 
-def untransformed_limit(entry: TensorStorageMetadata | BytesStorageMetadata | None, index: MetadataIndex) -> int:
+def untransformed_limit(entry: object, index: MetadataIndex | metadata_standins.MetadataIndex) -> int:
     """The most bytes the record of ``index`` may take once its transforms are undone.
 
     Transformed bytes come from storage and are untrusted: a few KiB of zstd can claim to
     expand to terabytes. ``.metadata`` says how big a tensor chunk is, so a tensor record may
     expand to its chunk's bytes plus the archive around them; a pickled object (no size in
-    ``.metadata``) to :data:`MAX_UNTRANSFORMED_OBJECT`.
+    ``.metadata``) to :data:`MAX_UNTRANSFORMED_OBJECT`. ``entry`` is torch's metadata class or
+    its stand-in (:mod:`.metadata_standins`).
     """
-    if not isinstance(entry, TensorStorageMetadata):
+    if not isinstance(entry, (TensorStorageMetadata, metadata_standins.TensorStorageMetadata)):
         return MAX_UNTRANSFORMED_OBJECT
     offsets = tuple(index.offset or ())
     sizes = next((c.sizes for c in entry.chunks if tuple(c.offsets) == offsets), entry.size)

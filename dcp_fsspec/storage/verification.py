@@ -17,6 +17,10 @@ checkpoint's size; only a record too odd for our parser (and at most 64 MiB) is 
 try ``torch.load`` on it, and a transformed record is held whole (it is one unit: its bytes
 mean nothing until its transforms are undone) and judged, and let go, as soon as it is complete.
 
+torch is not imported for a checkpoint of plain records: ``.metadata`` is read into
+:mod:`.metadata_standins`, and records are parsed by :mod:`.record_layout`. Only a transformed
+record, or one held whole, imports it.
+
 References are followed (an incremental save's records kept in another checkpoint, see
 :mod:`.references`): each referenced file is checked like the checkpoint's own, its folder
 listed once, and the bytes of records of its own and referenced are counted apart. A reference
@@ -36,30 +40,25 @@ import posixpath
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import fsspec
-import torch
-from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDriverError, StorageError
 from .decoding import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_records
-from .metadata_file import read_metadata
 from .failures import storage_errors
 from .fetch import Span, fetch_in_order, plan_spans
+from .metadata_file import read_metadata
+from .metadata_standins import BytesStorageMetadata, DType, Metadata, MetadataIndex, TensorStorageMetadata, dtype_name
 from .names import METADATA_NAME
 from .references import is_reference, referenced_folders
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .self_contained import folder_sizes
-from .transforms import missing_package, reader_transforms, untransform, untransformed_limit
 from .urls import Location, resolve
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+    from torch.distributed.checkpoint.planner import ReadItem
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +209,7 @@ class _TensorRecord(RecordPlace):
     """One tensor record and what ``.metadata`` says it holds."""
 
     fqn: str
-    dtype: torch.dtype
+    dtype: DType
     sizes: tuple[int, ...] | None
     index: MetadataIndex
     transforms: tuple[str, ...] = ()
@@ -227,7 +226,16 @@ class _Checkpoint:
     progress: ProgressSink | None
     trust_checkpoint: bool = False
     references: bool = False
-    transforms: _StorageReaderTransforms = field(default_factory=lambda: reader_transforms(None))
+    _transforms: _StorageReaderTransforms | None = None
+
+    @property
+    def transforms(self) -> _StorageReaderTransforms:
+        """torch's read transforms, made (and torch imported) for the first transformed record."""
+        if self._transforms is None:
+            from .transforms import reader_transforms
+
+            self._transforms = reader_transforms(None)
+        return self._transforms
 
     @property
     def metadata_url(self) -> str:
@@ -251,7 +259,9 @@ class _Checkpoint:
 
     def _metadata(self) -> Metadata | None:
         try:
-            metadata = read_metadata(self.location, trust_checkpoint=self.trust_checkpoint, references=self.references)
+            metadata = read_metadata(
+                self.location, trust_checkpoint=self.trust_checkpoint, references=self.references, stand_ins=True
+            )
         except CheckpointNotFoundError:
             self.problem(self.metadata_url, None, "does not exist", error=CheckpointNotFoundError)
             return None
@@ -319,10 +329,11 @@ class _Checkpoint:
             chunk = next((c for c in tensor_meta.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
             key = (path, info.offset, info.length)
             if key not in by_place:
+                transforms = tuple(info.transform_descriptors or ())
                 by_place[key] = _TensorRecord(
                     path, url, info.offset, info.length, index.fqn, tensor_meta.properties.dtype,
-                    None if chunk is None else tuple(chunk.sizes), index,
-                    tuple(info.transform_descriptors or ()), untransformed_limit(tensor_meta, index),
+                    None if chunk is None else tuple(chunk.sizes), index, transforms,
+                    _limit(tensor_meta, index) if transforms else 0,
                 )  # fmt: skip
         for path, fqns in missing_files.items():
             shown = ", ".join(sorted(fqns)[:5]) + (f" and {len(fqns) - 5} more" if len(fqns) > 5 else "")
@@ -388,6 +399,12 @@ class _Checkpoint:
             yield span, data
 
 
+def _limit(entry: TensorStorageMetadata, index: MetadataIndex) -> int:
+    from .transforms import untransformed_limit
+
+    return untransformed_limit(entry, index)
+
+
 class _TransformedDecoder(RecordDecoder):
     """Holds a transformed record whole; once complete, undoes its transforms (within the
     record's limit), decodes and checks it, and keeps only the verdict (:attr:`fault`, or the
@@ -397,7 +414,7 @@ class _TransformedDecoder(RecordDecoder):
         super().__init__(rec)
         self.rec = rec
         self.transforms = transforms
-        self.found: tuple[torch.dtype, tuple[int, ...]] | None = None
+        self.found: tuple[object, tuple[int, ...]] | None = None
         self.hold_whole()
 
     def feed(self, view: memoryview) -> None:
@@ -407,6 +424,8 @@ class _TransformedDecoder(RecordDecoder):
             self._judge_whole(data)
 
     def _judge_whole(self, data: memoryview) -> None:
+        from .transforms import missing_package, untransform
+
         rec = self.rec
         package = missing_package(self.transforms, rec.transforms)
         if package is not None:  # not damage: this machine cannot read what is there
@@ -429,10 +448,15 @@ class _TransformedDecoder(RecordDecoder):
 def _read_item(rec: _TensorRecord) -> ReadItem:
     """A read of the whole of ``rec``: what torch's read transforms are handed (only extensions
     of the user's own look at it)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex as TorchIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
     zeros = torch.Size([0] * len(rec.sizes or ()))
+    index = TorchIndex(rec.index.fqn, rec.index.offset, rec.index.index)
     return ReadItem(
-        type=LoadItemType.TENSOR, dest_index=rec.index, dest_offsets=zeros,
-        storage_index=rec.index, storage_offsets=zeros, lengths=torch.Size(rec.sizes or ()),
+        type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zeros,
+        storage_index=index, storage_offsets=zeros, lengths=torch.Size(rec.sizes or ()),
     )  # fmt: skip
 
 
@@ -454,7 +478,7 @@ def _judge(rec: _TensorRecord, decoder: RecordDecoder | None) -> RecordFault | N
     else:
         assert decoder.layout is not None
         dtype, size = decoder.layout.spec.dtype, decoder.layout.spec.size
-    if dtype != rec.dtype or (rec.sizes is not None and size != rec.sizes):
+    if dtype_name(dtype) != dtype_name(rec.dtype) or (rec.sizes is not None and size != rec.sizes):
         expected = "?" if rec.sizes is None else list(rec.sizes)
         return RecordFault(f"the record holds {dtype} {list(size)} but .metadata says {rec.dtype} {expected}")
     return None if decoder.whole is not None or isinstance(decoder, _TransformedDecoder) else decoder.check_streamed()

@@ -6,7 +6,7 @@ reader), so any URL works; non-tensor entries load as :class:`~dcp_fsspec.storag
 loads them (no code from the checkpoint runs) unless ``trust_checkpoint``. The whole state dict is held in memory once. A single checkpoint
 becomes its state dict; an iteration folder (or a save_dirname's latest) becomes
 ``{key: state_dict}``. The output is written through the storage layer's atomic uploads, so it
-is complete or absent, on any URL too.
+is complete or absent, on any URL too. The subcommands' options are in :mod:`.convert_options`.
 
 safetensors holds only a flat mapping of names to tensors: nested keys are joined with ``.``,
 plain values (numbers, strings, booleans, None) go into the file's metadata as JSON, and
@@ -16,7 +16,6 @@ conversion needs about twice the state dict's size.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -42,7 +41,7 @@ from ..storage.settings import ReaderSettings
 from ..storage.trust import SafeLoadPlanner
 from ..storage.uploads import ByteBudget
 from ..storage.urls import Location, resolve
-from . import _cli, targets
+from . import targets
 from .progress import Progress, human_bytes
 from .results import WrittenFiles
 
@@ -334,38 +333,3 @@ class _Output(io.RawIOBase):
         except BaseException:
             self._upload.abort()
             raise
-
-
-# --- the subcommands -----------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to write (any fsspec URL or local path)") -> None:
-    source = ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
-    _cli.add_standard_arguments(parser, source, ("out", out_help), destination=True)
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    _cli.add_trust_flag(parser)
-    parser.add_argument(
-        "--max-bytes", type=int, default=MACHINE_MEMORY, metavar="N",
-        help="the most tensor bytes a checkpoint's .metadata may make the conversion hold in memory "
-        "(default: this machine's memory); sizes read from storage beyond it are refused before allocating",
-    )  # fmt: skip
-
-
-def _main(args: argparse.Namespace, fmt: Format) -> int:
-    source_options, out_options = _cli.both_storage_options(args, args.url, args.out)
-    with Progress("converting") as progress:
-        result = convert(
-            args.url, args.out, source_options, out_options,
-            fmt=fmt, overwrite=args.overwrite, progress=progress, trust_checkpoint=args.trust,
-            max_bytes=args.max_bytes,
-        )  # fmt: skip
-    _cli.report(args, result.to_dict(), result.lines())
-    return _cli.EXIT_OK
-
-
-def main_to_torch(args: argparse.Namespace) -> int:
-    return _main(args, "torch")
-
-
-def main_to_safetensors(args: argparse.Namespace) -> int:
-    return _main(args, "safetensors")

@@ -6,6 +6,8 @@ Each key shows its totals and its first entries (every one on request). For an i
 save, the bytes stored split into the key's own and those it refers to, by the checkpoint that
 holds them (another iteration, or a sibling folder). A ``.metadata`` is
 parsed whole, so the command line refuses one past a number of entries before parsing it all.
+It is read into torch-free stand-ins (:mod:`dcp_fsspec.storage.metadata_standins`): torch is
+not imported.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
 from ..checkpoint import layout
 from ..storage.metadata_file import read_metadata
+from ..storage.metadata_standins import BytesStorageMetadata, TensorStorageMetadata, dtype_name
 from ..storage.references import is_reference
 from ..storage.urls import Location, resolve
 from . import _cli, targets
@@ -161,7 +162,9 @@ def summarize(
         max_entries: see :func:`describe`.
     """
     # Only .metadata is read: following a reference to a sibling checkpoint opens nothing.
-    metadata = read_metadata(location, trust_checkpoint=trust_checkpoint, max_entries=max_entries, references=True)
+    metadata = read_metadata(
+        location, trust_checkpoint=trust_checkpoint, max_entries=max_entries, references=True, stand_ins=True
+    )
     entries = metadata.state_dict_metadata
     objects_stored: dict[str, int] = {}
     summary = KeySummary(key, location.url, 0, entry_count=len(entries), param_groups=param_groups(entries))
@@ -200,7 +203,7 @@ def _referenced(key: KeySummary) -> str:
 
 def _entry(fqn: str, meta: object, objects_stored: dict[str, int]) -> Entry:
     if isinstance(meta, TensorStorageMetadata):
-        dtype = str(meta.properties.dtype).removeprefix("torch.")
+        dtype = dtype_name(meta.properties.dtype)
         return Entry(fqn, "tensor", dtype, list(meta.size), _tensor_bytes(meta), len(meta.chunks))
     return Entry(fqn, "object", None, None, objects_stored.get(fqn, 0), 1)
 

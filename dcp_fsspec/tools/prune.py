@@ -88,10 +88,20 @@ def prune(
 # --- the subcommand ------------------------------------------------------------------------------
 
 
+# What ``prune --help`` shows first, before the exit codes: --keep has no default, on purpose.
+FIRST_CALL = """a first call deletes nothing and shows what keeping the newest 3 would delete:
+  dcp-fsspec prune s3://bucket/run1/checkpoints --keep 3 --dry-run
+then the same without --dry-run deletes it."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _cli.add_standard_arguments(parser, ("url", "a Checkpointer's save_dirname"))
-    parser.add_argument("--keep", type=int, required=True, metavar="N", help="committed iterations to keep (>= 1)")
+    parser.add_argument(
+        "--keep", type=int, required=True, metavar="N",
+        help="committed iterations to keep (>= 1); required, with no default: see the first call below",
+    )  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    parser.epilog = FIRST_CALL + ("\n\n" + parser.epilog if parser.epilog else "")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """``to-safetensors``: a checkpoint's tensors as a sharded safetensors folder (or one file) on any URL.
 
 An OUT ending in ``.safetensors`` is one file, written by :mod:`.convert`. Any other OUT is a
-folder in Hugging Face's layout, streamed by :mod:`.safetensors_export`.
+folder in Hugging Face's layout, streamed by :mod:`.safetensors_export`. Both need torch, so they
+are imported once the command line is known to be right.
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ import argparse
 import re
 
 from ..errors import UsageError
-from . import _cli, convert
+from . import _cli, convert_options
 from .progress import Progress
-from .safetensors_export import (
-    DEFAULT_MAX_SHARD_SIZE,
-    OUTPUT_DTYPES,
-    export_safetensors,
-    load_key_map,
-)
+
+# safetensors_export's DEFAULT_MAX_SHARD_SIZE and OUTPUT_DTYPES' names, here without torch
+# (tests/test_cli_startup.py keeps them equal).
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's "5GB"
+OUTPUT_DTYPE_NAMES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
 
 # The options only a folder export takes, by their argparse names.
 _FOLDER_ONLY = {"max_shard_size": "--max-shard-size", "dtype": "--dtype", "key_map": "--key-map", "config": "--config"}
@@ -35,14 +35,14 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    convert.add_arguments(
+    convert_options.add_arguments(
         parser, "the folder to write (any fsspec URL or local path); a name ending in .safetensors is one file"
     )
     parser.add_argument(
         "--max-shard-size", default=None, metavar="SIZE",
         help=f"the most tensor bytes in one shard, e.g. 5GB or 500MiB (default: {DEFAULT_MAX_SHARD_SIZE})",
     )  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(OUTPUT_DTYPES), default=None,
+    parser.add_argument("--dtype", choices=OUTPUT_DTYPE_NAMES, default=None,
                         help="cast floating-point tensors to this dtype (default: keep each tensor's)")  # fmt: skip
     parser.add_argument("--key-map", default=None, metavar="FILE",
                         help='a JSON file {"checkpoint name": "output name" or null}; unlisted names are kept')  # fmt: skip
@@ -54,9 +54,11 @@ def main(args: argparse.Namespace) -> int:
         given = [flag for name, flag in _FOLDER_ONLY.items() if getattr(args, name) is not None]
         if given:
             raise UsageError(f"{args.out} is one .safetensors file; {', '.join(given)} apply to a folder export only")
-        return convert.main_to_safetensors(args)
+        return convert_options.main_to_safetensors(args)
     source_options, out_options = _cli.both_storage_options(args, args.url, args.out)
     max_shard_size = DEFAULT_MAX_SHARD_SIZE if args.max_shard_size is None else parse_size(args.max_shard_size)
+    from .safetensors_export import OUTPUT_DTYPES, export_safetensors, load_key_map  # torch
+
     with Progress("exporting") as progress:
         result = export_safetensors(
             args.url, args.out, source_options, out_options,

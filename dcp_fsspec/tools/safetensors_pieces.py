@@ -202,7 +202,7 @@ def _layout(head: bytes, entry: Entry, sizes: tuple[int, ...]) -> RecordLayout |
         layout = parse_layout(head)
     except RecordFormatError:
         return None
-    if layout is None or layout.spec.dtype != entry.source_dtype or layout.spec.size != sizes or not layout.spec.is_dense:
+    if layout is None or layout.spec.torch_dtype != entry.source_dtype or layout.spec.size != sizes or not layout.spec.is_dense:
         return None
     return layout
 

@@ -3,9 +3,10 @@
 Every tool takes any of the three, so the decision is made once, here, from one listing of the
 URL: a folder holding DCP's ``.metadata`` is a checkpoint; a folder named like an iteration
 (``iter_000000005``) is an iteration folder of a Checkpointer; a folder holding
-``latest_checkpoint.txt`` or iteration folders is a ``save_dirname`` (a "run"). A file of
-ours (``.metadata``, a data file, ``.commit.json``, the pointer) names the folder that holds
-it. Anything else is a :class:`CheckpointNotFoundError` naming the URL.
+``latest_checkpoint.txt`` or iteration folders is a ``save_dirname`` (a "run"). A URL names a
+folder: a file is refused, even one of ours (``.metadata``, a data file, ``.commit.json``, the
+pointer), and the error names the folder to give instead. Anything else is a
+:class:`CheckpointNotFoundError` naming the URL.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from ..storage.urls import Location
 
 Kind = Literal["checkpoint", "iteration", "run"]
 
-# The files a URL may name in place of the folder that holds them.
-_FOLDER_FILES = (METADATA_NAME, COMMIT_RECORD_NAME, POINTER_NAME)
 _WHAT_TO_GIVE = (
     f"give a DCP checkpoint folder (with .metadata), an iteration folder ({layout.format_iteration(5)}) "
     "or a Checkpointer's save_dirname"
@@ -53,15 +52,15 @@ def parent_of(location: Location) -> Location:
 
 
 def classify(location: Location) -> Target:
-    """Decide what ``location`` names, from one listing (two for a file of a checkpoint).
+    """Decide what ``location`` names, from one listing.
 
     Raises:
-        CheckpointNotFoundError: it is none of the three (or does not exist).
+        CheckpointNotFoundError: it is none of the three (or does not exist), or it is a file.
         StorageError: the listing failed, or the URL's bucket does not exist.
     """
     entries = _listing(location)
     if _is_the_file(location, entries):
-        return _folder_of(location)
+        raise CheckpointNotFoundError(_a_file(location))
     names = {posixpath.basename(e["name"].rstrip("/")): e.get("type") for e in entries}
     if METADATA_NAME in names:
         return Target("checkpoint", location)
@@ -107,12 +106,18 @@ def _is_the_file(location: Location, entries: list[dict[str, Any]]) -> bool:
     )
 
 
-def _folder_of(file: Location) -> Target:
-    """What the folder holding ``file`` names, when ``file`` is one of a checkpoint's own."""
-    name = posixpath.basename(file.path)
-    if name in _FOLDER_FILES or name.endswith(DATA_SUFFIX):
-        return classify(parent_of(file))
-    raise CheckpointNotFoundError(f"{file.url} is a file, not a checkpoint's folder: {_WHAT_TO_GIVE}")
+def _a_file(file: Location) -> str:
+    """Why a file is refused, and the folder to give instead where the file is one of ours."""
+    name, folder = posixpath.basename(file.path), parent_of(file).url
+    if name == POINTER_NAME:
+        instead = f"give the save_dirname that holds it, {folder} (`dcp-fsspec ls {folder}` lists its iterations)"
+    elif name == COMMIT_RECORD_NAME:
+        instead = f"give the iteration folder that holds it, {folder}"
+    elif name == METADATA_NAME or name.endswith((".metadata", DATA_SUFFIX)):
+        instead = f"give the checkpoint folder that holds it, {folder}"
+    else:
+        instead = _WHAT_TO_GIVE
+    return f"{file.url} is a file, not a folder: {instead}"
 
 
 def iteration_keys(run: Location, iteration: int) -> tuple[CommitRecord | None, list[str]]:

@@ -4,7 +4,7 @@ Each DCP checkpoint is checked by :func:`dcp_fsspec.storage.verification.verify_
 (every file present and long enough, every record decoded, every CRC-32 compared; see there).
 This module adds what knows runs: given an iteration folder, it verifies every key its commit
 record lists (a listed key without ``.metadata`` is a problem); given a ``save_dirname``, every
-committed iteration and the pointer (uncommitted folders are noted, not failed). A key's
+committed iteration and the pointer (uncommitted and retired folders are noted, not failed). A key's
 references into other iterations are followed and checked like its own files. Damage is
 reported, not raised: each :class:`~dcp_fsspec.storage.verification.VerifyProblem` names the
 file, the item and, for a checksum mismatch, both CRC-32s. Errors are raised only when there is
@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..checkpoint import layout, listing, pointer
+from ..checkpoint.record import referable
 from ..errors import CorruptCheckpointError
 from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
 from ..storage.urls import Location, resolve
@@ -28,6 +29,8 @@ from . import _cli, targets
 from .progress import Progress, human_bytes
 
 MiB = 1024 * 1024
+# What verify says of an iteration retention retired (ls shows it as "retired").
+RETIRED = "retired by retention (it no longer loads; the files kept iterations refer to are verified with them)"
 
 def verify(
     url: str | os.PathLike[str],
@@ -122,6 +125,11 @@ class _Checker:
             record, keys = targets.iteration_keys(run, iteration)
         except CorruptCheckpointError as e:
             self.problem(record_url, None, str(e))
+            return False
+        if record is None and referable(run, iteration):
+            # Retention let go of it, keeping the files kept iterations refer to: those are
+            # verified with the iterations that refer to them.
+            self.report.notes.append(f"skipped {folder}: {RETIRED}")
             return False
         if record is None:
             if not standalone:
