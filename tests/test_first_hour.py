@@ -191,7 +191,11 @@ def test_an_async_save_in_flight_when_the_script_ends_is_committed_and_logged(tm
     assert pointer.read_pointer(resolve(url)) == 7
 
 
-def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add(tmp_path: Path) -> None:
+def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add_in_one_traceback(
+    tmp_path: Path,
+) -> None:
+    """The background process re-runs the script and exits quietly: no nested spawn's
+    RuntimeError, no EOFError, only the training process's one error naming the script."""
     done = _script(tmp_path, f"""
         import torch
         from dcp_fsspec import Checkpointer
@@ -201,8 +205,11 @@ def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add
         ckpt.finalize()
     """)
     assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert "BackgroundSaveError" in last and 'if __name__ == "__main__":' in last, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert "BackgroundSaveError" in lines[-1] and 'if __name__ == "__main__":' in lines[-1], done.stderr[-3000:]
+    assert "train_" in lines[-1] and str(tmp_path / "run") in lines[-1]
+    assert sum(line.startswith("Traceback") for line in lines) == 1, done.stderr[-3000:]
+    assert "RuntimeError" not in done.stderr and "EOFError" not in done.stderr
 
 
 def test_an_async_checkpointer_never_finalized_warns_when_collected(memory_backend: Backend) -> None:

@@ -43,6 +43,8 @@ _PACKAGE_LOGGER = "dcp_fsspec"
 # How often each side checks that the other is still alive.
 _POLL_SECONDS = 0.2
 _STORE_TIMEOUT_SECONDS = 300
+# The exit code of a background process that found itself re-running an unguarded main script.
+_REIMPORTED_MAIN_EXIT = 77
 
 
 class BackgroundSaver:
@@ -161,21 +163,21 @@ class BackgroundSaver:
     def _died(self) -> NoReturn:
         if not self._ready:
             script = unguarded_main_script()
-            if script is not None:
+            if self._process.exitcode == _REIMPORTED_MAIN_EXIT or script is not None:
+                # Not chained to the EOFError that revealed it: that says nothing more.
                 raise BackgroundSaveError(
-                    f"the background save process for {self._url} could not start: it is started with "
-                    f"'spawn', which re-runs {script} from the top, and that script has no "
-                    "`if __name__ == \"__main__\":` block, so the new process ran the training code "
-                    "again instead of saving. Put the script's top-level code (the training) under "
-                    "`if __name__ == \"__main__\":`, or use async_mode=\"disabled\""
-                )
+                    f"the background save process for {self._url} could not start: "
+                    f"{script or 'the main script'} has no `if __name__ == \"__main__\":` block, and "
+                    "'spawn' re-runs the script from the top in the new process. Put the training code "
+                    "under `if __name__ == \"__main__\":`, or use async_mode=\"disabled\""
+                ) from None
         what = f"saving iteration {self._inflight}" if self._inflight is not None else "idle"
         self._inflight = None
         raise BackgroundSaveError(
             f"the background save process for {self._url} died (exit code {self._process.exitcode}) "
             f"while {what}; that save did not commit and the pointer did not move. The next save() "
             "starts a new background process"
-        )
+        ) from None
 
 
 class ThreadSaver:
@@ -223,6 +225,18 @@ class ThreadSaver:
 
     def close(self) -> None:
         self.wait()
+
+
+def leave_if_reimported_main() -> None:
+    """In a process that ``spawn`` is starting, while it re-runs the main script: exit quietly.
+
+    A script without ``if __name__ == "__main__":`` reaches its Checkpointer again there. Going on
+    would print the tracebacks of a nested spawn; the exit code tells the training process, which
+    raises one :class:`~dcp_fsspec.errors.BackgroundSaveError` saying what to add.
+    """
+    # The flag multiprocessing itself checks to refuse a process started while bootstrapping.
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(_REIMPORTED_MAIN_EXIT)
 
 
 def unguarded_main_script() -> str | None:

@@ -29,6 +29,7 @@ from . import state as state_mod
 from ._collectives import Collectives
 from .async_saves import AsyncSaves, InFlight
 from .at_exit import EXIT_HOOK
+from .background import leave_if_reimported_main
 from .events import Callback, CheckpointEvent, report, tensor_nbytes
 from .loading import LoadPipeline
 from .options import LocalTier, ResumeOptions
@@ -114,6 +115,8 @@ class Checkpointer:
     ) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
+        if async_mode == ASYNC_PINNED:
+            leave_if_reimported_main()  # before anything touches storage
         if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None (keep all) or an int >= 1, got {keep_last_n!r}")
         resume = resume or ResumeOptions()
