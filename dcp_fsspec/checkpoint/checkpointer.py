@@ -272,8 +272,9 @@ class Checkpointer:
         In order: 1) the iteration ``latest_checkpoint.txt`` names under ``save_dirname``, every
         key given that it saved; 2) else ``resume.load_path`` (``model`` only, also ``scheduler`` with
         ``only_load_scheduler_state``, or every key with ``load_training_state``); 3) else
-        nothing: a fresh run, iteration 0, logged as a warning if ``save_dirname`` holds
-        anything. The rules in full: :mod:`.resume`.
+        nothing: a fresh run, iteration 0, logged at WARNING with the URL (at INFO with
+        ``ResumeOptions(missing_ok=True)`` where ``save_dirname`` is empty or absent). The rules
+        in full: :mod:`.resume`.
 
         Args:
             iteration: resume this committed iteration of ``save_dirname`` instead of the
