@@ -432,6 +432,20 @@ def test_rank0_commits_the_durable_copy_only_once_every_other_rank_marked_its_fi
     assert pointer.read_pointer(durable) == 3 and not marker.exists()  # committed; the marker is gone
 
 
+def test_the_drain_copies_neither_claim_of_a_local_iteration_its_name_nor_an_earlier_versions(
+    tmp_path: Path,
+) -> None:
+    local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
+    _committed_locally(local, 3)
+    local_root = resolve(str(local), {})
+    token = read_commit_record(local_root, 3).save_id  # type: ignore[union-attr]
+    (local / "iter_000000003" / commit.LEGACY_CLAIM_NAME).write_text(token)  # as an earlier version named it
+    drain.drain_iteration(local_root, durable, drain.DrainJob(3, token), keep_last_n=None)
+    assert pointer.read_pointer(durable) == 3
+    names = {p.name for p in (tmp_path / "durable" / "iter_000000003").iterdir()}
+    assert commit.CLAIM_NAME not in names and commit.LEGACY_CLAIM_NAME not in names and COMMIT_RECORD_NAME in names
+
+
 def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(tmp_path: Path) -> None:
     local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
     _committed_locally(local, 3)
