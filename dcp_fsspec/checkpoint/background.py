@@ -35,7 +35,7 @@ from ..errors import BackgroundSaveError, add_note
 from ..storage.urls import redact_url
 from ._collectives import Collectives, _picklable
 from .handles import HandleReceiver, HandleSender
-from .pipeline import SavePipeline, SaveSettings
+from .pipeline import Saved, SavePipeline, SaveSettings
 
 logger = logging.getLogger(__name__)
 
@@ -96,23 +96,27 @@ class BackgroundSaver:
             self._process.join(timeout=5)
             self._died()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> Saved | None:
         """Block until the save in flight is committed; raise its error if it failed.
+
+        Returns:
+            What the save did (``None``: none was in flight).
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first; the save goes on, still in flight.
         """
         if self._inflight is None:
-            return
+            return None
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._receive("done", deadline)
+            saved: Saved = self._receive("done", deadline)
         except TimeoutError:
             raise
         except BaseException:
             self._inflight = None
             raise
         self._inflight = None
+        return saved
 
     def close(self) -> None:
         """Wait for the save in flight, then stop the process; raise the save's error if any."""
@@ -190,11 +194,12 @@ class ThreadSaver:
         save: runs one staged save to its commit (:meth:`SavePipeline.run`).
     """
 
-    def __init__(self, save: Callable[[int, dict[str, dict[str, Any]], str | None], object]) -> None:
+    def __init__(self, save: Callable[[int, dict[str, dict[str, Any]], str | None], Saved]) -> None:
         self._save = save
         self._inflight: int | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._saved: Saved | None = None
 
     @property
     def in_flight(self) -> int | None:
@@ -205,7 +210,7 @@ class ThreadSaver:
 
         def run() -> None:
             try:
-                self._save(iteration, staged, save_id)
+                self._saved = self._save(iteration, staged, save_id)
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self._error = e
 
@@ -213,15 +218,17 @@ class ThreadSaver:
         self._thread = threading.Thread(target=run, name="dcp-fsspec-saver", daemon=True)
         self._thread.start()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> Saved | None:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the save of iteration {self._inflight} did not finish in time")
         self._thread, self._inflight = None, None
         error, self._error = self._error, None
+        saved, self._saved = self._saved, None
         if error is not None:
             raise error
+        return saved
 
     def close(self) -> None:
         self.wait()
@@ -318,8 +325,8 @@ def _serve(
                 return
             _, iteration, packed, used, save_id = message
             try:
-                pipeline.run(iteration, handles.unpack(packed, used), save_id)
-                conn.send(("done", logs.take()))
+                saved = pipeline.run(iteration, handles.unpack(packed, used), save_id)
+                conn.send(("done", saved, logs.take()))
             except Exception as e:  # noqa: BLE001 - reported, then the next request is served
                 conn.send(("error", _picklable(e, rank), traceback.format_exc(), logs.take()))
             del packed
