@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpointer, layout
+from .checkpoint.options import ResumeOptions
 from .storage.urls import resolve
 
 DEMO_BUCKET = "dcp-fsspec-demo"
@@ -104,10 +105,14 @@ def train_uninterrupted(cfg: DemoConfig) -> tuple[Trainer, Run]:
     return trainer, run
 
 
-def train_with_checkpoints(cfg: DemoConfig, stop: int) -> Run:
-    """Resume from ``cfg.url`` if it holds a checkpoint, train to ``stop``, checkpointing."""
+def train_with_checkpoints(cfg: DemoConfig, stop: int, *, new_run: bool = False) -> Run:
+    """Resume from ``cfg.url`` if it holds a checkpoint, train to ``stop``, checkpointing.
+
+    ``new_run``: the first process, on an empty ``cfg.url``: nothing to resume is expected, not
+    a warning."""
     trainer, run = Trainer(cfg.seed), Run()
-    with Checkpointer(cfg.url, cfg.storage_options, keep_last_n=cfg.keep_last_n) as ckpt:
+    resume = ResumeOptions(missing_ok=new_run)
+    with Checkpointer(cfg.url, cfg.storage_options, keep_last_n=cfg.keep_last_n, resume=resume) as ckpt:
         start = time.perf_counter()
         run.resumed_from = ckpt.load(**trainer.keys())
         run.load_seconds = time.perf_counter() - start
@@ -182,7 +187,7 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> bool:
     reference, reference_run = train_uninterrupted(cfg)
     out(f"uninterrupted run: {cfg.steps} steps, final loss {reference_run.last_loss:.6f} ({time.perf_counter() - start:.1f} s)")
 
-    first = train_with_checkpoints(cfg, cfg.stop_at)
+    first = train_with_checkpoints(cfg, cfg.stop_at, new_run=True)
     out(f"first process: stopped at step {cfg.stop_at} after {len(first.saves)} checkpoints")
     second = _resume_in_fresh_process(cfg)
     out(f"fresh process: resumed from iteration {second.resumed_from} in {second.load_seconds * 1000:.0f} ms, "

@@ -705,6 +705,9 @@ def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
     assert [e.kind for e in events] == ["save_start", "save_end", "load_end"]
     assert all(e.nbytes == 4000 and e.iteration == 3 and e.keys == ("trainer",) for e in events)
     assert events[1].seconds > 0 and events[1].gbps > 0 and events[1].url.endswith("iter_000000003")
+    # The records written: the tensor's bytes and its header, and the pickled step.
+    assert events[1].written_bytes is not None and events[1].written_bytes > 4000 and events[1].referenced_bytes == 0
+    assert events[0].written_bytes is None and events[2].written_bytes is None
     lines = [r.getMessage() for r in caplog.records if r.name == "dcp_fsspec.checkpoint"]
     # 4000 bytes in units that show them, never "0.0 MiB ... 0.000 GB/s".
     assert any(m.startswith("saved ") and "iter_000000003" in m and "(trainer; 3.9 KiB)" in m for m in lines)

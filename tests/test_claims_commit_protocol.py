@@ -574,7 +574,7 @@ def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everyt
     file, taken over and deleted, whatever the names (even ones that extend the record's)."""
     _save(root, 5)
     root.fs.rm(root.join("iter_000000005", "model", ".metadata"))
-    for name in (".commit.json ", ".commit.jsonX", ".saving"):
+    for name in (".commit.json ", ".commit.jsonX", commit.CLAIM_NAME, commit.LEGACY_CLAIM_NAME):
         _put(root, "iter_000000005", name)
     commit.take_over_iteration(root, 5, "b" * 32, replacing=None)
     left = [f for f in root.fs.find(layout.iteration_path(root, 5))]
@@ -583,10 +583,33 @@ def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everyt
     assert read_commit_record(root, 5) is None
 
 
+def test_a_committed_iteration_holds_its_claim_under_a_name_that_says_what_it_is_not_saving(root: Location) -> None:
+    """The claim stays after the commit: named ``.saving`` it read as a save left unfinished."""
+    _save(root, 5)
+    folder = layout.iteration_path(root, 5)
+    names = sorted(p.rsplit("/", 1)[-1] for p in root.fs.ls(folder, detail=False))
+    assert names == [".claimed_by", ".commit.json", "model"]
+    claimed_by = root.fs.cat_file(root.join("iter_000000005", ".claimed_by")).decode()
+    assert claimed_by == read_commit_record(root, 5).save_id
+
+
+def test_an_iteration_of_an_earlier_version_with_a_saving_claim_loads_and_is_pruned_whole(root: Location) -> None:
+    _save(root, 5)
+    path = root.join("iter_000000005", commit.CLAIM_NAME)
+    _put(root, "iter_000000005", ".saving", data=root.fs.cat_file(path))
+    root.fs.rm(path)
+    target = {"w": torch.zeros(4)}
+    with Checkpointer(root.url, keep_last_n=1) as ckpt:
+        assert ckpt.load(model=target) == 5 and torch.equal(target["w"], torch.full((4,), 5.0))
+        ckpt.save(6, model={"w": torch.full((4,), 6.0)})
+        ckpt.wait()
+    assert listing.committed_iterations(root) == [6] and not root.fs.exists(layout.iteration_path(root, 5))
+
+
 def test_create_atomically_writes_once_and_says_whether_the_name_holds_this_callers_data(root: Location) -> None:
     """The claim's primitive: the first write wins; a repeat of the same bytes (a retry whose
     first answer was lost) counts as this caller's; other bytes lose and change nothing."""
-    path = root.join("iter_000000005", ".saving")
+    path = root.join("iter_000000005", commit.CLAIM_NAME)
     root.fs.makedirs(layout.iteration_path(root, 5), exist_ok=True)
     assert commit.create_atomically(root, path, b"first")
     assert not commit.create_atomically(root, path, b"second")

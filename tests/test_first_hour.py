@@ -97,6 +97,37 @@ def test_a_mistyped_s3_save_dirname_starts_fresh_with_a_warning_naming_it(
     assert [r.getMessage() for r in caplog.records if url in r.getMessage() and "from scratch" in r.getMessage()]
 
 
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_a_new_run_that_expects_nothing_to_resume_starts_fresh_with_no_warning_but_an_info_naming_the_url(
+    local_backend: Backend, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    if where == "empty":
+        Path(local_backend.url).mkdir(parents=True)
+    new_run = ResumeOptions(missing_ok=True)
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(local_backend.url, resume=new_run) as ckpt:
+        assert ckpt.load(trainer=_state(0.0)) == 0
+        ckpt.save(5, trainer=_state(5.0))
+        assert ckpt.load(trainer=_state(0.0)) == 5  # missing_ok never skips a checkpoint that is there
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(local_backend.url in r.getMessage() and "from scratch" in r.getMessage() for r in caplog.records)
+
+
+def test_a_new_run_over_a_folder_with_uncommitted_iterations_is_still_a_warning(
+    local_backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    (Path(local_backend.url) / "iter_000000010" / "model").mkdir(parents=True)
+    new_run = ResumeOptions(missing_ok=True)
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec"), Checkpointer(local_backend.url, resume=new_run) as ckpt:
+        assert ckpt.load(trainer=_state(0.0)) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and local_backend.url in warnings[0] and "iter_000000010" in warnings[0]
+
+
+def test_resume_options_refuse_both_required_and_missing_ok() -> None:
+    with pytest.raises(ValueError, match="required=True, missing_ok=True"):
+        ResumeOptions(required=True, missing_ok=True)
+
+
 def test_resume_required_refuses_a_fresh_start_naming_the_url(local_backend: Backend) -> None:
     with Checkpointer(local_backend.url, resume=ResumeOptions(required=True)) as ckpt:
         with pytest.raises(CheckpointNotFoundError, match="nothing to resume") as raised:
@@ -191,7 +222,11 @@ def test_an_async_save_in_flight_when_the_script_ends_is_committed_and_logged(tm
     assert pointer.read_pointer(resolve(url)) == 7
 
 
-def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add(tmp_path: Path) -> None:
+def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add_in_one_traceback(
+    tmp_path: Path,
+) -> None:
+    """The background process re-runs the script and exits quietly: no nested spawn's
+    RuntimeError, no EOFError, only the training process's one error naming the script."""
     done = _script(tmp_path, f"""
         import torch
         from dcp_fsspec import Checkpointer
@@ -201,8 +236,11 @@ def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add
         ckpt.finalize()
     """)
     assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert "BackgroundSaveError" in last and 'if __name__ == "__main__":' in last, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert "BackgroundSaveError" in lines[-1] and 'if __name__ == "__main__":' in lines[-1], done.stderr[-3000:]
+    assert "train_" in lines[-1] and str(tmp_path / "run") in lines[-1]
+    assert sum(line.startswith("Traceback") for line in lines) == 1, done.stderr[-3000:]
+    assert "RuntimeError" not in done.stderr and "EOFError" not in done.stderr
 
 
 def test_an_async_checkpointer_never_finalized_warns_when_collected(memory_backend: Backend) -> None:

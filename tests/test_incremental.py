@@ -142,6 +142,31 @@ def test_a_second_incremental_save_of_a_lora_state_uploads_only_what_changed_and
     _assert_same(resumed, training)
 
 
+@pytest.mark.parametrize("async_mode", ["disabled", "async_with_pinned_mem"])
+def test_an_incremental_save_end_reports_the_bytes_it_wrote_and_those_it_referenced(
+    local_backend: Backend, caplog: pytest.LogCaptureFixture, async_mode: str
+) -> None:
+    from dcp_fsspec import CheckpointEvent
+
+    ends: list[CheckpointEvent] = []
+    training = LoraTraining()
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint"), Checkpointer(
+        local_backend.url, incremental=True, async_mode=async_mode,
+        on_event=lambda e: ends.append(e) if e.kind == "save_end" else None,
+    ) as ckpt:  # fmt: skip
+        for iteration in (1, 2):
+            training.step()
+            ckpt.save(iteration, **training.keys())
+            ckpt.wait()
+    base_bytes = sum(t.numel() * t.element_size() for t in training.model.base.state_dict().values())
+    first, second = ends
+    assert first.written_bytes is not None and first.written_bytes > base_bytes and first.referenced_bytes == 0
+    assert second.written_bytes is not None and second.written_bytes < 0.05 * base_bytes
+    assert second.referenced_bytes >= base_bytes and second.nbytes == first.nbytes  # the state's bytes, as before
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("saved ") and "iter_000000002" in r.getMessage())
+    assert " written, " in line and " referenced)" in line, line
+
+
 def test_a_state_where_every_tensor_changes_writes_every_tensor_as_a_full_save_does(tmp_path: Path) -> None:
     fs = fsspec.filesystem("file")
     sizes, optim_references = {}, {}

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, LocalTier, RetryPolicy
-from dcp_fsspec.checkpoint import commit, deletion, drain, listing, pointer
+from dcp_fsspec.checkpoint import commit, deletion, drain, listing, pointer, retention
 from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
 from dcp_fsspec.checkpoint.drainer import Drainer
 from dcp_fsspec.checkpoint.options import DRAIN_LATEST
@@ -54,6 +54,7 @@ from .ckpt_helpers import Training, assert_same_training
 from .conftest import Backend
 from .distributed import run_ranks
 from .faults import FaultyProxy
+from .servers.counting import CountingProxy
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -432,6 +433,20 @@ def test_rank0_commits_the_durable_copy_only_once_every_other_rank_marked_its_fi
     assert pointer.read_pointer(durable) == 3 and not marker.exists()  # committed; the marker is gone
 
 
+def test_the_drain_copies_neither_claim_of_a_local_iteration_its_name_nor_an_earlier_versions(
+    tmp_path: Path,
+) -> None:
+    local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
+    _committed_locally(local, 3)
+    local_root = resolve(str(local), {})
+    token = read_commit_record(local_root, 3).save_id  # type: ignore[union-attr]
+    (local / "iter_000000003" / commit.LEGACY_CLAIM_NAME).write_text(token)  # as an earlier version named it
+    drain.drain_iteration(local_root, durable, drain.DrainJob(3, token), keep_last_n=None)
+    assert pointer.read_pointer(durable) == 3
+    names = {p.name for p in (tmp_path / "durable" / "iter_000000003").iterdir()}
+    assert commit.CLAIM_NAME not in names and commit.LEGACY_CLAIM_NAME not in names and COMMIT_RECORD_NAME in names
+
+
 def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(tmp_path: Path) -> None:
     local, durable = tmp_path / "local", resolve(str(tmp_path / "durable"), {})
     _committed_locally(local, 3)
@@ -450,6 +465,13 @@ def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(
                                   keep_last_n=None, marker_wait=0.5, per_node=True)  # fmt: skip
         assert folder in str(raised.value) and copy in str(raised.value)
     assert pointer.read_pointer(durable) is None and not (tmp_path / "durable" / "iter_000000003").exists()
+
+
+def test_per_node_a_ranks_data_files_and_content_hashes_take_its_rank_in_their_durable_names() -> None:
+    assert rank_file_name("model/__0_0.distcp", 3) == "model/__3_0.distcp"
+    assert rank_file_name("model/.content_hashes.json", 3) == "model/__3.content_hashes.json"
+    assert rank_file_name("model/.content_hashes.json", 0) == "model/.content_hashes.json"
+    assert rank_file_name("model/.metadata", 3) == "model/.metadata"
 
 
 def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
@@ -782,3 +804,49 @@ def test_async_saves_on_per_node_folders_commit_on_each_node_and_drain_into_one_
     target = {"w": torch.zeros(8, 8), "r": torch.zeros(3), "step": 0}
     dcp.load(target, storage_reader=FsspecStorageReader(str(folder)), no_dist=True)
     assert torch.equal(target["w"], torch.arange(64.0).reshape(8, 8) * 2) and target["step"] == 2
+
+
+_FROZEN_ROWS = 1024  # 1024 x 1024 float32: 4 MiB, 2 MiB on each rank
+
+
+def _own_folders_incremental_save(
+    rank: int, world_size: int, url: str, options: dict[str, Any], base: str, iteration: int
+) -> None:
+    """Per-node local folders, incremental: a frozen sharded tensor and a small one that changes."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    frozen = distribute_tensor(torch.arange(_FROZEN_ROWS * 1024.0).reshape(_FROZEN_ROWS, 1024), mesh, [Shard(0)])
+    tier = LocalTier(f"{base}/node-{rank}", keep_last_n=2)
+    with Checkpointer(url, options, incremental=True, local_tier=tier) as ckpt:
+        ckpt.save(iteration, trainer={"frozen": frozen, "head": torch.full((4,), float(iteration))})
+
+
+@pytest.mark.slow
+def test_per_node_incremental_drains_upload_only_what_changed_on_every_rank(
+    s3_server: LocalS3Server, s3_backend: Backend, tmp_path: Path
+) -> None:
+    """Each rank's content hashes go up under a name of their own, so the next drain finds the
+    frozen records of every rank, not only of the rank that uploaded last, in save_dirname."""
+    proxy = CountingProxy(s3_server.endpoint_url).start()
+    try:
+        options = dict(s3_backend.storage_options)
+        options["client_kwargs"] = {**options.get("client_kwargs", {}), "endpoint_url": proxy.endpoint_url}
+        run_ranks(_own_folders_incremental_save, 2, tmp_path, s3_backend.url, options, str(tmp_path), 1)
+        first = proxy.received
+        proxy.reset()
+        run_ranks(_own_folders_incremental_save, 2, tmp_path, s3_backend.url, options, str(tmp_path), 2)
+        second = proxy.received
+    finally:
+        proxy.stop()
+    frozen_bytes = _FROZEN_ROWS * 1024 * 4
+    assert first > frozen_bytes and second < frozen_bytes // 16, (first, second)
+    assert _pointer(s3_backend.url, s3_backend.storage_options) == 2
+    target = {"frozen": torch.zeros(_FROZEN_ROWS, 1024), "head": torch.zeros(4)}
+    assert Checkpointer(s3_backend.url, s3_backend.storage_options).load(trainer=target) == 2
+    assert torch.equal(target["frozen"], torch.arange(_FROZEN_ROWS * 1024.0).reshape(_FROZEN_ROWS, 1024))
+    assert torch.equal(target["head"], torch.full((4,), 2.0))
+    # Retired by retention, iteration 1 keeps every rank's hashes for the next drain to compare.
+    durable = resolve(s3_backend.url, s3_backend.storage_options)
+    retention.apply_retention(durable, 1, latest=2)
+    durable.fs.invalidate_cache()
+    kept = {p.rsplit("/", 1)[-1] for p in durable.fs.ls(durable.join("iter_000000001", "trainer"), detail=False)}
+    assert {".metadata", ".content_hashes.json", "__1.content_hashes.json"} <= kept, kept

@@ -7,26 +7,30 @@ wait sees it committed. A saver that died is forgotten, so the next save starts 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import BackgroundSaveError, InvalidURLError
 from ..storage.urls import Location
 from ._collectives import Collectives
 from .background import BackgroundSaver, ThreadSaver
-from .pipeline import SavePipeline, SaveSettings
+from .pipeline import Saved, SavePipeline, SaveSettings
 from .staging import Stager
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
 class InFlight:
-    """The save handed to the background, for its ``save_end`` report once committed."""
+    """A save until its ``save_end`` report: what it was given, then (once committed) what it did."""
 
     iteration: int
     keys: tuple[str, ...]
     nbytes: int
     started: float  # time.perf_counter() when save() was called
+    saved: Saved | None = None
 
 
 class AsyncSaves:
@@ -86,7 +90,7 @@ class AsyncSaves:
         self.in_flight = done
 
     def wait(self, timeout: float | None = None) -> InFlight | None:
-        """Wait for the save in flight; return it once committed (None: there was none).
+        """Wait for the save in flight; return it once committed, with what it did (None: there was none).
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first; the save is still in flight.
@@ -94,10 +98,9 @@ class AsyncSaves:
             Exception: the save's own error.
         """
         saver = self.saver
-        if saver is not None:
-            self._surviving(lambda: saver.wait(timeout))
+        saved = None if saver is None else self._surviving(lambda: saver.wait(timeout))
         done, self.in_flight = self.in_flight, None
-        return done
+        return None if done is None else dataclasses.replace(done, saved=saved)
 
     def close(self) -> None:
         """Stop the saver and free the staging buffers."""
@@ -110,10 +113,10 @@ class AsyncSaves:
                 self._stager.close()
                 self._stager = None
 
-    def _surviving(self, call: Callable[[], None]) -> None:
+    def _surviving(self, call: Callable[[], _T]) -> _T:
         """Run ``call``; if the saver died, forget it so the next save starts another."""
         try:
-            call()
+            return call()
         except BackgroundSaveError:
             dead, self.saver = self.saver, None
             if dead is not None:

@@ -35,7 +35,7 @@ from ..errors import BackgroundSaveError, add_note
 from ..storage.urls import redact_url
 from ._collectives import Collectives, _picklable
 from .handles import HandleReceiver, HandleSender
-from .pipeline import SavePipeline, SaveSettings
+from .pipeline import Saved, SavePipeline, SaveSettings
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ _PACKAGE_LOGGER = "dcp_fsspec"
 # How often each side checks that the other is still alive.
 _POLL_SECONDS = 0.2
 _STORE_TIMEOUT_SECONDS = 300
+# The exit code of a background process that found itself re-running an unguarded main script.
+_REIMPORTED_MAIN_EXIT = 77
 
 
 class BackgroundSaver:
@@ -94,23 +96,27 @@ class BackgroundSaver:
             self._process.join(timeout=5)
             self._died()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> Saved | None:
         """Block until the save in flight is committed; raise its error if it failed.
+
+        Returns:
+            What the save did (``None``: none was in flight).
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first; the save goes on, still in flight.
         """
         if self._inflight is None:
-            return
+            return None
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._receive("done", deadline)
+            saved: Saved = self._receive("done", deadline)
         except TimeoutError:
             raise
         except BaseException:
             self._inflight = None
             raise
         self._inflight = None
+        return saved
 
     def close(self) -> None:
         """Wait for the save in flight, then stop the process; raise the save's error if any."""
@@ -161,21 +167,21 @@ class BackgroundSaver:
     def _died(self) -> NoReturn:
         if not self._ready:
             script = unguarded_main_script()
-            if script is not None:
+            if self._process.exitcode == _REIMPORTED_MAIN_EXIT or script is not None:
+                # Not chained to the EOFError that revealed it: that says nothing more.
                 raise BackgroundSaveError(
-                    f"the background save process for {self._url} could not start: it is started with "
-                    f"'spawn', which re-runs {script} from the top, and that script has no "
-                    "`if __name__ == \"__main__\":` block, so the new process ran the training code "
-                    "again instead of saving. Put the script's top-level code (the training) under "
-                    "`if __name__ == \"__main__\":`, or use async_mode=\"disabled\""
-                )
+                    f"the background save process for {self._url} could not start: "
+                    f"{script or 'the main script'} has no `if __name__ == \"__main__\":` block, and "
+                    "'spawn' re-runs the script from the top in the new process. Put the training code "
+                    "under `if __name__ == \"__main__\":`, or use async_mode=\"disabled\""
+                ) from None
         what = f"saving iteration {self._inflight}" if self._inflight is not None else "idle"
         self._inflight = None
         raise BackgroundSaveError(
             f"the background save process for {self._url} died (exit code {self._process.exitcode}) "
             f"while {what}; that save did not commit and the pointer did not move. The next save() "
             "starts a new background process"
-        )
+        ) from None
 
 
 class ThreadSaver:
@@ -188,11 +194,12 @@ class ThreadSaver:
         save: runs one staged save to its commit (:meth:`SavePipeline.run`).
     """
 
-    def __init__(self, save: Callable[[int, dict[str, dict[str, Any]], str | None], object]) -> None:
+    def __init__(self, save: Callable[[int, dict[str, dict[str, Any]], str | None], Saved]) -> None:
         self._save = save
         self._inflight: int | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._saved: Saved | None = None
 
     @property
     def in_flight(self) -> int | None:
@@ -203,7 +210,7 @@ class ThreadSaver:
 
         def run() -> None:
             try:
-                self._save(iteration, staged, save_id)
+                self._saved = self._save(iteration, staged, save_id)
             except BaseException as e:  # noqa: BLE001 - re-raised by wait()
                 self._error = e
 
@@ -211,18 +218,32 @@ class ThreadSaver:
         self._thread = threading.Thread(target=run, name="dcp-fsspec-saver", daemon=True)
         self._thread.start()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> Saved | None:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"the save of iteration {self._inflight} did not finish in time")
         self._thread, self._inflight = None, None
         error, self._error = self._error, None
+        saved, self._saved = self._saved, None
         if error is not None:
             raise error
+        return saved
 
     def close(self) -> None:
         self.wait()
+
+
+def leave_if_reimported_main() -> None:
+    """In a process that ``spawn`` is starting, while it re-runs the main script: exit quietly.
+
+    A script without ``if __name__ == "__main__":`` reaches its Checkpointer again there. Going on
+    would print the tracebacks of a nested spawn; the exit code tells the training process, which
+    raises one :class:`~dcp_fsspec.errors.BackgroundSaveError` saying what to add.
+    """
+    # The flag multiprocessing itself checks to refuse a process started while bootstrapping.
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(_REIMPORTED_MAIN_EXIT)
 
 
 def unguarded_main_script() -> str | None:
@@ -304,8 +325,8 @@ def _serve(
                 return
             _, iteration, packed, used, save_id = message
             try:
-                pipeline.run(iteration, handles.unpack(packed, used), save_id)
-                conn.send(("done", logs.take()))
+                saved = pipeline.run(iteration, handles.unpack(packed, used), save_id)
+                conn.send(("done", saved, logs.take()))
             except Exception as e:  # noqa: BLE001 - reported, then the next request is served
                 conn.send(("error", _picklable(e, rank), traceback.format_exc(), logs.take()))
             del packed

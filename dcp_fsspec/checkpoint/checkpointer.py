@@ -10,6 +10,7 @@ the calls into those pieces, and the callbacks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,10 +30,11 @@ from . import state as state_mod
 from ._collectives import Collectives
 from .async_saves import AsyncSaves, InFlight
 from .at_exit import EXIT_HOOK
+from .background import leave_if_reimported_main
 from .events import Callback, CheckpointEvent, report, tensor_nbytes
 from .loading import LoadPipeline
 from .options import LocalTier, ResumeOptions
-from .pipeline import SavePipeline, SaveSettings
+from .pipeline import Saved, SavePipeline, SaveSettings
 from .resume import MODEL_KEY
 from .tiers import LOCAL, TwoTiers
 
@@ -41,6 +43,15 @@ logger = logging.getLogger(__name__)
 ASYNC_DISABLED = "disabled"
 ASYNC_PINNED = "async_with_pinned_mem"
 ASYNC_MODES = (ASYNC_DISABLED, ASYNC_PINNED)
+
+
+def _check_async_mode(async_mode: str) -> None:
+    """Refuse an unknown mode. In a process that ``spawn`` started re-running an unguarded main
+    script, exit before anything touches storage (:func:`.background.leave_if_reimported_main`)."""
+    if async_mode not in ASYNC_MODES:
+        raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
+    if async_mode == ASYNC_PINNED:
+        leave_if_reimported_main()
 
 
 class Checkpointer:
@@ -112,8 +123,7 @@ class Checkpointer:
         writer_settings: WriterSettings | None = None,
         reader_settings: ReaderSettings | None = None,
     ) -> None:
-        if async_mode not in ASYNC_MODES:
-            raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
+        _check_async_mode(async_mode)
         if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None (keep all) or an int >= 1, got {keep_last_n!r}")
         resume = resume or ResumeOptions()
@@ -206,8 +216,8 @@ class Checkpointer:
         if self._async is not None:
             self._async.submit(iteration, state_dicts, self._save_token(), done)
             return
-        self._pipeline.run(iteration, state_dicts, self._save_token())
-        self._committed(done)
+        saved = self._pipeline.run(iteration, state_dicts, self._save_token())
+        self._committed(dataclasses.replace(done, saved=saved))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the asynchronous save in flight (if any) is committed; raise its error.
@@ -232,7 +242,7 @@ class Checkpointer:
 
     def _committed(self, done: InFlight) -> None:
         """Report a committed save; with a local tier, start its drain."""
-        self._report("save_end", done.iteration, done.keys, done.nbytes, time.perf_counter() - done.started)
+        self._report("save_end", done.iteration, done.keys, done.nbytes, time.perf_counter() - done.started, done.saved)
         if self._tiers is not None:
             self._tiers.committed_locally(done.iteration)
 
@@ -244,10 +254,16 @@ class Checkpointer:
             return None
         return self._collectives.run_on_rank0(lambda: uuid.uuid4().hex)
 
-    def _report(self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0) -> None:
+    def _report(
+        self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0,
+        saved: Saved | None = None,
+    ) -> None:  # fmt: skip
         url = self._save_root.url_of(layout.iteration_path(self._save_root, iteration))
         tier = None if self._tiers is None else LOCAL
-        report(CheckpointEvent(kind, iteration, url, keys, nbytes, seconds, tier=tier), self._on_event)
+        event = CheckpointEvent(kind, iteration, url, keys, nbytes, seconds, tier=tier)
+        if saved is not None:
+            event = dataclasses.replace(event, written_bytes=saved.written_bytes, referenced_bytes=saved.referenced_bytes)
+        report(event, self._on_event)
 
     def _stage(self, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Every key's state dict; every rank learns if any rank failed, before any write."""
@@ -269,8 +285,9 @@ class Checkpointer:
         In order: 1) the iteration ``latest_checkpoint.txt`` names under ``save_dirname``, every
         key given that it saved; 2) else ``resume.load_path`` (``model`` only, also ``scheduler`` with
         ``only_load_scheduler_state``, or every key with ``load_training_state``); 3) else
-        nothing: a fresh run, iteration 0, logged as a warning if ``save_dirname`` holds
-        anything. The rules in full: :mod:`.resume`.
+        nothing: a fresh run, iteration 0, logged at WARNING with the URL (at INFO with
+        ``ResumeOptions(missing_ok=True)`` where ``save_dirname`` is empty or absent). The rules
+        in full: :mod:`.resume`.
 
         Args:
             iteration: resume this committed iteration of ``save_dirname`` instead of the

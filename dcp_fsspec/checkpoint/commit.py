@@ -33,8 +33,12 @@ from .record import CommitRecord, parse_record, read_commit_record, record_path,
 
 logger = logging.getLogger(__name__)
 
-# In an iteration folder while a save writes it: which save took the folder first.
-CLAIM_NAME = ".saving"
+# In an iteration folder: which save claimed it first, clean (its token). It stays after the
+# commit (removing it would cost a request per save), so its name says what it holds, not
+# that a save is in progress.
+CLAIM_NAME = ".claimed_by"
+# The same claim as earlier versions named it: older runs' folders hold it; nothing reads it.
+LEGACY_CLAIM_NAME = ".saving"
 
 
 class Prepared(NamedTuple):
@@ -297,7 +301,7 @@ def commit_record(
 
 
 def claim_iteration(root: Location, iteration: int, save_id: str) -> bool:
-    """Create ``iteration``'s claim (``.saving``, holding ``save_id``) if it has none.
+    """Create ``iteration``'s claim (``.claimed_by``, holding ``save_id``) if it has none.
 
     Of saves starting on one clean folder at once, exactly one creates it (a conditional write,
     or inside ``exclusive``); it alone writes torch's fixed data file names, the others put

@@ -46,7 +46,7 @@ from .record import CommitRecord
 logger = logging.getLogger(__name__)
 
 # Not copied: the durable commit writes its own record, and the claim belongs to the local save.
-_NOT_COPIED = frozenset({COMMIT_RECORD_NAME, commit.CLAIM_NAME})
+_NOT_COPIED = frozenset({COMMIT_RECORD_NAME, commit.CLAIM_NAME, commit.LEGACY_CLAIM_NAME})
 # A rank's data files, plain or with the save's token (storage/writer.py: ``_prefix``).
 _DATA_FILE = re.compile(r"__(\d+)_.*\.distcp")
 MARKER_PREFIX = ".drained."

@@ -5,7 +5,8 @@ copy keeps such a reference where ``save_dirname`` holds that file of the same s
 
 1. the iteration there is referable (committed, or retired with its files kept);
 2. its key is a checkpoint (``.metadata``) holding the file, at the local file's size;
-3. the key's ``.content_hashes.json`` is the local one's (it names the save).
+3. the key's ``.content_hashes.json`` is the local one's (it names the save); per node, the
+   copy this rank uploaded under its own name.
 
 The drain copies the records of every other reference in (:mod:`..storage.self_contained`).
 """
@@ -75,9 +76,11 @@ class DurableBases:
         durable_sizes = folder_sizes(self._durable, [durable_path])
         if posixpath.join(durable_path, METADATA_NAME) not in durable_sizes:
             return None
+        # Per node, each rank's hashes went up under a name of their own (``rename``).
+        own_hashes = posixpath.join(folder, CONTENT_HASHES_NAME)
         hashes = [
-            tier.backend.read_versioned(posixpath.join(at, CONTENT_HASHES_NAME)).data
-            for tier, at in ((self._local, local_path), (self._durable, durable_path))
+            self._local.backend.read_versioned(self._local.join(own_hashes)).data,
+            self._durable.backend.read_versioned(self._durable.join(self._rename(own_hashes))).data,
         ]
         if hashes[0] is None or hashes[0] != hashes[1]:
             return None

@@ -34,6 +34,10 @@ class CheckpointEvent:
         seconds: wall time; for an asynchronous save, from ``save()`` until its commit was seen.
         tier: ``"local"`` or ``"durable"`` with a local tier (``local_dirname``), else ``None``.
         error: ``drain_end`` only: why the durable copy failed (``None``: it is committed).
+        written_bytes: ``save_end`` only: the record bytes this rank wrote to storage (after
+            compression, if any); ``None`` for the other events.
+        referenced_bytes: ``save_end`` only: the record bytes an incremental save did not write
+            again, because its ``.metadata`` refers to them in an older iteration.
     """
 
     kind: str
@@ -44,6 +48,8 @@ class CheckpointEvent:
     seconds: float = 0.0
     tier: str | None = None
     error: str | None = None
+    written_bytes: int | None = None
+    referenced_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -73,12 +79,19 @@ def report(event: CheckpointEvent, callback: Callback | None) -> None:
         verb = {"save_end": "saved", "drain_end": "drained"}.get(event.kind, "loaded")
         tier = "" if event.tier is None else f" [{event.tier} tier]"
         logger.info(
-            "%s %s%s (%s; %s) in %s, %s",
-            verb, event.url, tier, ", ".join(event.keys), human_bytes(event.nbytes), _duration(event.seconds),
-            human_rate(event.nbytes, event.seconds),
+            "%s %s%s (%s; %s%s) in %s, %s",
+            verb, event.url, tier, ", ".join(event.keys), human_bytes(event.nbytes), _written(event),
+            _duration(event.seconds), human_rate(event.nbytes, event.seconds),
         )  # fmt: skip
     if callback is not None:
         callback(event)
+
+
+def _written(event: CheckpointEvent) -> str:
+    """``": 12.0 MiB written, 1.0 GiB referenced"`` for a save that referred to older records, else ``""``."""
+    if event.written_bytes is None or not event.referenced_bytes:
+        return ""
+    return f": {human_bytes(event.written_bytes)} written, {human_bytes(event.referenced_bytes)} referenced"
 
 
 def _duration(seconds: float) -> str:

@@ -7,7 +7,8 @@ One load, read top to bottom in :meth:`LoadPipeline.run`:
    (:meth:`LoadPipeline._from_local_tier`); a damaged or unfitting local copy falls back to
    the durable tier, logged.
 3. The resume decision, on rank 0 (:mod:`.resume`): the pointer's iteration, else
-   ``load_path``, else a fresh start (logged at WARNING, or an error when required).
+   ``load_path``, else a fresh start (logged at WARNING, at INFO where a new run is expected,
+   or an error when required).
 4. The preflight (:mod:`.preflight`): every key is planned and checked on every rank before
    the first is applied.
 5. The reads: one key after another, or all at once where that is cheaper.
@@ -202,8 +203,12 @@ class LoadPipeline:
         return dataclasses.replace(plan, keys=keys)
 
     def _start_fresh(self, leftovers: str | None) -> None:
-        """Say that nothing was resumed, at WARNING; raise instead when resuming is required."""
+        """Say that nothing was resumed: at WARNING, at INFO where a new run is expected
+        (``missing_ok``), or raise where resuming is required."""
         url = self._root.url
+        if self._options.missing_ok and not leftovers:
+            logger.info("nothing to resume under %s (a new run): training from scratch at iteration 0", url)
+            return
         if leftovers:
             found = f"it holds {leftovers}"
             advice = "if you meant another save_dirname, fix it; to start over here, empty the folder"
@@ -215,9 +220,12 @@ class LoadPipeline:
                 f"nothing to resume under {url}: {found}; {advice} "
                 "(ResumeOptions(required=True) refuses to train from scratch)"
             )
+        options = "ResumeOptions(required=True) makes this an error"
+        if not leftovers:
+            options += "; for a new run, ResumeOptions(missing_ok=True) makes it INFO"
         logger.warning(
-            "nothing to resume under %s: %s; training from scratch at iteration 0. %s "
-            "(ResumeOptions(required=True) makes this an error)", url, found, advice[0].upper() + advice[1:],
+            "nothing to resume under %s: %s; training from scratch at iteration 0. %s (%s)",
+            url, found, advice[0].upper() + advice[1:], options,
         )  # fmt: skip
 
     # -- 4 to 6. preflight, reads, agreement ------------------------------------------------------

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..storage.names import CONTENT_HASHES_NAME, content_hashes_name
+
 
 def merge_metadata(
     parts: Sequence[tuple[int, Metadata]], *, rename: Callable[[str, int], str], save_id: str, checkpoint_id: str
@@ -80,8 +82,11 @@ def merge_metadata(
 
 
 def rank_file_name(name: str, rank: int) -> str:
-    """``name`` (``…/__0_*.distcp``, a data file of a save without collectives) as rank ``rank``'s."""
+    """``name`` (``…/__0_*.distcp``, a data file of a save without collectives, or its
+    ``.content_hashes.json``) as rank ``rank``'s."""
     folder, base = posixpath.split(name)
     if base.startswith("__0_"):
         base = f"__{rank}_{base[len('__0_'):]}"
+    elif base == CONTENT_HASHES_NAME:
+        base = content_hashes_name(rank)
     return posixpath.join(folder, base)

@@ -49,9 +49,14 @@ class ResumeOptions:
         required: ``load`` raises :class:`~dcp_fsspec.errors.CheckpointNotFoundError` instead of
             training from scratch when there is nothing to resume (a job that must continue a
             run). By default a fresh start is logged at WARNING with the URL.
+        missing_ok: a fresh start is expected where ``save_dirname`` is empty or absent (a new
+            run): it is logged at INFO, not WARNING. Only the caller knows a new run from a
+            mistyped ``save_dirname``, so the warning is the default. A folder that holds files
+            but no pointer is still a WARNING.
 
     Raises:
-        ValueError: both ``load_training_state`` and ``only_load_scheduler_state``.
+        ValueError: both ``load_training_state`` and ``only_load_scheduler_state``, or both
+            ``required`` and ``missing_ok``.
         TypeError: ``keys_not_to_resume`` is a string, not a list of keys.
     """
 
@@ -63,8 +68,14 @@ class ResumeOptions:
     load_optimizer: bool = True
     keys_not_to_resume: tuple[str, ...] = ()
     required: bool = False
+    missing_ok: bool = False
 
     def __post_init__(self) -> None:
+        if self.required and self.missing_ok:
+            raise ValueError(
+                "ResumeOptions(required=True, missing_ok=True): required refuses a fresh start and "
+                "missing_ok expects one; pass one of them"
+            )
         if isinstance(self.keys_not_to_resume, str):
             raise TypeError(f"keys_not_to_resume must be a list of keys, got the string {self.keys_not_to_resume!r}")
         object.__setattr__(self, "keys_not_to_resume", tuple(self.keys_not_to_resume))

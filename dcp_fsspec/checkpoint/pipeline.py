@@ -24,14 +24,19 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ..errors import CorruptCheckpointError
 from ..storage.collector import collector_paused
+from ..storage.content_hashes import unhashed
 from ..storage.failures import unwrap_dcp
+from ..storage.references import is_reference
 from ..storage.file_syncs import FileSyncs
 from ..storage.retry import DEFAULT_RETRY, RetryPolicy
 from ..storage.settings import WriterSettings
@@ -73,6 +78,21 @@ class SaveSettings:
     writer: WriterSettings = WriterSettings()
 
 
+class Saved(NamedTuple):
+    """What one save did, as this rank saw it.
+
+    Attributes:
+        latest: the iteration the pointer names afterwards.
+        written_bytes: the record bytes this rank wrote (after compression, if any).
+        referenced_bytes: the record bytes this rank's keys refer to in older iterations
+            instead of writing them again (an incremental save's; else 0).
+    """
+
+    latest: int
+    written_bytes: int
+    referenced_bytes: int
+
+
 class SavePipeline:
     """Writes staged state dicts as one iteration, commits it, moves the pointer, prunes.
 
@@ -101,15 +121,15 @@ class SavePipeline:
             self._purge.wait()
 
     @collector_paused()
-    def run(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str | None = None) -> int:
+    def run(self, iteration: int, staged: dict[str, dict[str, Any]], save_id: str | None = None) -> Saved:
         """Save ``staged`` (key → state dict) as ``iteration`` and commit it.
 
         ``save_id``: the save's token, when the caller chose it (ranks saving their per-node
         local copies alone share one, see :mod:`.tiers`); else rank 0 draws one.
 
         Returns:
-            The iteration the pointer names afterwards: ``iteration``, or a newer one when
-            ``overwrite`` replaced an older iteration.
+            The iteration the pointer names afterwards (``iteration``, or a newer one when
+            ``overwrite`` replaced an older iteration), and the bytes this rank wrote and referred to.
 
         Raises:
             CheckpointExistsError: the iteration is committed already, or the pointer names a
@@ -123,7 +143,7 @@ class SavePipeline:
         # The save's token, from rank 0 to every rank: in every data file's name and every
         # key's .metadata, and checked at the commit, so a save commits only what it wrote.
         prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration, save_id or uuid.uuid4().hex))
-        syncs = self._write_keys(iteration, staged, prepared, unique_file_names=not prepared.claimed)
+        syncs, counts = self._write_keys(iteration, staged, prepared, unique_file_names=not prepared.claimed)
         latest = self._publish(iteration, keys, prepared, syncs)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
             survey, self._survey = self._survey, None
@@ -131,7 +151,7 @@ class SavePipeline:
                 self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest, purge=self._purge,
                 survey=survey, committed_now=iteration,
             )  # fmt: skip
-        return latest
+        return Saved(latest, sum(c.written for c in counts), sum(c.referenced for c in counts))
 
     def _prepare(self, iteration: int, save_id: str) -> commit.Prepared:
         """Rank 0: make the iteration's folder this save's (:func:`.commit.prepare_iteration`);
@@ -144,7 +164,7 @@ class SavePipeline:
 
     def _write_keys(
         self, iteration: int, staged: dict[str, dict[str, Any]], prepared: commit.Prepared, *, unique_file_names: bool
-    ) -> FileSyncs | None:
+    ) -> tuple[FileSyncs | None, list[_CountingWriter]]:
         """Write every key: side by side where :meth:`_keys_at_once` allows, else one after another.
 
         Keys are independent DCP checkpoints, so a small save's time is its round trips, and
@@ -154,25 +174,25 @@ class SavePipeline:
         Returns:
             Local disk: the fsyncs of the files written, still running on threads of their own
             (:class:`~dcp_fsspec.storage.file_syncs.FileSyncs`) while the next key was planned
-            and written, for :meth:`_sync_key_folders` to wait for; ``None`` elsewhere.
+            and written, for :meth:`_sync_key_folders` to wait for; ``None`` elsewhere. And each
+            key's writer, with the bytes it wrote and referred to.
         """
         writer = self.settings.writer
         syncs = self._root.backend.file_syncs(writer.files_per_rank) if writer.sync_files else None
 
-        def write(key: str) -> None:
-            self._write_key(iteration, key, staged[key], prepared, unique_file_names=unique_file_names, syncs=syncs)
+        def write(key: str) -> _CountingWriter:
+            return self._write_key(iteration, key, staged[key], prepared, unique_file_names=unique_file_names, syncs=syncs)
 
         try:
             if self._keys_at_once(staged):
-                at_once([partial(write, key) for key in staged])
+                writers: list[_CountingWriter] = at_once([partial(write, key) for key in staged])
             else:
-                for key in staged:
-                    write(key)
+                writers = [write(key) for key in staged]
         except BaseException:
             if syncs is not None:
                 syncs.wait(raise_errors=False)  # close the files; the key's error is the one to raise
             raise
-        return syncs
+        return syncs, writers
 
     def _keys_at_once(self, staged: dict[str, dict[str, Any]]) -> bool:
         """Whether the keys may be written side by side.
@@ -200,7 +220,7 @@ class SavePipeline:
         *,
         unique_file_names: bool,
         syncs: FileSyncs | None,
-    ) -> None:
+    ) -> _CountingWriter:
         url = self._root.url_of(layout.key_path(self._root, iteration, key))
         base = prepared.base
         base_url = None
@@ -215,7 +235,7 @@ class SavePipeline:
             metadata_commits=False,
             file_syncs=syncs,
         )
-        writer = FsspecStorageWriter(
+        writer = _CountingWriter(
             url,
             settings=self.settings.writer,
             retry=self.settings.retry,
@@ -236,6 +256,7 @@ class SavePipeline:
             )
         except CheckpointException as e:
             raise unwrap_dcp(e, f"saving key {key!r} to {url}", mismatch=False) from e
+        return writer
 
     def _publish(self, iteration: int, keys: tuple[str, ...], prepared: commit.Prepared, syncs: FileSyncs | None) -> int:
         """Every rank finished every key and made its files and folders durable → rank 0 writes
@@ -291,3 +312,20 @@ class SavePipeline:
                     f"verifying key {key!r} found {len(report.problems)} problem(s), first: "
                     f"{report.problems[0]}; the pointer stays where it was — save again"
                 )
+
+
+class _CountingWriter(FsspecStorageWriter):
+    """A storage writer that counts the record bytes this rank wrote, and those it referred to."""
+
+    written: int = 0
+    referenced: int = 0
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        done = super().write_data(plan, planner)
+        for result in done.value():  # already set: the writer returns once its files are written
+            info = unhashed(result.storage_data)
+            if is_reference(info.relative_path):
+                self.referenced += info.length
+            else:
+                self.written += info.length
+        return done

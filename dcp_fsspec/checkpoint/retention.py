@@ -22,7 +22,7 @@ from functools import partial
 from typing import NamedTuple
 
 from ..errors import DcpFsspecError
-from ..storage.names import COMMIT_RECORD_NAME, CONTENT_HASHES_NAME, METADATA_NAME
+from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME, is_content_hashes
 from ..storage.urls import Location
 from . import deletion, layout, listing, pointer, referenced
 from .at_once import at_once
@@ -117,9 +117,12 @@ def _retirements(root: Location, listed: Listing, iterations: list[int], delete:
 
 def _stays(root: Location, iteration: int, path: str) -> bool:
     """Whether ``path`` is a file a retired iteration keeps whatever refers to it: its mark, and
-    each key's ``.metadata`` and content hashes (a reader checks them in a folder it refers to)."""
+    each key's ``.metadata`` and content hashes, every rank's (a reader, and a drain's same-save
+    check, read them in a folder they refer to)."""
     relative = path[len(layout.iteration_path(root, iteration).rstrip("/")) + 1 :].split("/")
-    return relative == [COMMIT_RECORD_NAME] or (len(relative) == 2 and relative[1] in (METADATA_NAME, CONTENT_HASHES_NAME))
+    return relative == [COMMIT_RECORD_NAME] or (
+        len(relative) == 2 and (relative[1] == METADATA_NAME or is_content_hashes(relative[1]))
+    )
 
 
 class Plan(NamedTuple):

@@ -62,7 +62,11 @@ _DECIDED_BY_RAY = {
     "local_tier": "save to the run's storage path: Ray records a checkpoint as it is when reported",
     "keep_last_n": "set Ray's CheckpointConfig(num_to_keep=...), the retention",
     "resume": "pass load_path to RayTrainCheckpointer",
-    "incremental": "save whole iterations: Ray's num_to_keep deletes iterations that later ones would refer to",
+    "incremental": (
+        "save whole iterations: Ray's num_to_keep deletes a checkpoint's folder whole, without asking, and "
+        "an incremental iteration refers to records in older ones. For incremental saves, use a plain "
+        "Checkpointer(incremental=True, keep_last_n=...), whose retention keeps what kept iterations refer to"
+    ),
 }
 
 
@@ -91,6 +95,8 @@ class RayTrainCheckpointer:
             (``writer_settings``, ``reader_settings``, ``retry``, ``verify_before_commit``, …).
             Ray decides the rest: saves are synchronous and replace an iteration saved again,
             ``load_path`` is the resume option, and Ray's ``num_to_keep`` is the retention.
+            ``incremental`` is refused: Ray deletes a checkpoint's folder whole, and a later
+            incremental iteration would refer to records in it.
 
     Raises:
         UsageError: ``checkpointer_options`` sets an option Ray decides (it names it).

@@ -19,6 +19,7 @@ METADATA_NAME = ".metadata"  # DCP's: written last, by the coordinator; its pres
 DATA_SUFFIX = ".distcp"
 # An incremental save's content hashes, beside .metadata and written just before it.
 CONTENT_HASHES_NAME = ".content_hashes.json"
+_CONTENT_HASHES_RE = re.compile(r"(__[0-9]+)?" + re.escape(CONTENT_HASHES_NAME))
 COMMIT_RECORD_NAME = ".commit.json"
 POINTER_NAME = "latest_checkpoint.txt"
 _TEMP_SUFFIX = ".tmp"
@@ -35,6 +36,20 @@ ITERATION_RE = re.compile(rf"{ITERATION_PREFIX}([0-9]{{{ITERATION_DIGITS},{MAX_I
 def metadata_name(rank: int | None = None) -> str:
     """``.metadata``, or ``__{rank}.metadata`` for saves made without collectives (torch's rule)."""
     return METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+
+
+def content_hashes_name(rank: int = 0) -> str:
+    """``.content_hashes.json``, or ``__{rank}.content_hashes.json`` for a rank > 0's own.
+
+    A per-node drain uploads every rank's content hashes of a key into one durable folder: each
+    under its own name, so that the next drain compares each rank's with its own copy.
+    """
+    return CONTENT_HASHES_NAME if rank == 0 else f"__{rank}{CONTENT_HASHES_NAME}"
+
+
+def is_content_hashes(name: str) -> bool:
+    """Whether a file name (or path) is one :func:`content_hashes_name` makes."""
+    return _CONTENT_HASHES_RE.fullmatch(posixpath.basename(name)) is not None
 
 
 def data_file_name(prefix: str, n: int) -> str:

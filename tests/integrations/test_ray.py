@@ -197,3 +197,15 @@ def test_an_option_ray_decides_is_refused_naming_it(decided: str, tmp_path: Path
     }[decided]  # fmt: skip
     with pytest.raises(UsageError, match=rf"RayTrainCheckpointer decides CheckpointerOptions\.{decided} itself"):
         RayTrainCheckpointer(checkpointer_options=CheckpointerOptions(**{decided: value}))
+
+
+def test_incremental_is_refused_saying_why_and_what_gives_incremental_saves_instead() -> None:
+    from dcp_fsspec import CheckpointerOptions
+    from dcp_fsspec.errors import UsageError
+    from dcp_fsspec.integrations.ray import RayTrainCheckpointer
+
+    with pytest.raises(UsageError) as raised:
+        RayTrainCheckpointer(checkpointer_options=CheckpointerOptions(incremental=True))
+    message = str(raised.value)
+    assert "num_to_keep deletes a checkpoint's folder whole" in message
+    assert "Checkpointer(incremental=True, keep_last_n=...)" in message
