@@ -167,8 +167,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def find(self, path: str, *, withdirs: bool = False) -> dict[str, dict[str, Any]]:
         """Every file under ``path`` (``path`` itself if it is a file) → its info (``size``,
-        ``type``), read fresh; with ``withdirs`` every folder too, ``path`` included. ``{}``
-        where ``path`` does not exist. A symbolic link is listed (type ``"other"``), never followed.
+        ``type``), read fresh; with ``withdirs`` the folders under it too (some stores list
+        ``path`` as well). ``{}`` where ``path`` does not exist. A symbolic link is listed
+        (type ``"other"``), never followed.
         """
 
     @abc.abstractmethod
