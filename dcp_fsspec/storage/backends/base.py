@@ -175,7 +175,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def remove_files(self, paths: Sequence[str], *, within: str) -> None:
         """Delete the files ``paths`` (all under ``within``) in as few requests as the store
-        allows; those already absent are fine. A link on the way is removed, not followed
+        allows; those already absent are fine, and so are folders among them (from
+        ``find(withdirs=True)``), which go where the store keeps them empty. A link on the way is removed, not followed
         (:meth:`remove_link`).
 
         Raises:
@@ -261,16 +262,16 @@ class Backend(abc.ABC):
         unfinished uploads under it where the store keeps them; those already absent are fine.
         A link on the way, or anywhere under a path, is removed itself, never followed.
 
-        Default: :meth:`find` each path, then one :meth:`remove_files` (stores without real
-        folders: a folder goes with its last file).
+        Default: :meth:`find` each path with its folders, then one :meth:`remove_files` of all
+        (stores whose folders need more than that override it).
 
         Raises:
             StorageError: the backend failed; some of ``paths`` may be half deleted.
         """
         kept = [path for path in paths if self.remove_link(path, within) is None]
-        files = [name for path in kept for name, info in self.find(path).items() if info.get("type") != "directory"]
-        if files:
-            self.remove_files(files, within=within)
+        found = [name for path in kept for name in self.find(path, withdirs=True)]
+        if found:
+            self.remove_files(found, within=within)
 
     # --- optional: reading ------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from contextlib import suppress
 from typing import Any
 
 import fsspec
@@ -61,8 +62,10 @@ class MemoryBackend(Backend):
         return dict(sorted(found.items()))
 
     def remove_files(self, paths: Sequence[str], *, within: str) -> None:
-        for path in paths:
-            self.fs.store.pop(self.fs._strip_protocol(path), None)
+        for key in map(self.fs._strip_protocol, paths):
+            self.fs.store.pop(key, None)
+            with suppress(ValueError):  # a folder made by fsspec's makedirs, if it is one
+                self.fs.pseudo_dirs.remove(key)
 
     def replace_if_unchanged(self, path: str, data: bytes, expected: Versioned) -> bool:
         with _SWAPS:  # a compare-and-swap of its own: it holds without the caller's lock too
