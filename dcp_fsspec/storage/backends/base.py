@@ -302,10 +302,3 @@ class Backend(abc.ABC):
     async def read_range_async(self, path: str, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of ``path``, on the event loop (used where :attr:`async_reads`)."""
         return await asyncio.to_thread(self.read_range, path, start, end)
-
-    async def read_range_into_async(self, path: str, start: int, view: memoryview) -> int:
-        """Fill ``view`` with the bytes of ``path`` from ``start``, on the event loop: the bytes
-        read, fewer only where the file ends (default: read, then copy)."""
-        data = await self.read_range_async(path, start, start + len(view))
-        view[: len(data)] = data
-        return len(data)

@@ -115,6 +115,14 @@ class FsspecBackend(Backend):
     async def read_range_async(self, path: str, start: int, end: int) -> bytes | bytearray:
         return await self.fs._cat_file(path, start=start, end=end)
 
+    async def read_range_into_async(self, path: str, start: int, view: memoryview) -> int:
+        """Fill ``view`` with the bytes of ``path`` from ``start``, on the event loop, for
+        :class:`LoopFiles`: the bytes read, fewer only where the file ends (here: read, then
+        copy; S3 reads into it)."""
+        data = await self.read_range_async(path, start, start + len(view))
+        view[: len(data)] = data
+        return len(data)
+
     def in_place_files(self) -> InPlaceFiles | None:
         """On the event loop where :attr:`async_reads`, else none."""
         return LoopFiles(self) if self.async_reads else None
@@ -127,7 +135,9 @@ class LoopFiles(InPlaceFiles):
     policy; a retried read fills the same memory again from its first byte.
     """
 
-    def __init__(self, backend: Backend) -> None:
+    backend: FsspecBackend
+
+    def __init__(self, backend: FsspecBackend) -> None:
         super().__init__(backend)
         self.fs = backend.fs
         self._sizes: dict[str, int] = {}
