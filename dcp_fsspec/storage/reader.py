@@ -362,7 +362,7 @@ class FsspecStorageReader(UrlBound, StorageReader):
         it must buffer (a resharded read, say) is read whole into its buffer instead.
         """
         reads, checks = pools
-        at_least = _IN_PLACE_MIN if self.location.is_local else max(_IN_PLACE_MIN, self.settings.max_request_bytes)
+        at_least = _IN_PLACE_MIN if self.location.answers_locally else max(_IN_PLACE_MIN, self.settings.max_request_bytes)
         big = [r for r in records if r.length >= at_least]
         heads = [reads.submit(files.read, r.path, min(r.length, _HEAD_BYTES), r.offset) for r in big]
         started = []

@@ -115,10 +115,6 @@ class Location:
         return self.backend.plain_url(path)
 
     @property
-    def is_local(self) -> bool:
-        return self.backend.is_local
-
-    @property
     def answers_locally(self) -> bool:
         """See :class:`~.backends.base.Backend`: no round trip to hide behind threads."""
         return self.backend.answers_locally

@@ -1,16 +1,14 @@
 """What differs between storage backends, decided once per filesystem from one table.
 
 Every layer above the storage layer asks a :class:`~.base.Backend` (``location.backend``) what
-the store can do and how: write a file durably and atomically, write a small file atomically,
-read a range, compare-and-swap the pointer, lock a folder, abort abandoned uploads. Nothing else
-in the package tests a filesystem's type, protocol or private API.
+the store can do and how. Nothing else in the package tests a filesystem's type, protocol or
+private API. The contract (:mod:`.base`) is a small core and optional capabilities with defaults.
 
 A backend is chosen by the filesystem's fsspec protocol from :data:`BACKENDS` (module path and
 class name, imported on first use, like fsspec's own registry). A protocol missing from the
-table gets the generic :class:`~.base.Backend`: fsspec's buffered writer, one ``pipe_file`` for
-small files, ranged ``cat_file`` reads, and pointer updates serialized within one process
-(documented in the README as "other fsspec backends"). Adding a backend is one table entry and
-the module holding its quirks (S3's are spread over ``s3*.py``, one concern each).
+table gets the generic :class:`~.generic.FsspecBackend` (documented in the README as "other
+fsspec backends"). Adding a backend is one table entry and the module holding its quirks (S3's
+are spread over ``s3*.py``, one concern each).
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from fsspec.registry import known_implementations
 
 from ..retry import NO_RETRY, RetryPolicy
 from .base import Backend, RangeReader, Versioned
+from .generic import FsspecBackend
 
 # fsspec protocol → "module:Class" under this package.
 BACKENDS: dict[str, str] = {
@@ -56,7 +55,7 @@ DRIVER_PACKAGES: dict[str, str] = {
 def backend_for(
     fs: fsspec.AbstractFileSystem, retry: RetryPolicy = NO_RETRY, url_of: Callable[[str], str] | None = None
 ) -> Backend:
-    """The backend for ``fs`` (its first protocol that the table knows; else the generic one).
+    """The backend for ``fs`` (its first protocol that the table knows; else :class:`FsspecBackend`).
 
     Args:
         fs: the filesystem.
@@ -70,7 +69,7 @@ def backend_for(
             cls: type[Backend] = getattr(importlib.import_module(f"{__name__}.{module_name}"), class_name)
             if cls.accepts(fs):
                 return cls(fs, retry, url_of)
-    return Backend(fs, retry, url_of)
+    return FsspecBackend(fs, retry, url_of)
 
 
 def _protocols_of(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -87,4 +86,4 @@ def _protocols_of(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return tuple(p for p, spec in known_implementations.items() if spec.get("class") == name)
 
 
-__all__ = ["BACKENDS", "DRIVER_PACKAGES", "Backend", "RangeReader", "Versioned", "backend_for"]
+__all__ = ["BACKENDS", "DRIVER_PACKAGES", "Backend", "FsspecBackend", "RangeReader", "Versioned", "backend_for"]

@@ -20,7 +20,8 @@ from ...errors import DcpFsspecError, StorageError
 from ..file_syncs import FileSyncs
 from ..retry import RetryPolicy, causes, http_status
 from ..uploads import ByteBudget, FileUpload
-from .base import Backend, Versioned
+from .base import Versioned
+from .generic import FsspecBackend
 from .s3_client import hook_client
 from .s3_removal import S3Removal
 from .s3_uploads import S3MultipartUpload
@@ -34,8 +35,7 @@ _BUCKETS_SEEN: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDiction
 _BARE_ETAG_SERVERS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-class S3Backend(Backend):
-    name = "S3"
+class S3Backend(FsspecBackend):
     conditional_writes = True
     exclusive_across_processes = True
 

@@ -18,11 +18,10 @@ from .. import names
 from ..failures import storage_errors
 from ..file_syncs import FileSyncs
 from ..uploads import ByteBudget, FileUpload, publish_whole
-from .base import Backend, RangeReader
+from .generic import FsspecBackend
 
 
-class SftpBackend(Backend):
-    name = "SFTP"
+class SftpBackend(FsspecBackend):
     real_folders = True
 
     def new_upload(
@@ -41,23 +40,18 @@ class SftpBackend(Backend):
             publish_whole(RenameUpload(self.fs, path), [data])
         self.invalidate(self.fs._parent(path))
 
-    @property
-    def async_reads(self) -> bool:
-        return False  # sshfs is async, but its _cat_file reads whole files
-
-    def range_reader(self) -> RangeReader:
-        return SeekingReader(self.fs)
-
-
-class SeekingReader(RangeReader):
-    """Ranges read through open/seek/read, for drivers whose ``cat_file`` ignores the range."""
-
-    def read(self, path: str, size: int, offset: int) -> bytes:
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Through open/seek/read: sshfs's ``cat_file`` ignores the range."""
         # Not block_size=0: sshfs would then read with one unpipelined request, which the
         # server answers with at most its packet limit.
         with self.fs.open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(size)
+            f.seek(start)
+            data: bytes = f.read(end - start)
+        return data
+
+    @property
+    def async_reads(self) -> bool:
+        return False  # sshfs is async, but its _cat_file reads whole files
 
 
 class RenameUpload(FileUpload):
