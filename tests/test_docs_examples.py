@@ -201,11 +201,6 @@ def unnamed_extras(block: Block, page: str, extras: dict[str, set[str]]) -> list
     return missing
 
 
-# Blocks whose page does not name the extra yet, as (file, module). docs/checkpointer.md is
-# another change's: its SafetensorsExport example reads the export back with safetensors.torch.
-KNOWN_UNNAMED = {("docs/checkpointer.md", "safetensors")}
-
-
 def test_a_block_importing_what_only_an_extra_installs_follows_the_name_of_that_extra() -> None:
     """Without the extra, such a block fails with ``No module named ...``: the page must have
     said which extra to install before it."""
@@ -215,8 +210,7 @@ def test_a_block_importing_what_only_an_extra_installs_follows_the_name_of_that_
     for block in BLOCKS:
         page = (ROOT / block.file).read_text()
         for missing in unnamed_extras(block, page, extras):
-            if (block.file, missing.split(" ")[0]) not in KNOWN_UNNAMED:
-                problems.append(f"{block.id}: imports {missing} without naming the extra before it")
+            problems.append(f"{block.id}: imports {missing} without naming the extra before it")
     assert not problems, "\n".join(problems)
 
 
