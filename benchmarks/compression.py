@@ -69,7 +69,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, WriterSettings
-    from dcp_fsspec.storage.urls import resolve
+    from dcp_fsspec.storage.transport.urls import resolve
 
     state = build_state(spec["state"], spec["size_mib"])
     level = spec["level"]

@@ -111,7 +111,7 @@ def _remove(place: Place) -> None:
     if place.name == "local":
         shutil.rmtree(os.path.dirname(place.url), ignore_errors=True)
         return
-    from dcp_fsspec.storage.urls import resolve
+    from dcp_fsspec.storage.transport.urls import resolve
 
     location = resolve(place.url, place.options)
     location.fs.rm(location.path, recursive=True)

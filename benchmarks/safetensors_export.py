@@ -10,7 +10,7 @@
 * ``import ours`` and ``import torch``: ``dcp.load`` of the exported folder on local disk with
   ``SafetensorsStorageReader`` and with torch's ``HuggingFaceStorageReader``.
 * ``checkpointer``: the training thread's time in ``Checkpointer.save`` (async), with and
-  without a :class:`~dcp_fsspec.tools.safetensors_on_save.SafetensorsExport` on ``on_event``.
+  without a :class:`~dcp_fsspec.tools.safetensors.on_save.SafetensorsExport` on ``on_event``.
 
 S3 is moto in this process by default (``--server``, ``--s3-endpoint``: see benchmarks/run.py).
 Each case prints one JSON line (``peak_extra_mib``: the child's peak RSS above its RSS before
@@ -64,7 +64,7 @@ def _measured(run: Any) -> dict[str, Any]:
 
 
 def _case_export(c: dict[str, Any]) -> dict[str, Any]:
-    from dcp_fsspec.tools.safetensors_export import export_safetensors
+    from dcp_fsspec.tools.safetensors.export import export_safetensors
 
     return _measured(lambda: export_safetensors(c["src"], c["out"], c["src_options"], c["out_options"], overwrite=True))
 
@@ -82,7 +82,7 @@ def _case_consolidate(c: dict[str, Any]) -> dict[str, Any]:
 def _case_save(c: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from dcp_fsspec.storage.writer import FsspecStorageWriter
+    from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 
     state = make_state(c["size_gib"])
     return _measured(lambda: dcp.save(state, storage_writer=FsspecStorageWriter(c["out"], storage_options=c["out_options"])))
@@ -92,7 +92,7 @@ def _case_import(c: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from dcp_fsspec.storage.safetensors_reader import SafetensorsStorageReader
+    from dcp_fsspec.storage.read.safetensors_reader import SafetensorsStorageReader
 
     state = {k: torch.empty_like(v) for k, v in make_state(c["size_gib"]).items()}
     reader = SafetensorsStorageReader(c["src"]) if c["impl"] == "ours" else HuggingFaceStorageReader(c["src"])
@@ -103,7 +103,7 @@ def _case_checkpointer(c: dict[str, Any]) -> dict[str, Any]:
     from torch import nn
 
     from dcp_fsspec import Checkpointer
-    from dcp_fsspec.tools.safetensors_on_save import SafetensorsExport
+    from dcp_fsspec.tools.safetensors.on_save import SafetensorsExport
 
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(max(1, int(c["size_gib"] * 256)))])
     export = SafetensorsExport(c["out"] + "/step-{iteration}", dtype=torch.bfloat16) if c["with_export"] else None
@@ -140,7 +140,7 @@ def _setup(root: str, size_gib: float, s3: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    from dcp_fsspec.storage.writer import FsspecStorageWriter
+    from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 
     state = make_state(size_gib)
     paths: dict[str, Any] = {"ours": os.path.join(root, "dcp"), "torch": os.path.join(root, "torch-hf"), "s3": s3["url"] + "/dcp"}

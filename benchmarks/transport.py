@@ -103,7 +103,7 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
         import fsspec.asyn
 
         from dcp_fsspec.storage.backends.s3 import S3Backend
-        from dcp_fsspec.storage.retry import NO_RETRY
+        from dcp_fsspec.storage.transport.retry import NO_RETRY
 
         fs = _s3fs(args.endpoint, args.key, args.secret)
         backend = S3Backend(fs, NO_RETRY)

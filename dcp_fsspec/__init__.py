@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from dcp_fsspec._version import __version__
 
 # Public name → the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -28,20 +28,20 @@ _EXPORTS: dict[str, str] = {
     "CorruptCheckpointError": ".errors",
     "DcpFsspecError": ".errors",
     "DrainError": ".errors",
-    "FsspecStorageReader": ".storage.reader",
-    "FsspecStorageWriter": ".storage.writer",
+    "FsspecStorageReader": ".storage.read.reader",
+    "FsspecStorageWriter": ".storage.write.writer",
     "InvalidURLError": ".errors",
     "LocalTier": ".checkpoint.options",
     "MissingDriverError": ".errors",
     "ReaderSettings": ".storage.settings",
     "ResumeOptions": ".checkpoint.options",
-    "RetryPolicy": ".storage.retry",
-    "SafeLoadPlanner": ".storage.trust",
-    "SafetensorsExport": ".tools.safetensors_on_save",
-    "SafetensorsStorageReader": ".storage.safetensors_reader",
+    "RetryPolicy": ".storage.transport.retry",
+    "SafeLoadPlanner": ".storage.format.safe_entries",
+    "SafetensorsExport": ".tools.safetensors.on_save",
+    "SafetensorsStorageReader": ".storage.read.safetensors_reader",
     "StorageError": ".errors",
-    "VerifyProblem": ".storage.verification",
-    "VerifyReport": ".storage.verification",
+    "VerifyProblem": ".storage.checkpoint_files.integrity",
+    "VerifyReport": ".storage.checkpoint_files.integrity",
     "WriterSettings": ".storage.settings",
     "verify": ".tools.verify",
 }
@@ -51,31 +51,19 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpointer
-    from .checkpoint.events import CheckpointEvent
-    from .checkpoint.options import CheckpointerOptions, LocalTier, ResumeOptions
-    from .errors import (
-        BackgroundSaveError,
-        CheckpointExistsError,
-        CheckpointMismatchError,
-        CheckpointNotFoundError,
-        ChecksumMismatchError,
-        CorruptCheckpointError,
-        DcpFsspecError,
-        DrainError,
-        InvalidURLError,
-        MissingDriverError,
-        StorageError,
-    )
-    from .storage.reader import FsspecStorageReader
-    from .storage.retry import RetryPolicy
-    from .storage.safetensors_reader import SafetensorsStorageReader
-    from .storage.settings import ReaderSettings, WriterSettings
-    from .storage.trust import SafeLoadPlanner
-    from .storage.verification import VerifyProblem, VerifyReport
-    from .storage.writer import FsspecStorageWriter
-    from .tools.safetensors_on_save import SafetensorsExport
-    from .tools.verify import verify
+    from dcp_fsspec.checkpoint import Checkpointer
+    from dcp_fsspec.checkpoint.events import CheckpointEvent
+    from dcp_fsspec.checkpoint.options import CheckpointerOptions, LocalTier, ResumeOptions
+    from dcp_fsspec.errors import BackgroundSaveError, CheckpointExistsError, CheckpointMismatchError, CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, DcpFsspecError, DrainError, InvalidURLError, MissingDriverError, StorageError
+    from dcp_fsspec.storage.read.reader import FsspecStorageReader
+    from dcp_fsspec.storage.transport.retry import RetryPolicy
+    from dcp_fsspec.storage.read.safetensors_reader import SafetensorsStorageReader
+    from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
+    from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
+    from dcp_fsspec.storage.checkpoint_files.integrity import VerifyProblem, VerifyReport
+    from dcp_fsspec.storage.write.writer import FsspecStorageWriter
+    from dcp_fsspec.tools.safetensors.on_save import SafetensorsExport
+    from dcp_fsspec.tools.verify import verify
 else:
 
     def __getattr__(name: str) -> Any:

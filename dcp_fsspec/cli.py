@@ -20,13 +20,13 @@ from collections.abc import Collection, Sequence
 from types import ModuleType
 from typing import NoReturn
 
-from ._version import __version__
-from .tools import _cli
+from dcp_fsspec._version import __version__
+from dcp_fsspec.tools import _cli
 
 # name: (module under dcp_fsspec, its function that runs the subcommand, one-line help). The
 # helps live here, not in the modules, so that the top-level --help imports none of them.
 _COMMANDS: dict[str, tuple[str, str, str]] = {
-    "ls": ("tools.listing", "main",
+    "ls": ("tools.ls", "main",
            "list the iterations under a save_dirname: latest, committed or not, size, age"),
     "inspect": ("tools.inspection", "main",
                 "show the keys, tensors, dtypes, shapes and sizes of a checkpoint"),
@@ -38,7 +38,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
               "delete all but the newest N committed iterations (never the latest)"),
     "to-torch": ("tools.convert_options", "main_to_torch",
                  "convert a checkpoint to one torch.save file"),
-    "to-safetensors": ("tools.safetensors_cli", "main",
+    "to-safetensors": ("tools.safetensors.command", "main",
                        "export a checkpoint's tensors as sharded safetensors (a folder) or one .safetensors file"),
     "demo": ("demo", "main",
              "train a small model, checkpoint to an embedded S3, resume in a fresh process, compare bitwise"),

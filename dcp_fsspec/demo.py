@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import Checkpointer, layout
-from .checkpoint.options import ResumeOptions
-from .storage.urls import resolve
+from dcp_fsspec.checkpoint import Checkpointer
+from dcp_fsspec.checkpoint.commit import layout
+from dcp_fsspec.checkpoint.options import ResumeOptions
+from dcp_fsspec.storage.transport.urls import resolve
 
 DEMO_BUCKET = "dcp-fsspec-demo"
 _RESULT_PREFIX = "DEMO-RESULT "  # marks the resumed process's one machine-readable line
@@ -248,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
         ok = run_demo(cfg)
         print(f"the checkpoints stay at {cfg.url}: try `dcp-fsspec ls {cfg.url}`")
         return 0 if ok else 1
-    from .local_s3 import LocalS3Server
+    from dcp_fsspec.local_s3 import LocalS3Server
 
     with LocalS3Server() as server:
         server.create_bucket(DEMO_BUCKET)

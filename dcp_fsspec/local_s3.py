@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .errors import MissingDriverError
+from dcp_fsspec.errors import MissingDriverError
 
 ACCESS_KEY = "dcp-fsspec-local"
 SECRET_KEY = "dcp-fsspec-local-secret"

@@ -30,7 +30,7 @@ def main() -> int:
 
 
 def _module(mutant: str) -> str:
-    """``dcp_fsspec.checkpoint.commit`` of ``dcp_fsspec.checkpoint.commit.x_publish__mutmut_3``."""
+    """``dcp_fsspec.checkpoint.commit.committing`` of ``dcp_fsspec.checkpoint.commit.committing.x_publish__mutmut_3``."""
     return mutant.split(".x")[0]
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dcp_fsspec import Checkpointer
-from dcp_fsspec.checkpoint import commit
+from dcp_fsspec.checkpoint.commit import committing
 
 STEP1 = {"w": torch.arange(1000.0)}
 STEP2 = {"w": torch.arange(1000.0) * 2}
@@ -29,7 +29,7 @@ STOP_AT_ENV = "DCP_FSSPEC_TEST_STOP_AT"  # "<phase>:<marker folder>", inherited 
 
 def _stop_in_background_process() -> None:
     phase, marker_dir = os.environ[STOP_AT_ENV].split(":", 1)
-    real_publish = commit.publish
+    real_publish = committing.publish
 
     def publish(*args: Any, **kwargs: Any) -> int:
         if phase == "before-commit":
@@ -40,7 +40,7 @@ def _stop_in_background_process() -> None:
         threading.Event().wait()
         return latest
 
-    commit.publish = publish  # type: ignore[assignment]
+    committing.publish = publish  # type: ignore[assignment]
 
 
 if __name__ == "__mp_main__" and STOP_AT_ENV in os.environ:  # spawn's name for the re-imported main

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from dcp_fsspec import BackgroundSaveError, Checkpointer, FsspecStorageReader, StorageError
-from dcp_fsspec.checkpoint.staging import Stager
+from dcp_fsspec.checkpoint.save.staging import Stager
 
 from .async_child import STEP1, STEP2, STOP_AT_ENV
 from .ckpt_fsdp import Phase, run_phase

@@ -17,8 +17,8 @@ from dcp_fsspec import Checkpointer
 from dcp_fsspec.storage.backends import Backend as StoreBackend
 from dcp_fsspec.storage.backends import Versioned
 from dcp_fsspec.storage.backends.memory import MemoryBackend
-from dcp_fsspec.storage.uploads import MIN_PART_SIZE, ByteBudget, FileUpload, publish_whole
-from dcp_fsspec.storage.urls import Location, resolve
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload, publish_whole
+from dcp_fsspec.storage.transport.urls import Location, resolve
 
 from .conftest import Backend
 

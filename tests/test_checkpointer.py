@@ -26,10 +26,10 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     ResumeOptions,
 )
-from dcp_fsspec.checkpoint import deletion, layout, listing, retention
-from dcp_fsspec.checkpoint.pipeline import SavePipeline
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.commit import deletion, layout, run_listing as listing, retention
+from dcp_fsspec.checkpoint.save.pipeline import SavePipeline
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME
+from dcp_fsspec.storage.transport.urls import resolve
 
 from .conftest import Backend
 from .ckpt_helpers import Training, assert_equal, assert_same_training

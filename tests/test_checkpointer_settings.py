@@ -26,8 +26,8 @@ from dcp_fsspec import (
     WriterSettings,
     verify,
 )
-from dcp_fsspec.checkpoint import pointer
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
+from dcp_fsspec.checkpoint.commit import pointer
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 
 from .conftest import Backend
 

@@ -28,12 +28,12 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     StorageError,
 )
-from dcp_fsspec.checkpoint import commit, deletion, layout, listing, loadable, pointer, record, retention
-from dcp_fsspec.checkpoint.record import CommitRecord, read_commit_record
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
-from dcp_fsspec.storage.urls import Location, resolve
+from dcp_fsspec.checkpoint.commit import committing, deletion, layout, run_listing, loadable, pointer, commit_record as record, retention
+from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, read_commit_record
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.urls import Location, resolve
 from tests.conftest import Backend
-from dcp_fsspec.storage.write_plan import WriteContext
+from dcp_fsspec.storage.write.file_plan import WriteContext
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -47,7 +47,7 @@ def root(request: pytest.FixtureRequest) -> Location:
 
 def _committed(root: Location, iteration: int) -> bool:
     """Whether ``iteration`` has a commit record and every key it lists has ``.metadata``."""
-    return listing.inspect_iteration(root, iteration)[0] is not None
+    return run_listing.inspect_iteration(root, iteration)[0] is not None
 
 
 def _pointer_file(root: Location) -> bytes:
@@ -72,7 +72,7 @@ def _messages(caplog: pytest.LogCaptureFixture, module: Any) -> list[str]:
 
 def _set_pointer(root: Location, iteration: int) -> None:
     """Put the pointer anywhere, as a run with another history would have left it."""
-    commit.write_atomically(root, root.join(POINTER_NAME), f"{layout.format_iteration(iteration)}\n".encode())
+    committing.write_atomically(root, root.join(POINTER_NAME), f"{layout.format_iteration(iteration)}\n".encode())
 
 
 def test_the_pointer_moves_forward_stays_on_a_repeat_and_never_moves_back(
@@ -83,7 +83,7 @@ def test_the_pointer_moves_forward_stays_on_a_repeat_and_never_moves_back(
     assert pointer.write_pointer(root, 3) is True
     assert pointer.write_pointer(root, 7) is True
     assert pointer.write_pointer(root, 7) is True  # a repeat (a retried save) is not a move back
-    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.pointer"):
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.commit.pointer"):
         assert pointer.write_pointer(root, 5) is False
     assert pointer.read_pointer(root) == 7
     assert _pointer_file(root) == b"iter_000000007\n"
@@ -157,7 +157,7 @@ def test_retention_deletes_what_its_plan_says_and_reports_it(root: Location, cap
     _save(root, 1, 2, 3, 4, 5)
     _set_pointer(root, 4)
     _put(root, "iter_000000000", "model", "debris")  # an uncommitted folder below
-    with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint.retention"):
+    with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint.commit.retention"):
         assert retention.apply_retention(root, 2, protected=(5,)) == [0, 1, 2]
     assert layout.list_iterations(root) == [3, 4, 5]
     assert pointer.read_pointer(root) == 4
@@ -175,7 +175,7 @@ def test_retention_keeps_n_committed_counting_only_committed_iterations(root: Lo
     root.fs.rm(root.join("iter_000000002", COMMIT_RECORD_NAME))  # 2 is no longer committed
     assert retention.apply_retention(root, 2) == [2]
     assert layout.list_iterations(root) == [1, 4]
-    assert listing.committed_iterations(root) == [1, 4]
+    assert run_listing.committed_iterations(root) == [1, 4]
 
 
 def test_retention_without_a_pointer_deletes_nothing(root: Location) -> None:
@@ -197,7 +197,7 @@ def test_a_failed_deletion_is_logged_skipped_and_the_rest_still_deleted(
         real_remove(where, iterations)
 
     monkeypatch.setattr(deletion, "remove_iterations", remove)
-    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.retention"):
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.commit.retention"):
         assert retention.apply_retention(root, 1) == [2]
     assert layout.list_iterations(root) == [1, 3]
     assert _messages(caplog, retention) == [
@@ -210,7 +210,7 @@ def test_retention_that_cannot_read_the_pointer_deletes_nothing_and_says_so(
 ) -> None:
     _save(root, 1, 2, 3)
     root.fs.pipe_file(root.join(POINTER_NAME), b"garbage")
-    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.retention"):
+    with caplog.at_level(logging.WARNING, logger="dcp_fsspec.checkpoint.commit.retention"):
         assert retention.apply_retention(root, 1) == []
     assert layout.list_iterations(root) == [1, 2, 3]
     (message,) = _messages(caplog, retention)
@@ -222,7 +222,7 @@ def test_publishing_an_iteration_the_pointer_passed_is_refused_with_what_to_do(r
     """Another run moved the pointer past this iteration while it was written: not committed."""
     _save(root, 7)
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.publish(root, 5, ("model",), 1)
+        committing.publish(root, 5, ("model",), 1)
     assert str(raised.value) == (
         f"cannot commit {root.url_of(layout.iteration_path(root, 5))}: {pointer.pointer_url(root)} moved to the "
         f"newer iter_000000007 while it was being saved, so another run is saving to {root.url}; the pointer "
@@ -252,7 +252,7 @@ def test_a_publish_whose_pointer_update_loses_the_race_reports_the_newer_iterati
         return real_replace(self, path, data, expected)
 
     monkeypatch.setattr(backend_type, "replace_if_unchanged", another_run_first)
-    assert commit.publish(root, 5, ("model",), 1) == 9
+    assert committing.publish(root, 5, ("model",), 1) == 9
     assert moved and pointer.read_pointer(root) == 9 and _committed(root, 5)
 
 
@@ -273,10 +273,10 @@ def test_publish_commits_only_a_key_its_own_save_wrote(root: Location) -> None:
     """A key whose .metadata carries another save's token is not committed by this one."""
     _written_key(root, 5, save_id="a" * 32)
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.publish(root, 5, ("model",), 1, save_id="b" * 32)
+        committing.publish(root, 5, ("model",), 1, save_id="b" * 32)
     assert root.url_of(layout.iteration_path(root, 5)) in str(raised.value)
     assert not _committed(root, 5) and pointer.read_pointer(root) is None
-    assert commit.publish(root, 5, ("model",), 1, save_id="a" * 32) == 5
+    assert committing.publish(root, 5, ("model",), 1, save_id="a" * 32) == 5
     assert _committed(root, 5)
 
 
@@ -284,7 +284,7 @@ def test_publish_over_a_garbage_pointer_is_an_error_naming_it(root: Location) ->
     _written_key(root, 5, save_id="a" * 32)
     _put(root, POINTER_NAME, data=b"not a folder name\n")
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+        committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert pointer.pointer_url(root) in str(raised.value)
     assert not _committed(root, 5)
 
@@ -310,10 +310,10 @@ def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missi
         "has no .commit.json: a save that failed, or a deletion by retention that was interrupted, "
         "left it; retention deletes it at the next save"
     )
-    listed = listing.list_save_dirname(root)
+    listed = run_listing.list_save_dirname(root)
     for inspect in (
-        lambda i, latest: listing.inspect_iteration(root, i, latest=latest),
-        lambda i, latest: listing.listed_inspection(root, listed, i, latest=latest),
+        lambda i, latest: run_listing.inspect_iteration(root, i, latest=latest),
+        lambda i, latest: run_listing.listed_inspection(root, listed, i, latest=latest),
     ):
         assert inspect(4, None) == (None, never_finished)
         assert inspect(4, 5) == (None, interrupted)
@@ -321,14 +321,14 @@ def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missi
         assert inspect(6, 5) == (None, f"lacks {root.url_of(metadata_of_6)}")
         record, why = inspect(3, 5)
         assert why is None and record is not None and (record.iteration, record.keys) == (3, ("model",))
-    assert listing.inspect_iteration(root, 9) == (None, "does not exist")
+    assert run_listing.inspect_iteration(root, 9) == (None, "does not exist")
 
 
 def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the_stray_key(root: Location) -> None:
     """require_saved_together, load's token check: a key whose .metadata another save wrote after
     the commit is never loaded as part of it; a record from before tokens (no save_id) is not checked."""
     _written_key(root, 5, save_id="a" * 32)
-    record = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    record = committing.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
     loadable.require_saved_together(root, record)  # whole: nothing to say
     _written_key(root, 5, save_id="b" * 32)  # a zombie of the same run rewrote the key
     with pytest.raises(CorruptCheckpointError) as raised:
@@ -347,7 +347,7 @@ def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_
 ) -> None:
     """A load's token check costs one listing and one read per key, not one request per data file."""
     _written_key(root, 5, save_id="a" * 32)
-    record = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    record = committing.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
     backend_type = type(root.backend)
     calls: list[str] = []
 
@@ -370,10 +370,10 @@ def test_the_token_check_lists_the_iteration_once_instead_of_checking_each_data_
     assert sorted(c for c in calls if c not in ("call:find", "call:cat_file")) == ["find", "read_versioned"]
     assert len(calls) <= 4
     calls.clear()
-    commit.commit_record(root, 6, (), 1, save_id="a" * 32)  # nothing to check: no key
+    committing.commit_record(root, 6, (), 1, save_id="a" * 32)  # nothing to check: no key
     _written_key(root, 7, save_id="a" * 32)
     calls.clear()
-    commit.commit_record(root, 7, ("model",), 1, save_id="a" * 32)  # the same at commit time
+    committing.commit_record(root, 7, ("model",), 1, save_id="a" * 32)  # the same at commit time
     assert "call:info" not in calls and calls.count("find") == 1
 
 
@@ -386,7 +386,7 @@ def test_a_commit_unpickles_nothing_outside_the_allow_list_from_a_keys_metadata(
     metadata.planner_data = {"x": fractions.Fraction(1, 3)}
     root.fs.pipe_file(path, pickle.dumps(metadata))
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+        committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert root.url_of(path) in str(raised.value)
     assert not _committed(root, 5) and pointer.read_pointer(root) is None
     # A load the user told to trust the checkpoint (trust_checkpoint=True) checks it in full.
@@ -410,7 +410,7 @@ def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_nami
     monkeypatch.setattr(pointer, "replace_pointer", lambda *args: False)
     monkeypatch.setattr(pointer, "write_pointer", a_third_writer_deleted_it)
     with pytest.raises(StorageError) as raised:
-        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+        committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert str(raised.value) == f"{pointer.pointer_url(root)} disappeared while this save moved it; save again"
 
 
@@ -434,7 +434,7 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     """list_save_dirname: a name with nothing listed under it is a folder only if it is one (the
     request that tells them apart is made only for such names). listed_inspection trusts an
     absence only inside a folder the listing read: elsewhere it reads the record."""
-    before = listing.list_save_dirname(root)
+    before = run_listing.list_save_dirname(root)
     _save(root, 3)
     root.fs.makedirs(root.join("iter_000000004"), exist_ok=True)
     _put(root, "iter_000000007", data=b"a file, not a folder")
@@ -443,16 +443,16 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     _put(root, "iter_000000008", "empty", data=b"")
     _put(root, "iter_000000009", ".commit.json ")  # nor this
     _put(root, "iter_000000009", "model", ".metadata\t")  # nor this a finished key
-    listed = listing.list_save_dirname(root)
+    listed = run_listing.list_save_dirname(root)
     assert listed.folders == (3, 4, 8, 9)
     assert (listed.read, listed.records, listed.finished) == ({3, 8, 9}, {3}, {(3, "model")})
     # What ls shows as an iteration's size: its files' bytes, not its folders' nor a bare file's.
     sizes = {i: listed.size(i) for i in listed.files}
     assert sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1, 9: 2}
-    assert listing.committed_iterations(root) == [3]
-    assert listing.listed_inspection(root, listed, 4) == (None, "has no .commit.json (its save never finished)")
-    assert listing.listed_inspection(root, listed, 4, latest=5)[1] == listing.inspect_iteration(root, 4, latest=5)[1]
-    record, _ = listing.listed_inspection(root, before, 3)  # a listing older than the save
+    assert run_listing.committed_iterations(root) == [3]
+    assert run_listing.listed_inspection(root, listed, 4) == (None, "has no .commit.json (its save never finished)")
+    assert run_listing.listed_inspection(root, listed, 4, latest=5)[1] == run_listing.inspect_iteration(root, 4, latest=5)[1]
+    record, _ = run_listing.listed_inspection(root, before, 3)  # a listing older than the save
     assert record is not None and record.iteration == 3
 
 
@@ -460,7 +460,7 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
 def test_a_save_dirname_whose_name_ends_in_a_space_or_any_letter_still_lists_its_iterations(tmp_path: Any, name: str) -> None:
     root = resolve(str(tmp_path / name))
     _save(root, 1, 2)
-    assert listing.committed_iterations(root) == [1, 2] and listing.list_save_dirname(root).folders == (1, 2)
+    assert run_listing.committed_iterations(root) == [1, 2] and run_listing.list_save_dirname(root).folders == (1, 2)
 
 
 def test_a_key_whose_data_file_is_missing_is_not_committed_naming_the_file(root: Location) -> None:
@@ -469,7 +469,7 @@ def test_a_key_whose_data_file_is_missing_is_not_committed_naming_the_file(root:
     (data, *_) = [f for f in root.fs.find(root.join("iter_000000005", "model")) if not f.endswith(".metadata")]
     root.fs.rm(data)
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+        committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
     metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
     assert f"{root.url_of(data)}, which {metadata} names, is missing" in str(raised.value)
     assert not _committed(root, 5)
@@ -482,7 +482,7 @@ def _record_path(root: Location, iteration: int) -> str:
 def test_the_commit_record_is_indented_json_with_its_format_and_the_saves_token(root: Location) -> None:
     """The record is a small file other tools and later versions read: its fields are fixed."""
     _written_key(root, 5, save_id="a" * 32)
-    commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+    committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
     raw = root.fs.cat_file(_record_path(root, 5))
     doc = json.loads(raw)
     expected = {"format": 1, "iteration": 5, "keys": ["model"], "world_size": 1, "saved_at": doc["saved_at"], "save_id": "a" * 32}
@@ -564,7 +564,7 @@ def test_a_key_whose_metadata_carries_no_token_is_not_committed_by_a_save_with_o
     metadata.storage_meta = None
     root.fs.pipe_file(path, pickle.dumps(metadata))
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.publish(root, 5, ("model",), 1, save_id="a" * 32)
+        committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
     assert f"{root.url_of(path)} was written by another save (save_id None, not {'a' * 32!r})" in str(raised.value)
     assert not _committed(root, 5)
 
@@ -574,9 +574,9 @@ def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everyt
     file, taken over and deleted, whatever the names (even ones that extend the record's)."""
     _save(root, 5)
     root.fs.rm(root.join("iter_000000005", "model", ".metadata"))
-    for name in (".commit.json ", ".commit.jsonX", commit.CLAIM_NAME, commit.LEGACY_CLAIM_NAME):
+    for name in (".commit.json ", ".commit.jsonX", committing.CLAIM_NAME, committing.LEGACY_CLAIM_NAME):
         _put(root, "iter_000000005", name)
-    commit.take_over_iteration(root, 5, "b" * 32, replacing=None)
+    committing.take_over_iteration(root, 5, "b" * 32, replacing=None)
     left = [f for f in root.fs.find(layout.iteration_path(root, 5))]
     assert [f.rsplit("/", 1)[-1] for f in left] == [".commit.json"]
     assert json.loads(root.fs.cat_file(left[0])) == {"format": 1, "taken_over_by": "b" * 32}
@@ -595,7 +595,7 @@ def test_a_committed_iteration_holds_its_claim_under_a_name_that_says_what_it_is
 
 def test_an_iteration_of_an_earlier_version_with_a_saving_claim_loads_and_is_pruned_whole(root: Location) -> None:
     _save(root, 5)
-    path = root.join("iter_000000005", commit.CLAIM_NAME)
+    path = root.join("iter_000000005", committing.CLAIM_NAME)
     _put(root, "iter_000000005", ".saving", data=root.fs.cat_file(path))
     root.fs.rm(path)
     target = {"w": torch.zeros(4)}
@@ -603,17 +603,17 @@ def test_an_iteration_of_an_earlier_version_with_a_saving_claim_loads_and_is_pru
         assert ckpt.load(model=target) == 5 and torch.equal(target["w"], torch.full((4,), 5.0))
         ckpt.save(6, model={"w": torch.full((4,), 6.0)})
         ckpt.wait()
-    assert listing.committed_iterations(root) == [6] and not root.fs.exists(layout.iteration_path(root, 5))
+    assert run_listing.committed_iterations(root) == [6] and not root.fs.exists(layout.iteration_path(root, 5))
 
 
 def test_create_atomically_writes_once_and_says_whether_the_name_holds_this_callers_data(root: Location) -> None:
     """The claim's primitive: the first write wins; a repeat of the same bytes (a retry whose
     first answer was lost) counts as this caller's; other bytes lose and change nothing."""
-    path = root.join("iter_000000005", commit.CLAIM_NAME)
+    path = root.join("iter_000000005", committing.CLAIM_NAME)
     root.fs.makedirs(layout.iteration_path(root, 5), exist_ok=True)
-    assert commit.create_atomically(root, path, b"first")
-    assert not commit.create_atomically(root, path, b"second")
-    assert commit.create_atomically(root, path, b"first")
+    assert committing.create_atomically(root, path, b"first")
+    assert not committing.create_atomically(root, path, b"second")
+    assert committing.create_atomically(root, path, b"first")
     assert root.fs.cat_file(path) == b"first"
 
 
@@ -622,7 +622,7 @@ def test_where_no_lock_spans_processes_no_save_takes_the_claim_and_nothing_is_re
     every save names its data files by its token instead, so the claim is never taken."""
     root = resolve("gs://bucket/run", {"token": "anon", "endpoint_url": "http://127.0.0.1:9"})
     assert not root.backend.exclusive_across_processes
-    assert commit.claim_iteration(root, 5, "a" * 32) is False
+    assert committing.claim_iteration(root, 5, "a" * 32) is False
 
 
 @pytest.mark.parametrize(
@@ -667,7 +667,7 @@ def test_a_key_that_cannot_be_a_folder_name_is_refused_saying_which_names_can(ke
 def test_a_commit_whose_key_never_finished_is_refused_naming_the_key_and_what_to_do(root: Location) -> None:
     _written_key(root, 5, save_id="a" * 32)
     with pytest.raises(CheckpointNotFoundError) as raised:
-        commit.commit_record(root, 5, ("model", "optim"), 1, save_id="a" * 32)
+        committing.commit_record(root, 5, ("model", "optim"), 1, save_id="a" * 32)
     folder, key = root.url_of(layout.iteration_path(root, 5)), root.url_of(layout.key_path(root, 5, "optim"))
     assert str(raised.value) == (
         f"cannot commit {folder}: key 'optim' at {key} has no .metadata, so its save did not finish; save the iteration again"
@@ -680,15 +680,15 @@ def test_a_commit_of_keys_another_save_wrote_or_after_another_commit_says_what_h
     folder = root.url_of(layout.iteration_path(root, 5))
     metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.commit_record(root, 5, ("model",), 1, save_id="b" * 32)
+        committing.commit_record(root, 5, ("model",), 1, save_id="b" * 32)
     assert str(raised.value) == (
         f"cannot commit {folder}: {metadata} was written by another save (save_id {'a' * 32!r}, not {'b' * 32!r}), "
         f"so another process is saving the same iteration into {root.url} (a restarted job racing the old one, or "
         "two jobs with one save_dirname); this save is not committed. Give each run its own save_dirname"
     )
-    first = commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+    first = committing.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
+        committing.commit_record(root, 5, ("model",), 1, save_id="a" * 32)
     assert str(raised.value) == (
         f"cannot commit {folder}: another process committed it, or took it over, while this save wrote it (two "
         f"processes saving the same iteration into {root.url}); this save is not committed. Give each run its own save_dirname"
@@ -702,7 +702,7 @@ def test_taking_over_a_folder_whose_record_is_unreadable_names_it_and_deletes_no
     root.fs.pipe_file(path, b"{not json")
     before = sorted(root.fs.find(layout.iteration_path(root, 5)))
     with pytest.raises(CorruptCheckpointError) as raised:
-        commit.take_over_iteration(root, 5, "b" * 32, replacing=None)
+        committing.take_over_iteration(root, 5, "b" * 32, replacing=None)
     assert str(raised.value).startswith(f"commit record {root.url_of(path)} is unreadable (")
     assert sorted(root.fs.find(layout.iteration_path(root, 5))) == before
 
@@ -724,7 +724,7 @@ def test_discard_iterations_deletes_the_folders_named_and_leaves_the_others_comm
     _save(root, 1, 2, 3)
     deletion.discard_iterations(root, [1, 2])
     assert layout.list_iterations(root) == [3]
-    assert listing.committed_iterations(root) == [3] and _committed(root, 3)
+    assert run_listing.committed_iterations(root) == [3] and _committed(root, 3)
 
 
 @pytest.mark.parametrize(("recorded", "committed_then"), [(None, [3]), ([2], [1, 3])])
@@ -737,7 +737,7 @@ def test_discard_iterations_uncommits_the_recorded_before_removing_any_folder(
     seen: list[list[int]] = []
 
     def remove(where: Location, iterations: list[int]) -> None:
-        seen.append(listing.committed_iterations(where))
+        seen.append(run_listing.committed_iterations(where))
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(deletion, "remove_iterations", remove)
@@ -753,7 +753,7 @@ def test_a_retired_mark_uncommits_the_iteration_and_keeps_its_files_referable(ro
     mark = record.retired_mark(saved)
     assert json.loads(mark) == {**json.loads(saved.to_json()), "retired": True}
     root.fs.pipe_file(record.record_path(root, 1), mark)
-    assert read_commit_record(root, 1) is None and listing.committed_iterations(root) == [2, 3]
+    assert read_commit_record(root, 1) is None and run_listing.committed_iterations(root) == [2, 3]
     root.fs.rm(record.record_path(root, 2))
     assert [record.referable(root, i) for i in (1, 2, 3, 4)] == [True, False, True, False]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dcp_fsspec import CheckpointNotFoundError, FsspecStorageReader, FsspecStorageWriter
-from dcp_fsspec.checkpoint import pointer
-from dcp_fsspec.storage import names
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.commit import pointer
+from dcp_fsspec.storage.format import names
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 from tests.helpers import raises_through_dcp, save
 

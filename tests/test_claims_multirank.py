@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError
-from dcp_fsspec.checkpoint.record import read_commit_record
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.helpers import flip_a_byte_of_each_data_file_once_written

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dcp_fsspec import StorageError
-from dcp_fsspec.storage.retry import RetryPolicy
+from dcp_fsspec.storage.transport.retry import RetryPolicy
 from tests.ckpt_helpers import save_twice_and_resume
 from tests.conftest import Backend
 from tests.faults import FaultyProxy

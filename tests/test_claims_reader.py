@@ -4,7 +4,7 @@ README, ``FsspecStorageReader``: "downloads them concurrently (`window_bytes` bo
 memory)", ``max_gap_bytes``: "neighbouring ranges closer than this are fetched in one request",
 ``threads``: "concurrent reads on filesystems without an async API". Measured on ``memory://``
 (no async API, so every range goes through the thread pool and the window) with spies on the
-fetch layer (:mod:`dcp_fsspec.storage.fetch`) and the backend's range reader. The S3 benchmark's
+fetch layer (:mod:`dcp_fsspec.storage.read.fetch`) and the backend's range reader. The S3 benchmark's
 "10 requests, 1.00×" for 10,000 small tensors is counted on moto, request by request.
 """
 
@@ -18,8 +18,8 @@ import pytest
 import s3fs
 import torch
 
-from dcp_fsspec.storage import fetch
-from dcp_fsspec.storage import reader as reader_module
+from dcp_fsspec.storage.read import fetch
+from dcp_fsspec.storage.read import reader as reader_module
 from dcp_fsspec.storage.backends import RangeReader
 from tests.conftest import Backend
 from tests.helpers import load, save

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError
-from dcp_fsspec.checkpoint import pointer
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.commit import pointer
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 from tests.security.test_concurrent_writers import ITERATION, ROUNDS, _empty_like, _equal, _race, _state
 

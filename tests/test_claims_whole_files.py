@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import FsspecStorageWriter, StorageError
-from dcp_fsspec.storage import names
+from dcp_fsspec.storage.format import names
 from tests.conftest import Backend
 from tests.helpers import raises_through_dcp
 from dcp_fsspec import WriterSettings

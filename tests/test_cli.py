@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, cli, verify
-from dcp_fsspec.storage.names import temporary_path
+from dcp_fsspec.storage.format.names import temporary_path
 from dcp_fsspec.tools.progress import Progress
-from dcp_fsspec.storage import names
+from dcp_fsspec.storage.format import names
 from tests.conftest import Backend
 from tests.test_verify import _flip_tensor_byte, _run
 

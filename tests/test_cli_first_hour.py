@@ -17,12 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import FsspecStorageWriter, StorageError, cli, verify
-from dcp_fsspec.checkpoint.record import read_commit_record, record_path, retired_mark
+from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record, record_path, retired_mark
 from dcp_fsspec.local_s3 import LocalS3Server
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.storage.transport.urls import resolve
 from dcp_fsspec.tools import _cli
 from dcp_fsspec.tools import verify as verify_tool
-from dcp_fsspec.tools.listing import list_run
+from dcp_fsspec.tools.ls import list_run
 from tests.conftest import Backend
 from tests.test_cli_errors import no_credentials  # noqa: F401 - the fixture, shared
 from tests.test_verify import _run

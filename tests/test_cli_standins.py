@@ -17,11 +17,11 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import FsspecStorageWriter, cli
 from dcp_fsspec.errors import CorruptCheckpointError
-from dcp_fsspec.storage import metadata_standins
-from dcp_fsspec.storage.metadata_file import read_metadata
-from dcp_fsspec.storage.metadata_pickle import METADATA_CLASSES
-from dcp_fsspec.storage.urls import resolve
-from dcp_fsspec.tools import safetensors_cli, safetensors_export
+from dcp_fsspec.storage.format import metadata_standins
+from dcp_fsspec.storage.format.metadata_file import read_metadata
+from dcp_fsspec.storage.format.metadata_unpickler import METADATA_CLASSES
+from dcp_fsspec.storage.transport.urls import resolve
+from dcp_fsspec.tools.safetensors import command, export
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -43,8 +43,8 @@ def test_every_torch_class_of_the_allow_list_has_a_stand_in() -> None:
 
 
 def test_the_safetensors_options_name_what_the_export_takes() -> None:
-    assert safetensors_cli.DEFAULT_MAX_SHARD_SIZE == safetensors_export.DEFAULT_MAX_SHARD_SIZE
-    assert sorted(safetensors_cli.OUTPUT_DTYPE_NAMES) == sorted(safetensors_export.OUTPUT_DTYPES)
+    assert command.DEFAULT_MAX_SHARD_SIZE == export.DEFAULT_MAX_SHARD_SIZE
+    assert sorted(command.OUTPUT_DTYPE_NAMES) == sorted(export.OUTPUT_DTYPES)
 
 
 def _as_plain(value: object) -> object:

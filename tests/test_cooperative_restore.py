@@ -29,7 +29,7 @@ from dcp_fsspec import (
 )
 from dcp_fsspec.errors import ChecksumMismatchError, StorageError
 from dcp_fsspec.local_s3 import LocalS3Server
-from dcp_fsspec.storage.retry import RetryPolicy
+from dcp_fsspec.storage.transport.retry import RetryPolicy
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.helpers import save

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, ResumeOptions, StorageError, WriterSettings
-from dcp_fsspec.checkpoint import commit, listing, pointer
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.commit import committing, run_listing, pointer
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
 from tests.conftest import Backend
 
@@ -90,17 +90,17 @@ KILL_POINTS = {
         blob=True,
         backends=("local", "s3"),
     ),
-    "data files are written but not the key's .metadata": KillPoint("dcp_fsspec.storage.writer:FsspecStorageWriter.finish"),
-    "some keys are finished and others not": KillPoint("dcp_fsspec.storage.writer:FsspecStorageWriter.finish", nth=3),
-    "every key is finished but the commit record is not written": KillPoint("dcp_fsspec.checkpoint.commit:commit_record"),
+    "data files are written but not the key's .metadata": KillPoint("dcp_fsspec.storage.write.writer:FsspecStorageWriter.finish"),
+    "some keys are finished and others not": KillPoint("dcp_fsspec.storage.write.writer:FsspecStorageWriter.finish", nth=3),
+    "every key is finished but the commit record is not written": KillPoint("dcp_fsspec.checkpoint.commit.committing:commit_record"),
     "the commit record is written but the pointer has not moved": KillPoint(
-        "dcp_fsspec.checkpoint.pointer:replace_pointer", backends=("local", "s3")
+        "dcp_fsspec.checkpoint.commit.pointer:replace_pointer", backends=("local", "s3")
     ),
     "the new pointer is written under a temporary name": KillPoint(
         "os:replace", when=lambda args, kwargs: str(args[1]).endswith(POINTER_NAME), backends=("local",)
     ),
     "the pointer has moved but retention has not run": KillPoint(
-        "dcp_fsspec.checkpoint.retention:apply_retention", pointer_after=3
+        "dcp_fsspec.checkpoint.commit.retention:apply_retention", pointer_after=3
     ),
     "retention uncommitted an old iteration but did not delete it": KillPoint(
         REMOVE_TREES, when=_uncommitted_iterations_going, pointer_after=3, backends=("local", "s3")
@@ -297,14 +297,14 @@ def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(
     """Guarantee row: 'two runs saving different iterations into one folder never damage each other' (local, memory, S3)"""
     # The odd run commits a moment later in every round, so the even run's newer iteration
     # moves the pointer past it at least once: the race is certain to happen, not only likely.
-    real_publish = commit.publish
+    real_publish = committing.publish
 
     def odd_runs_commit_late(root: Any, iteration: int, *args: Any, **kwargs: Any) -> int:
         if iteration % 2:
             threading.Event().wait(0.3)
         return real_publish(root, iteration, *args, **kwargs)
 
-    monkeypatch.setattr(commit, "publish", odd_runs_commit_late)
+    monkeypatch.setattr(committing, "publish", odd_runs_commit_late)
     rounds, stop = threading.Barrier(2), threading.Event()
     with ThreadPoolExecutor(3) as pool:
         watcher = pool.submit(_watch_pointer, any_backend, stop)
@@ -354,7 +354,7 @@ def test_an_iteration_the_other_runs_pointer_passed_while_it_was_written_is_not_
         assert "iter_000000007" in str(raised.value) and any_backend.url in str(raised.value)
         assert ckpt.latest_checkpoint() == "iter_000000007"
         assert 5 not in ckpt.committed_iterations()
-    assert not listing.exists(root, root.join("iter_000000005", COMMIT_RECORD_NAME))
+    assert not run_listing.exists(root, root.join("iter_000000005", COMMIT_RECORD_NAME))
 
 
 def _point_in_turn(url: str, values: list[int], start: Any) -> None:

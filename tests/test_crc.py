@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from dcp_fsspec.storage.crc import crc32, crc32_combine
+from dcp_fsspec.storage.format.crc import crc32, crc32_combine
 
 
 @pytest.mark.parametrize(

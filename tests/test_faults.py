@@ -20,11 +20,11 @@ import torch
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 
 from dcp_fsspec import StorageError
-from dcp_fsspec.checkpoint import pointer
+from dcp_fsspec.checkpoint.commit import pointer
 from dcp_fsspec.local_s3 import LocalS3Server
-from dcp_fsspec.storage.names import POINTER_NAME
-from dcp_fsspec.storage.retry import RetryPolicy, is_transient
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.storage.format.names import POINTER_NAME
+from dcp_fsspec.storage.transport.retry import RetryPolicy, is_transient
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.ckpt_helpers import save_twice_and_resume
 from tests.conftest import Backend
 from tests.faults import FaultyProxy

@@ -31,7 +31,7 @@ from dcp_fsspec import (
     ResumeOptions,
     StorageError,
 )
-from dcp_fsspec.checkpoint import pointer
+from dcp_fsspec.checkpoint.commit import pointer
 from tests.conftest import Backend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,7 +217,7 @@ def test_an_async_save_in_flight_when_the_script_ends_is_committed_and_logged(tm
     """)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "iteration 7" in done.stderr and url in done.stderr
-    from dcp_fsspec.storage.urls import resolve
+    from dcp_fsspec.storage.transport.urls import resolve
 
     assert pointer.read_pointer(resolve(url)) == 7
 

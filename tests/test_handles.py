@@ -9,7 +9,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing
 
-from dcp_fsspec.checkpoint.handles import HandleReceiver, HandleSender
+from dcp_fsspec.checkpoint.save.handles import HandleReceiver, HandleSender
 
 
 def _shared(n: int) -> torch.Tensor:

@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, ReaderSettings
 from dcp_fsspec.errors import ChecksumMismatchError, CorruptCheckpointError
-from dcp_fsspec.storage import reader as reader_module
+from dcp_fsspec.storage.read import reader as reader_module
 from dcp_fsspec.storage.backends.s3 import S3Backend
-from dcp_fsspec.storage.fetch import fetch_in_order
+from dcp_fsspec.storage.read.fetch import fetch_in_order
 from tests.conftest import Backend
 from tests.helpers import raises_through_dcp
 from dcp_fsspec import WriterSettings

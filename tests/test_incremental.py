@@ -34,7 +34,7 @@ from dcp_fsspec import (
     WriterSettings,
 )
 from dcp_fsspec.local_s3 import LocalS3Server
-from dcp_fsspec.storage.names import CONTENT_HASHES_NAME, METADATA_NAME
+from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME, METADATA_NAME
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.helpers import raises_through_dcp
@@ -421,9 +421,9 @@ def _save_and_die(url: str, target: str) -> None:
 @pytest.mark.parametrize(
     "target",
     [
-        "dcp_fsspec.storage.writer.FsspecStorageWriter._write_content_hashes",
-        "dcp_fsspec.storage.writer.FsspecStorageWriter.finish",
-        "dcp_fsspec.checkpoint.pointer.replace_pointer",
+        "dcp_fsspec.storage.write.writer.FsspecStorageWriter._write_content_hashes",
+        "dcp_fsspec.storage.write.writer.FsspecStorageWriter.finish",
+        "dcp_fsspec.checkpoint.commit.pointer.replace_pointer",
     ],
     ids=["before-the-hashes", "before-metadata", "before-the-pointer"],
 )

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from dcp_fsspec import Checkpointer, FsspecStorageReader
-from dcp_fsspec.checkpoint import retention
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, CONTENT_HASHES_NAME, METADATA_NAME
-from dcp_fsspec.storage.urls import resolve
-from dcp_fsspec.tools.listing import list_run
+from dcp_fsspec.checkpoint.commit import retention
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, CONTENT_HASHES_NAME, METADATA_NAME
+from dcp_fsspec.storage.transport.urls import resolve
+from dcp_fsspec.tools.ls import list_run
 from dcp_fsspec.tools.prune import prune
 from tests.conftest import Backend
 from tests.test_cli import _cli, _json
@@ -187,7 +187,7 @@ REMOVE_FILES = {
     "s3": "dcp_fsspec.storage.backends.s3:S3Backend.remove_files",
 }
 KILLED_DURING_RETENTION = {
-    "it read what kept iterations refer to but retired nothing": KillPoint("dcp_fsspec.checkpoint.deletion:retire_iterations"),
+    "it read what kept iterations refer to but retired nothing": KillPoint("dcp_fsspec.checkpoint.commit.deletion:retire_iterations"),
     "it retired the iteration but deleted none of its files": KillPoint(REMOVE_FILES, when=_thinning, backends=("local", "s3")),
     "it deleted part of the retired iteration's files": KillPoint(
         REMOVE_FILES, when=_thinning, first=_delete_half_first, backends=("local", "s3")

@@ -24,19 +24,12 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_fsspec import (
-    Checkpointer,
-    CorruptCheckpointError,
-    FsspecStorageWriter,
-    LocalTier,
-    cli,
-    verify,
-)
-from dcp_fsspec.checkpoint import layout
+from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageWriter, LocalTier, cli, verify
+from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.checkpoint.events import CheckpointEvent
-from dcp_fsspec.checkpoint.record import read_commit_record, retired_mark
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, METADATA_NAME
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record, retired_mark
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME
+from dcp_fsspec.storage.transport.urls import resolve
 from dcp_fsspec.tools.transfer import copy_checkpoint
 from tests.conftest import Backend
 

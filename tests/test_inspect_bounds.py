@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_fsspec import cli
 from dcp_fsspec.errors import UsageError
-from dcp_fsspec.storage.trust import unpickle_metadata
+from dcp_fsspec.storage.format.metadata_unpickler import unpickle_metadata
 from dcp_fsspec.tools.inspection import describe
 from tests.conftest import Backend
 

@@ -18,9 +18,9 @@ import s3fs
 import torch
 
 from dcp_fsspec import Checkpointer
-from dcp_fsspec.checkpoint import retention
-from dcp_fsspec.storage.urls import resolve
-from dcp_fsspec.tools.listing import list_run
+from dcp_fsspec.checkpoint.commit import retention
+from dcp_fsspec.storage.transport.urls import resolve
+from dcp_fsspec.tools.ls import list_run
 from dcp_fsspec.tools.prune import prune
 from tests.conftest import Backend
 

@@ -10,10 +10,10 @@ import posixpath
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcp_fsspec.checkpoint import layout, retention
+from dcp_fsspec.checkpoint.commit import layout, retention
 from dcp_fsspec.errors import InvalidURLError
-from dcp_fsspec.storage.fetch import plan_spans
-from dcp_fsspec.storage.urls import normalize_url
+from dcp_fsspec.storage.read.fetch import plan_spans
+from dcp_fsspec.storage.transport.urls import normalize_url
 
 segment = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-.", min_size=1, max_size=8).filter(
     lambda s: s not in (".", "..")

@@ -28,10 +28,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dcp_fsspec import Checkpointer, StorageError
-from dcp_fsspec.checkpoint import commit
-from dcp_fsspec.storage import writer as writer_module
+from dcp_fsspec.checkpoint.commit import committing as commit
+from dcp_fsspec.storage.write import writer as writer_module
 from dcp_fsspec.storage.backends.local import LocalBackend
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 

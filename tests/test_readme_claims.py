@@ -20,9 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, ResumeOptions, StorageError
-from dcp_fsspec.storage import names
+from dcp_fsspec.storage.format import names
 from tests.conftest import Backend
-from dcp_fsspec.storage.write_plan import WriteContext
+from dcp_fsspec.storage.write.file_plan import WriteContext
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

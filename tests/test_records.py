@@ -9,19 +9,11 @@ import pytest
 import torch
 
 from dcp_fsspec.errors import RecordFormatError
-from dcp_fsspec.storage import records
-from dcp_fsspec.storage.archive import ArchiveFormat
-from dcp_fsspec.storage.record_pickle import TensorSpec
-from dcp_fsspec.storage.records import (
-    EncodedRecord,
-    descriptor_crc,
-    encode_framed,
-    frame_tensor,
-    parse_layout,
-    storage_ready,
-    tensor_bytes,
-    tensor_from_record,
-)
+from dcp_fsspec.storage.format import tensor_records
+from dcp_fsspec.storage.format.archive import ArchiveFormat
+from dcp_fsspec.storage.format.tensor_spec import TensorSpec
+from dcp_fsspec.storage.format.tensor_records import EncodedRecord, encode_framed, frame_tensor, storage_ready, tensor_bytes, tensor_from_record
+from dcp_fsspec.storage.format.record_layout import descriptor_crc, parse_layout
 from tests.states import DTYPES, random_tensor
 from tests.helpers import differences_outside_the_serialization_id
 
@@ -107,7 +99,7 @@ def test_records_are_torch_save_byte_for_byte_but_its_serialization_id(
     dtype: torch.dtype, direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not direct:
-        monkeypatch.setitem(records._FORMATS, dtype, None)
+        monkeypatch.setitem(tensor_records._FORMATS, dtype, None)
     for shape in SHAPES:
         tensor = random_tensor(shape, dtype, GEN)
         ours = b"".join(bytes(b) for b in encode_tensor(tensor).buffers())

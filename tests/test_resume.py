@@ -10,16 +10,7 @@ import logging
 import pytest
 
 from dcp_fsspec import CheckpointNotFoundError
-from dcp_fsspec.checkpoint.resume import (
-    CHECKPOINT,
-    FOLDER,
-    POINTER,
-    Found,
-    KeyToLoad,
-    ResumeFacts,
-    ResumeOptions,
-    plan_resume,
-)
+from dcp_fsspec.checkpoint.load.resume import CHECKPOINT, FOLDER, POINTER, Found, KeyToLoad, ResumeFacts, ResumeOptions, plan_resume
 
 RUN = "s3://bucket/run"
 OLD = "s3://bucket/old"

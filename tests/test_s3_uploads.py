@@ -23,8 +23,8 @@ import torch
 from dcp_fsspec.storage.backends.base import Versioned
 from dcp_fsspec.storage.backends.s3 import S3Backend
 from dcp_fsspec.storage.backends.s3_uploads import CHECKSUM_ALGORITHM, checksum_header
-from dcp_fsspec.storage.retry import NO_RETRY
-from dcp_fsspec.storage.uploads import ByteBudget, publish_whole
+from dcp_fsspec.storage.transport.retry import NO_RETRY
+from dcp_fsspec.storage.backends.uploads import ByteBudget, publish_whole
 from tests.conftest import Backend
 from tests.servers.s3gateway import S3Gateway
 from tests.servers.tls import TlsFront
@@ -255,7 +255,8 @@ def test_a_records_crc_comes_from_the_same_pass_as_each_parts_checksum(
 def test_a_tensor_saved_to_s3_in_parts_stores_the_crc_of_its_bytes(s3_backend: Backend) -> None:
     """The record's CRC is combined from the pieces the parts cut it into; torch's reader and
     ours check it."""
-    from dcp_fsspec.storage.records import descriptor_crc, parse_layout, tensor_bytes
+    from dcp_fsspec.storage.format.tensor_records import tensor_bytes
+    from dcp_fsspec.storage.format.record_layout import descriptor_crc, parse_layout
 
     tensor = torch.randn(3 * MiB + 11)  # 12 MiB and a bit: three 5 MiB parts cut through it
     url = s3_backend.sub("ckpt")

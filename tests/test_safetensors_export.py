@@ -20,10 +20,10 @@ from dcp_fsspec.errors import (
     CorruptCheckpointError,
     UsageError,
 )
-from dcp_fsspec.storage.safetensors_reader import SafetensorsStorageReader
-from dcp_fsspec.storage.reader import FsspecStorageReader
-from dcp_fsspec.storage.writer import FsspecStorageWriter
-from dcp_fsspec.tools.safetensors_export import INDEX_NAME, export_safetensors
+from dcp_fsspec.storage.read.safetensors_reader import SafetensorsStorageReader
+from dcp_fsspec.storage.read.reader import FsspecStorageReader
+from dcp_fsspec.storage.write.writer import FsspecStorageWriter
+from dcp_fsspec.tools.safetensors.export import INDEX_NAME, export_safetensors
 from tests.conftest import Backend
 from tests.test_verify import _run
 
@@ -173,7 +173,7 @@ def test_a_single_safetensors_file_is_still_written_whole_and_refuses_folder_opt
 _MEASURE = """
 import sys
 import torch
-from dcp_fsspec.tools.safetensors_export import export_safetensors
+from dcp_fsspec.tools.safetensors.export import export_safetensors
 
 def kib(field):
     with open("/proc/self/status") as status:

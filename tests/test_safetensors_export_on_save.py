@@ -11,8 +11,8 @@ from torch import nn
 
 from dcp_fsspec import Checkpointer
 from dcp_fsspec.errors import UsageError
-from dcp_fsspec.tools.safetensors_export import INDEX_NAME
-from dcp_fsspec.tools.safetensors_on_save import SafetensorsExport
+from dcp_fsspec.tools.safetensors.export import INDEX_NAME
+from dcp_fsspec.tools.safetensors.on_save import SafetensorsExport
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dcp_fsspec import Checkpointer
-from dcp_fsspec.storage.safetensors_reader import SafetensorsStorageReader
-from dcp_fsspec.storage.writer import FsspecStorageWriter
-from dcp_fsspec.tools.safetensors_export import INDEX_NAME, export_safetensors
+from dcp_fsspec.storage.read.safetensors_reader import SafetensorsStorageReader
+from dcp_fsspec.storage.write.writer import FsspecStorageWriter
+from dcp_fsspec.tools.safetensors.export import INDEX_NAME, export_safetensors
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 

@@ -29,7 +29,7 @@ _FOLDER_EXPORTS = textwrap.dedent(
     import torch
     import torch.distributed.checkpoint as dcp
     from dcp_fsspec import Checkpointer, SafetensorsExport, SafetensorsStorageReader
-    from dcp_fsspec.tools.safetensors_export import export_safetensors
+    from dcp_fsspec.tools.safetensors.export import export_safetensors
 
     run = sys.argv[1]
     model = {"weight": torch.randn(8, 4)}

@@ -78,9 +78,9 @@ def test_an_sftp_pointer_update_that_fails_before_its_rename_leaves_the_old_poin
     import os
 
     from dcp_fsspec import StorageError
-    from dcp_fsspec.checkpoint import pointer
-    from dcp_fsspec.storage.names import POINTER_NAME
-    from dcp_fsspec.storage.urls import resolve
+    from dcp_fsspec.checkpoint.commit import pointer
+    from dcp_fsspec.storage.format.names import POINTER_NAME
+    from dcp_fsspec.storage.transport.urls import resolve
 
     root = resolve(sftp_backend.url, sftp_backend.storage_options)
     assert type(root.backend).__name__ == "SftpBackend"

@@ -314,7 +314,8 @@ def test_loads_reuse_their_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatc
     """Where a load uses threads (a remote store, or a bigger state here), its read, fetch and
     checksum threads are the storage layer's pools, kept between loads: over many loads they
     start fewer threads than there are loads (the pools' sizes bound them)."""
-    from dcp_fsspec.storage import reader, workers
+    from dcp_fsspec.storage.read import reader
+    from dcp_fsspec.storage.transport import workers
 
     monkeypatch.setattr(workers, "_pools", {})  # fresh pools: earlier tests' threads do not count
     monkeypatch.setattr(reader, "_ON_THIS_THREAD_MAX", 0)  # every load on threads
@@ -334,8 +335,8 @@ def test_loads_reuse_their_threads(tmp_path: Any, monkeypatch: pytest.MonkeyPatc
 def test_a_load_parses_each_keys_metadata_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The commit's token check parses every key's ``.metadata``; the load's readers take the
     parsed result rather than parsing the bytes again (on one rank, where rank 0's reads serve)."""
-    from dcp_fsspec.checkpoint import preflight
-    from dcp_fsspec.storage import metadata_file
+    from dcp_fsspec.checkpoint.load import preflight
+    from dcp_fsspec.storage.format import metadata_file
 
     parsed: list[str] = []
     real = metadata_file.parse_metadata

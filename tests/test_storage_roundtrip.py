@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from fsspec.implementations.local import LocalFileSystem
 
 from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter, ReaderSettings
-from dcp_fsspec.storage import reader as reader_module
+from dcp_fsspec.storage.read import reader as reader_module
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
 from tests.states import assert_state_equal, empty_like_state, sample_state
@@ -135,7 +135,7 @@ def test_the_backend_lists_and_reads_small_files_as_its_fsspec_filesystem_does(b
     """``Backend.find`` and ``read_versioned`` answer as fsspec's ``find``/``cat_file`` would
     (local disk answers with os calls of its own): every file with its size, folders with
     ``withdirs``, nothing for a missing path, and ``None`` for a missing file."""
-    from dcp_fsspec.storage.urls import resolve
+    from dcp_fsspec.storage.transport.urls import resolve
 
     where = resolve(backend.url, backend.storage_options)
     files = {"iter_1/.commit.json": b"{}", "iter_1/model/.metadata": b"m" * 7, "iter_1/model/__0_0.distcp": b"d" * 1000}
@@ -165,7 +165,7 @@ def test_local_listing_shows_links_without_following_them_and_raises_on_an_unrea
     import os
 
     from dcp_fsspec.errors import StorageError
-    from dcp_fsspec.storage.urls import resolve
+    from dcp_fsspec.storage.transport.urls import resolve
 
     (tmp_path / "run" / "iter_1" / "model").mkdir(parents=True)
     (tmp_path / "run" / "iter_1" / "model" / ".metadata").write_bytes(b"m")
@@ -208,7 +208,7 @@ def test_local_listing_leaves_out_only_what_disappears_during_it(tmp_path: Path,
     gone between the folder's read and its stat is left out, and nothing else with it."""
     import os
 
-    from dcp_fsspec.storage.urls import resolve
+    from dcp_fsspec.storage.transport.urls import resolve
 
     for i in range(1, 4):
         (tmp_path / "run" / f"iter_{i}").mkdir(parents=True)

@@ -38,15 +38,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, LocalTier, RetryPolicy
-from dcp_fsspec.checkpoint import commit, deletion, drain, listing, pointer, retention
-from dcp_fsspec.checkpoint.merge import merge_metadata, rank_file_name
-from dcp_fsspec.checkpoint.drainer import Drainer
+from dcp_fsspec.checkpoint.commit import committing, deletion, run_listing, pointer, retention
+from dcp_fsspec.checkpoint.tiers import drain
+from dcp_fsspec.checkpoint.tiers.metadata_merge import merge_metadata, rank_file_name
+from dcp_fsspec.checkpoint.tiers.drain_thread import Drainer
 from dcp_fsspec.checkpoint.options import DRAIN_LATEST
-from dcp_fsspec.checkpoint.record import read_commit_record
-from dcp_fsspec.checkpoint.tiers import DURABLE, LOCAL, choose_tier, one_save_everywhere
+from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
+from dcp_fsspec.checkpoint.tiers.tiered import DURABLE, LOCAL, choose_tier, one_save_everywhere
 from dcp_fsspec.local_s3 import LocalS3Server
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.urls import resolve
 from dcp_fsspec.tools import targets
 
 from .ckpt_fsdp import FsdpTraining, assert_same_full_state
@@ -119,7 +120,7 @@ class StopBeforeTheDurableCommit(logging.Handler):
             threading.Event().wait()
         return True
 
-drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+drain_log = logging.getLogger("dcp_fsspec.checkpoint.tiers.drain")
 drain_log.setLevel(logging.DEBUG)
 drain_log.addHandler(StopBeforeTheDurableCommit())
 training = Training()
@@ -155,7 +156,7 @@ def test_a_drain_killed_part_way_leaves_the_durable_pointer_and_the_next_run_res
     durable_files = fs.find(s3_backend.url + "/iter_000000004")
     assert any(name.endswith(".distcp") for name in durable_files)  # the copy was under way
     assert _pointer(s3_backend.url, s3_backend.storage_options) == 2  # ... and not committed
-    assert 4 not in listing.committed_iterations(resolve(s3_backend.url, s3_backend.storage_options))
+    assert 4 not in run_listing.committed_iterations(resolve(s3_backend.url, s3_backend.storage_options))
 
     with caplog.at_level(logging.INFO, logger="dcp_fsspec"):
         iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, local, keep_last_n_local=2)
@@ -280,7 +281,7 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
         if rank == 0:  # undo the durable copy of 2: the state a drain killed part-way leaves
             root = resolve(url, options)
             deletion.discard_iterations(root, [2])
-            commit.write_atomically(root, root.join(POINTER_NAME), b"iter_000000001\n")
+            committing.write_atomically(root, root.join(POINTER_NAME), b"iter_000000001\n")
     torch.save(state, f"{out}.{rank}")
 
 
@@ -350,7 +351,7 @@ def test_drain_every_holds_the_next_save_until_the_drain_in_flight_is_done_and_e
 ) -> None:
     local = tmp_path / "local"
     hold = _HoldDrain(1)
-    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.tiers.drain")
     drain_log.addHandler(hold)
     try:
         with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
@@ -381,7 +382,7 @@ def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the
 ) -> None:
     local = tmp_path / "local"
     hold = _HoldDrain(1)
-    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.tiers.drain")
     drain_log.addHandler(hold)
     try:
         with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
@@ -440,11 +441,11 @@ def test_the_drain_copies_neither_claim_of_a_local_iteration_its_name_nor_an_ear
     _committed_locally(local, 3)
     local_root = resolve(str(local), {})
     token = read_commit_record(local_root, 3).save_id  # type: ignore[union-attr]
-    (local / "iter_000000003" / commit.LEGACY_CLAIM_NAME).write_text(token)  # as an earlier version named it
+    (local / "iter_000000003" / committing.LEGACY_CLAIM_NAME).write_text(token)  # as an earlier version named it
     drain.drain_iteration(local_root, durable, drain.DrainJob(3, token), keep_last_n=None)
     assert pointer.read_pointer(durable) == 3
     names = {p.name for p in (tmp_path / "durable" / "iter_000000003").iterdir()}
-    assert commit.CLAIM_NAME not in names and commit.LEGACY_CLAIM_NAME not in names and COMMIT_RECORD_NAME in names
+    assert committing.CLAIM_NAME not in names and committing.LEGACY_CLAIM_NAME not in names and COMMIT_RECORD_NAME in names
 
 
 def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(tmp_path: Path) -> None:
@@ -550,12 +551,12 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
     assert "per-node mode: rank(s) [1] cannot see" in Path(f"{out}.log").read_text()
     for rank in (0, 1):  # each node's folder: that rank's own checkpoint, its own pointer and retention
         tier = tmp_path / f"node-{rank}" / f"rank{rank}"
-        assert _pointer(str(tier), {}) == 3 and listing.committed_iterations(resolve(str(tier))) == [3]
+        assert _pointer(str(tier), {}) == 3 and run_listing.committed_iterations(resolve(str(tier))) == [3]
         assert not (tmp_path / f"node-{rank}" / f"rank{1 - rank}").exists()
         with pytest.raises(CheckpointNotFoundError, match=f"per-node local_dirname .*give one of them, e.g. .*rank{rank}$"):
             targets.classify(resolve(str(tmp_path / f"node-{rank}")))  # what every tool is given
         assert targets.classify(resolve(str(tier))).kind == "run"
-    assert listing.committed_iterations(resolve(url)) == [1, 2, 3]
+    assert run_listing.committed_iterations(resolve(url)) == [1, 2, 3]
     # The durable copy: one plain checkpoint, each rank's shard in its own file, no drain leftovers.
     assert sorted(p.name for p in (tmp_path / "durable" / "iter_000000003" / "trainer").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"
@@ -648,7 +649,7 @@ def _fsdp_save(rank: int, world_size: int, url: str, options: dict[str, Any], lo
         if rank == 0:
             root = resolve(url, options)
             deletion.discard_iterations(root, [6])
-            commit.write_atomically(root, root.join(POINTER_NAME), b"iter_000000004\n")
+            committing.write_atomically(root, root.join(POINTER_NAME), b"iter_000000004\n")
 
 
 def _fsdp_resume(
@@ -718,7 +719,7 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
 
     first, second = _HoldDrain(1), _HoldDrain(2)
     second.release.set()  # only noticed, never held
-    drain_log = logging.getLogger("dcp_fsspec.checkpoint.drain")
+    drain_log = logging.getLogger("dcp_fsspec.checkpoint.tiers.drain")
     drain_log.addHandler(first)
     drain_log.addHandler(second)
     ended = threading.Event()
@@ -740,7 +741,7 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
         first.release.set()
         drain_log.removeHandler(first)
         drain_log.removeHandler(second)
-    assert listing.committed_iterations(durable) == [1, 3] and not second.reached.is_set()
+    assert run_listing.committed_iterations(durable) == [1, 3] and not second.reached.is_set()
 
 
 @pytest.mark.slow
@@ -798,7 +799,7 @@ def test_async_saves_on_per_node_folders_commit_on_each_node_and_drain_into_one_
     for rank in (0, 1):
         assert json.loads(Path(f"{out}.{rank}").read_text()) == [1, 2]
         assert _pointer(str(tmp_path / f"node-{rank}" / f"rank{rank}"), {}) == 2
-    assert _pointer(url, {}) == 2 and listing.committed_iterations(resolve(url)) == [1, 2]
+    assert _pointer(url, {}) == 2 and run_listing.committed_iterations(resolve(url)) == [1, 2]
     folder = tmp_path / "durable" / "iter_000000002" / "trainer"
     assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     target = {"w": torch.zeros(8, 8), "r": torch.zeros(3), "step": 0}

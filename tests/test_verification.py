@@ -16,9 +16,9 @@ import torch
 from torch.distributed.checkpoint._extension import ZStandard
 
 from dcp_fsspec import Checkpointer, ChecksumMismatchError, CorruptCheckpointError, WriterSettings
-from dcp_fsspec.storage import verification
-from dcp_fsspec.storage.records import parse_layout
-from dcp_fsspec.storage.verification import verify_checkpoint
+from dcp_fsspec.storage.checkpoint_files import integrity
+from dcp_fsspec.storage.format.record_layout import parse_layout
+from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
 from tests.conftest import Backend
 from tests.helpers import flip_a_byte_of_each_data_file_once_written, load, raises_through_dcp, save
 from tests.test_verify import _flip_tensor_byte, _record
@@ -96,14 +96,14 @@ def test_a_file_that_shrinks_while_it_is_verified_reports_each_record_it_no_long
     save(_state(), memory_backend)
     _, offset, _ = _record(memory_backend, "weight")
     lost = {fqn for fqn in _state() if _record(memory_backend, fqn)[1] >= offset}
-    fetch = verification.fetch_in_order
+    fetch = integrity.fetch_in_order
 
     def shrunk(fs: object, spans: list, **kwargs: object) -> Iterator[tuple[object, bytes]]:
         # The file now ends 100 bytes into "weight"'s record: later ranges come back short or empty.
         for span, data in fetch(fs, spans, **kwargs):
             yield span, data[: max(0, offset + 100 - span.start)]
 
-    monkeypatch.setattr(verification, "fetch_in_order", shrunk)
+    monkeypatch.setattr(integrity, "fetch_in_order", shrunk)
     report = verify_checkpoint(memory_backend.url, max_request_bytes=64)
     assert {p.item for p in report.problems} == lost
     assert all("the file ended after" in p.what for p in report.problems)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from dcp_fsspec import Checkpointer, CheckpointNotFoundError, VerifyReport, verify
-from dcp_fsspec.storage.records import parse_layout
+from dcp_fsspec.storage.format.record_layout import parse_layout
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.helpers import save

@@ -7,7 +7,7 @@ import gc
 import threading
 import weakref
 
-from dcp_fsspec.storage.workers import Workers
+from dcp_fsspec.storage.transport.workers import Workers
 
 WAIT = 30.0
 

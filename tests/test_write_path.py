@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from dcp_fsspec.storage.collector import collector_paused
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
 from dcp_fsspec.storage.backends.local import LocalUpload
 
 
@@ -76,7 +76,7 @@ def test_saves_and_loads_run_with_the_collector_paused_and_switch_it_back_on(
     import torch.distributed.checkpoint as dcp
 
     from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageReader, FsspecStorageWriter
-    from dcp_fsspec.storage import writer as writer_module
+    from dcp_fsspec.storage.write import writer as writer_module
 
     seen: dict[str, list[bool]] = {}
 

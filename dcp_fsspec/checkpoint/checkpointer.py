@@ -21,22 +21,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..storage.collector import collector_paused
-from ..storage.retry import DEFAULT_RETRY, RetryPolicy
-from ..storage.settings import ReaderSettings, WriterSettings
-from ..storage.urls import resolve
-from . import layout, listing, pointer
-from . import state as state_mod
-from ._collectives import Collectives
-from .async_saves import AsyncSaves, InFlight
-from .at_exit import EXIT_HOOK
-from .background import leave_if_reimported_main
-from .events import Callback, CheckpointEvent, report, tensor_nbytes
-from .loading import LoadPipeline
-from .options import LocalTier, ResumeOptions
-from .pipeline import Saved, SavePipeline, SaveSettings
-from .resume import MODEL_KEY
-from .tiers import LOCAL, TwoTiers
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
+from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
+from dcp_fsspec.storage.transport.urls import resolve
+from dcp_fsspec.checkpoint.commit import layout, run_listing, pointer
+from dcp_fsspec.checkpoint import state as state_mod
+from dcp_fsspec.checkpoint.collectives import Collectives
+from dcp_fsspec.checkpoint.save.async_saves import AsyncSaves, InFlight
+from dcp_fsspec.checkpoint.at_exit import EXIT_HOOK
+from dcp_fsspec.checkpoint.save.background import leave_if_reimported_main
+from dcp_fsspec.checkpoint.events import Callback, CheckpointEvent, report, tensor_nbytes
+from dcp_fsspec.checkpoint.load.pipeline import LoadPipeline
+from dcp_fsspec.checkpoint.options import LocalTier, ResumeOptions
+from dcp_fsspec.checkpoint.save.pipeline import Saved, SavePipeline, SaveSettings
+from dcp_fsspec.checkpoint.load.resume import MODEL_KEY
+from dcp_fsspec.checkpoint.tiers.tiered import LOCAL, TwoTiers
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ ASYNC_MODES = (ASYNC_DISABLED, ASYNC_PINNED)
 
 def _check_async_mode(async_mode: str) -> None:
     """Refuse an unknown mode. In a process that ``spawn`` started re-running an unguarded main
-    script, exit before anything touches storage (:func:`.background.leave_if_reimported_main`)."""
+    script, exit before anything touches storage (:func:`~dcp_fsspec.checkpoint.save.background.leave_if_reimported_main`)."""
     if async_mode not in ASYNC_MODES:
         raise ValueError(f"async_mode={async_mode!r} is not supported; choose one of {list(ASYNC_MODES)}")
     if async_mode == ASYNC_PINNED:
@@ -91,7 +91,7 @@ class Checkpointer:
             ``load_end``, and with a local tier ``drain_end`` (in the drain thread, on rank 0, its
             ``error`` set if the drain failed). Each end is also logged as one line.
         retry: how every storage call (writers, readers, commit, pointer, retention) is retried
-            (see :class:`~dcp_fsspec.storage.retry.RetryPolicy`); ``None``: only the driver's own
+            (see :class:`~dcp_fsspec.storage.transport.retry.RetryPolicy`); ``None``: only the driver's own
             retries.
         writer_settings: the tuning of every writer, the background process's included, and the
             one place to ask for compression (``WriterSettings(compression="zstd")``); default
@@ -102,7 +102,7 @@ class Checkpointer:
 
     Raises:
         ValueError: an unknown ``async_mode``, or ``keep_last_n`` below 1.
-        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
+        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.transport.urls.resolve`.
     """
 
     def __init__(
@@ -287,7 +287,7 @@ class Checkpointer:
         ``only_load_scheduler_state``, or every key with ``load_training_state``); 3) else
         nothing: a fresh run, iteration 0, logged at WARNING with the URL (at INFO with
         ``ResumeOptions(missing_ok=True)`` where ``save_dirname`` is empty or absent). The rules
-        in full: :mod:`.resume`.
+        in full: :mod:`~dcp_fsspec.checkpoint.load.resume`.
 
         Args:
             iteration: resume this committed iteration of ``save_dirname`` instead of the
@@ -327,7 +327,7 @@ class Checkpointer:
 
     def committed_iterations(self) -> list[int]:
         """Every committed iteration under ``save_dirname``, ascending. Any rank may call it."""
-        return listing.committed_iterations(self._root)
+        return run_listing.committed_iterations(self._root)
 
     def finalize(self) -> None:
         """Finish pending work and release resources; later saves and loads are errors.

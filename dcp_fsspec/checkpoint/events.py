@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..storage.units import human_bytes, human_rate
+from dcp_fsspec.storage.transport.units import human_bytes, human_rate
 
 logger = logging.getLogger("dcp_fsspec.checkpoint")
 

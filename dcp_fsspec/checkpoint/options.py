@@ -13,15 +13,15 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UsageError
-from ..storage.retry import DEFAULT_RETRY, RetryPolicy
-from ..storage.settings import ReaderSettings, WriterSettings
-from ..storage.urls import redact_url
+from dcp_fsspec.errors import UsageError
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
+from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
+from dcp_fsspec.storage.transport.urls import redact_url
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from .events import Callback
+    from dcp_fsspec.checkpoint.events import Callback
 
 DRAIN_EVERY = "every"
 DRAIN_LATEST = "latest"

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import CheckpointNotFoundError, MissingDriverError
-from ..storage.collector import collector_paused
-from ..storage.failures import storage_errors, unwrap_dcp
-from ..storage.retry import DEFAULT_RETRY, RetryPolicy
-from ..storage.uploads import ByteBudget, publish_whole
-from ..storage.urls import Location, resolve
+from dcp_fsspec.errors import CheckpointNotFoundError, MissingDriverError
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors, unwrap_dcp
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
+from dcp_fsspec.storage.backends.uploads import ByteBudget, publish_whole
+from dcp_fsspec.storage.transport.urls import Location, resolve
 
 if TYPE_CHECKING:
-    from ..storage.reader import FsspecStorageReader
+    from dcp_fsspec.storage.read.reader import FsspecStorageReader
 
 MiB = 1024 * 1024
 
@@ -43,7 +43,7 @@ def require(module: str, extra: str, integration: str) -> ModuleType:
 def locate(
     url: str | os.PathLike[str], storage_options: dict[str, Any] | None, retry: RetryPolicy | None = DEFAULT_RETRY
 ) -> Location:
-    """``url`` resolved with ``storage_options`` (see :func:`dcp_fsspec.storage.urls.resolve`)."""
+    """``url`` resolved with ``storage_options`` (see :func:`dcp_fsspec.storage.transport.urls.resolve`)."""
     return resolve(url, storage_options, retry=retry)
 
 
@@ -108,7 +108,7 @@ def unwrapped(call: Callable[[], Any], action: str, *, reader: FsspecStorageRead
 
 def blocking(call: Callable[[], Any], action: str, *, reader: FsspecStorageReader | None = None) -> Any:
     """A synchronous ``dcp.save``/``dcp.load``, as :func:`unwrapped`, with the cyclic garbage
-    collector paused for the whole call on the main thread (:mod:`dcp_fsspec.storage.collector`).
+    collector paused for the whole call on the main thread (:mod:`dcp_fsspec.storage.transport.gc_pause`).
 
     The writer's and reader's own pauses do not cover DCP's planning or the broadcast of its
     metadata, whose objects live until the call returns; on several ranks they set off a full

@@ -25,7 +25,7 @@ import os
 import tempfile
 from typing import Any, cast
 
-from ._files import require
+from dcp_fsspec.integrations._files import require
 
 require("transformers", "hf", "dcp_fsspec.integrations.hf")
 
@@ -34,11 +34,11 @@ import torch.distributed as dist  # noqa: E402
 from transformers import Trainer  # noqa: E402
 from transformers.trainer_callback import ExportableState  # noqa: E402
 
-from ..checkpoint import Checkpointer  # noqa: E402
-from ..checkpoint.layout import parse_iteration  # noqa: E402
-from ..checkpoint.options import CheckpointerOptions  # noqa: E402
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidURLError  # noqa: E402
-from ..storage.urls import normalize_url, redact_url  # noqa: E402
+from dcp_fsspec.checkpoint import Checkpointer  # noqa: E402
+from dcp_fsspec.checkpoint.commit.layout import parse_iteration  # noqa: E402
+from dcp_fsspec.checkpoint.options import CheckpointerOptions  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidURLError  # noqa: E402
+from dcp_fsspec.storage.transport.urls import normalize_url, redact_url  # noqa: E402
 
 __all__ = ["FsspecTrainer"]
 

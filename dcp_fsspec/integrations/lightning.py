@@ -25,7 +25,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ._files import blocking, child, is_dcp_checkpoint, locate, read_file, remove, require, unwrapped, write_file
+from dcp_fsspec.integrations._files import blocking, child, is_dcp_checkpoint, locate, read_file, remove, require, unwrapped, write_file
 
 require("lightning.pytorch", "lightning", "dcp_fsspec.integrations.lightning")
 
@@ -42,13 +42,13 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     set_optimizer_state_dict,
 )
 
-from ..checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
-from ..errors import CheckpointMismatchError, CheckpointNotFoundError, UsageError  # noqa: E402
-from ..storage.reader import FsspecStorageReader  # noqa: E402
-from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
-from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
-from ..storage.trust import SafeLoadPlanner  # noqa: E402
-from ..storage.writer import FsspecStorageWriter  # noqa: E402
+from dcp_fsspec.checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
+from dcp_fsspec.errors import CheckpointMismatchError, CheckpointNotFoundError, UsageError  # noqa: E402
+from dcp_fsspec.storage.read.reader import FsspecStorageReader  # noqa: E402
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
+from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings  # noqa: E402
+from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner  # noqa: E402
+from dcp_fsspec.storage.write.writer import FsspecStorageWriter  # noqa: E402
 
 __all__ = ["FsspecCheckpointIO", "FsspecFabricModelParallelStrategy", "FsspecModelParallelStrategy"]
 

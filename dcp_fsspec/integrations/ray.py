@@ -18,17 +18,17 @@ import dataclasses
 import posixpath
 from typing import Any
 
-from ._files import require
+from dcp_fsspec.integrations._files import require
 
 require("ray.train", "ray", "dcp_fsspec.integrations.ray")
 
 import pyarrow.fs  # noqa: E402  (a dependency of ray[train])
 import ray.train  # noqa: E402
 
-from ..checkpoint import Checkpointer  # noqa: E402
-from ..checkpoint.layout import format_iteration, parse_iteration  # noqa: E402
-from ..checkpoint.options import CheckpointerOptions, ResumeOptions  # noqa: E402
-from ..errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
+from dcp_fsspec.checkpoint import Checkpointer  # noqa: E402
+from dcp_fsspec.checkpoint.commit.layout import format_iteration, parse_iteration  # noqa: E402
+from dcp_fsspec.checkpoint.options import CheckpointerOptions, ResumeOptions  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
 
 __all__ = ["RayTrainCheckpointer"]
 

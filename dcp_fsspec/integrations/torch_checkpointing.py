@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any, cast
 
-from ._files import child, locate, require, write_file
+from dcp_fsspec.integrations._files import child, locate, require, write_file
 
 require("torch_checkpointing.storage.base_storage", "torch-checkpointing", "dcp_fsspec.integrations.torch_checkpointing")
 
@@ -30,11 +30,11 @@ from torch_checkpointing.checkpoint_writer import CallbackArgs  # noqa: E402
 from torch_checkpointing.metadata_serialization import METADATA_FILE_NAME  # noqa: E402
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig  # noqa: E402
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError  # noqa: E402
-from ..storage.backends.base import InPlaceFiles, RangeReader  # noqa: E402
-from ..storage.failures import storage_errors  # noqa: E402
-from ..storage.uploads import ByteBudget, FileUpload  # noqa: E402
-from ..storage.urls import Location  # noqa: E402
+from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError  # noqa: E402
+from dcp_fsspec.storage.backends.base import InPlaceFiles, RangeReader  # noqa: E402
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors  # noqa: E402
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload  # noqa: E402
+from dcp_fsspec.storage.transport.urls import Location  # noqa: E402
 
 __all__ = ["COMMIT_MARKER", "FsspecStorage", "FsspecStorageConfig", "commit_by_marker"]
 

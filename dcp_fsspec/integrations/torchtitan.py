@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._files import blocking, child, exists, is_dcp_checkpoint, locate, remove, require, unwrapped
+from dcp_fsspec.integrations._files import blocking, child, exists, is_dcp_checkpoint, locate, remove, require, unwrapped
 
 require("torchtitan.components.checkpointer", "torchtitan", "dcp_fsspec.integrations.torchtitan")
 
@@ -42,13 +42,13 @@ from torchtitan.components.checkpointer.base import purge_thread  # noqa: E402
 from torchtitan.tools.logging import logger  # noqa: E402
 from torchtitan.tools.utils import GarbageCollection  # noqa: E402
 
-from ..errors import CheckpointNotFoundError  # noqa: E402
-from ..storage.reader import FsspecStorageReader  # noqa: E402
-from ..storage.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
-from ..storage.settings import ReaderSettings, WriterSettings  # noqa: E402
-from ..storage.trust import SafeLoadPlanner  # noqa: E402
-from ..storage.urls import Location, redact_text, redact_url  # noqa: E402
-from ..storage.writer import FsspecStorageWriter  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError  # noqa: E402
+from dcp_fsspec.storage.read.reader import FsspecStorageReader  # noqa: E402
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
+from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings  # noqa: E402
+from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner  # noqa: E402
+from dcp_fsspec.storage.transport.urls import Location, redact_text, redact_url  # noqa: E402
+from dcp_fsspec.storage.write.writer import FsspecStorageWriter  # noqa: E402
 
 __all__ = ["FsspecCheckpointManager"]
 

@@ -18,7 +18,7 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True)
 class WriterSettings:
-    """How :class:`~dcp_fsspec.storage.writer.FsspecStorageWriter` writes: its ``settings``.
+    """How :class:`~dcp_fsspec.storage.write.writer.FsspecStorageWriter` writes: its ``settings``.
 
     Args:
         files_per_rank: at most this many data files per rank, written concurrently.
@@ -52,14 +52,14 @@ class WriterSettings:
         if self.files_per_rank < 1:
             raise ValueError(f"files_per_rank must be at least 1, got {self.files_per_rank}")
         if self.compression is not None or self.compression_level is not None:
-            from .transforms import compression_extensions  # torch: only for those who compress
+            from dcp_fsspec.storage.format.transforms import compression_extensions  # torch: only for those who compress
 
             compression_extensions(self.compression, self.compression_level)
 
 
 @dataclass(frozen=True)
 class ReaderSettings:
-    """How :class:`~dcp_fsspec.storage.reader.FsspecStorageReader` reads: its ``settings``.
+    """How :class:`~dcp_fsspec.storage.read.reader.FsspecStorageReader` reads: its ``settings``.
 
     Args:
         verify_checksums: check each tensor's CRC-32 against its record, where one was stored.

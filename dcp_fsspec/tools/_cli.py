@@ -25,20 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    DcpFsspecError,
-    InvalidURLError,
-    MissingDriverError,
-    StorageError,
-    UsageError,  # also used as _cli.UsageError by the tools, from before errors.py held it
-)
-from ..storage.backends import DRIVER_PACKAGES
-from ..storage.driver_errors import credentials_advice, is_unreachable
-from ..storage.retry import causes
-from ..storage.urls import redact_text, redact_url, scheme_of
-from .progress import human_bytes
+from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, DcpFsspecError, InvalidURLError, MissingDriverError, StorageError, UsageError
+from dcp_fsspec.storage.backends import DRIVER_PACKAGES
+from dcp_fsspec.storage.transport.driver_errors import credentials_advice, is_unreachable
+from dcp_fsspec.storage.transport.retry import causes
+from dcp_fsspec.storage.transport.urls import redact_text, redact_url, scheme_of
+from dcp_fsspec.tools.progress import human_bytes
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1

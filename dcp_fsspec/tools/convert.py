@@ -1,12 +1,12 @@
 """``to-torch`` and ``to-safetensors``: one file from a DCP checkpoint on any URL.
 
-The checkpoint is read with our :class:`~dcp_fsspec.storage.reader.FsspecStorageReader` and
+The checkpoint is read with our :class:`~dcp_fsspec.storage.read.reader.FsspecStorageReader` and
 DCP's ``_EmptyStateDictLoadPlanner`` (what torch's ``dcp_to_torch_save`` does with its local-only
-reader), so any URL works; non-tensor entries load as :class:`~dcp_fsspec.storage.trust.SafeLoadPlanner`
+reader), so any URL works; non-tensor entries load as :class:`~dcp_fsspec.storage.format.safe_entries.SafeLoadPlanner`
 loads them (no code from the checkpoint runs) unless ``trust_checkpoint``. The whole state dict is held in memory once. A single checkpoint
 becomes its state dict; an iteration folder (or a save_dirname's latest) becomes
 ``{key: state_dict}``. The output is written through the storage layer's atomic uploads, so it
-is complete or absent, on any URL too. The subcommands' options are in :mod:`.convert_options`.
+is complete or absent, on any URL too. The subcommands' options are in :mod:`~dcp_fsspec.tools.convert_options`.
 
 safetensors holds only a flat mapping of names to tensors: nested keys are joined with ``.``,
 plain values (numbers, strings, booleans, None) go into the file's metadata as JSON, and
@@ -34,16 +34,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError, MissingDriverError, UsageError
-from ..storage.failures import storage_errors, unwrap_dcp
-from ..storage.reader import FsspecStorageReader
-from ..storage.settings import ReaderSettings
-from ..storage.trust import SafeLoadPlanner
-from ..storage.uploads import ByteBudget
-from ..storage.urls import Location, resolve
-from . import targets
-from .progress import Progress, human_bytes
-from .results import WrittenFiles
+from dcp_fsspec.errors import CheckpointExistsError, CorruptCheckpointError, MissingDriverError, UsageError
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors, unwrap_dcp
+from dcp_fsspec.storage.read.reader import FsspecStorageReader
+from dcp_fsspec.storage.settings import ReaderSettings
+from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
+from dcp_fsspec.storage.backends.uploads import ByteBudget
+from dcp_fsspec.storage.transport.urls import Location, resolve
+from dcp_fsspec.tools import targets
+from dcp_fsspec.tools.progress import Progress, human_bytes
+from dcp_fsspec.tools.results import WrittenFiles
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``to-torch`` (and ``to-safetensors``' one-file form): the options, and the command that runs it.
 
-This module does not import torch, so a usage error is reported at once; :mod:`.convert`, which
+This module does not import torch, so a usage error is reported at once; :mod:`~dcp_fsspec.tools.convert`, which
 does the work and needs torch, is imported when the command runs.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
-from . import _cli
-from .progress import Progress
+from dcp_fsspec.tools import _cli
+from dcp_fsspec.tools.progress import Progress
 
 def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to write (any fsspec URL or local path)") -> None:
     source = ("url", "a DCP checkpoint, an iteration folder, or a save_dirname (its latest iteration)")
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser, out_help: str = "the file to 
 
 def _main(args: argparse.Namespace, fmt: Literal["torch", "safetensors"]) -> int:
     source_options, out_options = _cli.both_storage_options(args, args.url, args.out)
-    from .convert import MACHINE_MEMORY, convert  # torch: only once the command line is known to be right
+    from dcp_fsspec.tools.convert import MACHINE_MEMORY, convert  # torch: only once the command line is known to be right
 
     with Progress("converting") as progress:
         result = convert(

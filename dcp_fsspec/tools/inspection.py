@@ -6,7 +6,7 @@ Each key shows its totals and its first entries (every one on request). For an i
 save, the bytes stored split into the key's own and those it refers to, by the checkpoint that
 holds them (another iteration, or a sibling folder). A ``.metadata`` is
 parsed whole, so the command line refuses one past a number of entries before parsing it all.
-It is read into torch-free stand-ins (:mod:`dcp_fsspec.storage.metadata_standins`): torch is
+It is read into torch-free stand-ins (:mod:`dcp_fsspec.storage.format.metadata_standins`): torch is
 not imported.
 """
 
@@ -19,13 +19,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..checkpoint import layout
-from ..storage.metadata_file import read_metadata
-from ..storage.metadata_standins import BytesStorageMetadata, TensorStorageMetadata, dtype_name
-from ..storage.references import is_reference
-from ..storage.urls import Location, resolve
-from . import _cli, targets
-from .progress import human_bytes
+from dcp_fsspec.checkpoint.commit import layout
+from dcp_fsspec.storage.format.metadata_file import read_metadata
+from dcp_fsspec.storage.format.metadata_standins import BytesStorageMetadata, TensorStorageMetadata, dtype_name
+from dcp_fsspec.storage.format.references import is_reference
+from dcp_fsspec.storage.transport.urls import Location, resolve
+from dcp_fsspec.tools import _cli, targets
+from dcp_fsspec.tools.progress import human_bytes
 
 
 # What inspect lists of a key by default: the first entries in name order (apart from an

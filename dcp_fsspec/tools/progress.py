@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ..storage.units import human_bytes, human_rate
+from dcp_fsspec.storage.transport.units import human_bytes, human_rate
 
 _WIDTH = 30
 _REDRAW_SECONDS = 0.5

@@ -1,10 +1,10 @@
 """``prune``: retention by hand — keep the newest N committed iterations of a run, delete the rest.
 
-The plan is :func:`dcp_fsspec.checkpoint.retention.plan_deletions`, the one the Checkpointer
+The plan is :func:`dcp_fsspec.checkpoint.commit.retention.plan_deletions`, the one the Checkpointer
 applies after each save, so the rules are the same: nothing is deleted without a pointer, the
 iteration the pointer names is never deleted, nor anything newer than it (a save may be writing
 it), nor any file a kept iteration of an incremental run refers to: such an iteration is
-retired (see :mod:`dcp_fsspec.checkpoint.retention`). Unlike the Checkpointer's own retention,
+retired (see :mod:`dcp_fsspec.checkpoint.commit.retention`). Unlike the Checkpointer's own retention,
 a failed delete is reported (exit code 4), not only logged.
 """
 
@@ -16,11 +16,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..checkpoint import layout, pointer, retention
-from ..errors import CheckpointNotFoundError, StorageError, UsageError
-from ..storage.names import POINTER_NAME
-from ..storage.urls import resolve
-from . import _cli, targets
+from dcp_fsspec.checkpoint.commit import layout, pointer, retention
+from dcp_fsspec.errors import CheckpointNotFoundError, StorageError, UsageError
+from dcp_fsspec.storage.format.names import POINTER_NAME
+from dcp_fsspec.storage.transport.urls import resolve
+from dcp_fsspec.tools import _cli, targets
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .progress import human_bytes
+from dcp_fsspec.tools.progress import human_bytes
 
 
 @dataclass

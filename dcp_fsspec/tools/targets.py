@@ -15,12 +15,12 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..checkpoint import layout, pointer
-from ..checkpoint.record import CommitRecord, read_commit_record
-from ..errors import CheckpointNotFoundError
-from ..storage.failures import storage_errors
-from ..storage.names import COMMIT_RECORD_NAME, DATA_SUFFIX, METADATA_NAME, POINTER_NAME
-from ..storage.urls import Location
+from dcp_fsspec.checkpoint.commit import layout, pointer
+from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, read_commit_record
+from dcp_fsspec.errors import CheckpointNotFoundError
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, DATA_SUFFIX, METADATA_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.urls import Location
 
 Kind = Literal["checkpoint", "iteration", "run"]
 
@@ -36,7 +36,7 @@ class Target:
 
     ``location`` is the folder the tools read: the URL's, or for a file of ours its folder's.
     For an iteration folder, ``run`` is its parent (the ``save_dirname``) and ``iteration`` its
-    number, which is how :mod:`dcp_fsspec.checkpoint.listing` addresses it.
+    number, which is how :mod:`dcp_fsspec.checkpoint.commit.run_listing` addresses it.
     """
 
     kind: Kind

@@ -1,6 +1,6 @@
 """``cp``: copy a checkpoint, an iteration folder or a whole run between any two URLs.
 
-Files are copied by :mod:`dcp_fsspec.storage.copying`: in parallel, each streamed in ranged reads
+Files are copied by :mod:`dcp_fsspec.storage.checkpoint_files.copying`: in parallel, each streamed in ranged reads
 (bounded memory) into the storage layer's own atomic uploads. The order is the commit protocol's:
 every data file first, then every ``.metadata``, then every ``.commit.json``, and
 ``latest_checkpoint.txt`` last, so a copy that dies part-way leaves a destination that no
@@ -16,7 +16,7 @@ errors naming the file, not files skipped with a warning: a copy missing a data 
 
 The copy stands alone. A checkpoint of an incremental save refers to records of another
 checkpoint; its copy gets those records in data files of its own, and a rewritten ``.metadata``
-(:mod:`dcp_fsspec.storage.self_contained`). A whole run's copy keeps a reference to an
+(:mod:`dcp_fsspec.storage.checkpoint_files.self_contained`). A whole run's copy keeps a reference to an
 iteration it copies too, and copies the records of any other (a retired iteration's).
 """
 
@@ -32,14 +32,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..checkpoint import layout, listing
-from ..errors import CheckpointExistsError
-from ..storage.copying import DATA, Piece, check_inside, copy_files, list_files, phase_of, pieces_bytes
-from ..storage.failures import storage_errors
-from ..storage.names import CONTENT_HASHES_NAME, POINTER_NAME
-from ..storage.urls import Location, resolve
-from . import _cli, targets
-from .progress import Progress, human_bytes
+from dcp_fsspec.checkpoint.commit import layout, run_listing
+from dcp_fsspec.errors import CheckpointExistsError
+from dcp_fsspec.storage.checkpoint_files.copying import DATA, Piece, check_inside, copy_files, list_files, phase_of, pieces_bytes
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.urls import Location, resolve
+from dcp_fsspec.tools import _cli, targets
+from dcp_fsspec.tools.progress import Progress, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -155,14 +155,14 @@ def copy_checkpoint(
 def _self_contained(
     source: Location, files: dict[str, int], copied: set[str], *, references: bool, trust_checkpoint: bool
 ) -> tuple[dict[str, list[Piece]], dict[str, bytes]]:
-    """What makes each copied checkpoint stand alone (see :func:`~dcp_fsspec.storage.self_contained.self_contained_files`).
+    """What makes each copied checkpoint stand alone (see :func:`~dcp_fsspec.storage.checkpoint_files.self_contained.self_contained_files`).
 
     Only an incremental save refers to others, and it leaves content hashes beside its
     ``.metadata``: a copy without any reads no ``.metadata`` and never imports torch.
     """
     if not any(posixpath.basename(name) == CONTENT_HASHES_NAME for name in files):
         return {}, {}
-    from ..storage.self_contained import self_contained_files  # torch: only for incremental saves
+    from dcp_fsspec.storage.checkpoint_files.self_contained import self_contained_files  # torch: only for incremental saves
 
     return self_contained_files(
         source, files, keep=lambda path: _iteration_folder(path) in copied, references=references,
@@ -175,13 +175,13 @@ def _files_to_copy(source: Location, target: targets.Target, skipped: list[str])
     if target.kind != "run":
         if target.kind == "iteration":
             assert target.run is not None and target.iteration is not None
-            _, why = listing.inspect_iteration(target.run, target.iteration)
+            _, why = run_listing.inspect_iteration(target.run, target.iteration)
             if why is not None:
                 logger.warning("%s is not committed (%s); copying it as it is", source.url, why)
         return list_files(source, source.path), set()
     files: dict[str, int] = {}
     copied: set[str] = set()
-    committed = set(listing.committed_iterations(source))
+    committed = set(run_listing.committed_iterations(source))
     for iteration in layout.list_iterations(source):
         folder = layout.iteration_path(source, iteration)
         if iteration in committed:
@@ -191,7 +191,7 @@ def _files_to_copy(source: Location, target: targets.Target, skipped: list[str])
             skipped.append(source.url_of(folder))
             logger.warning("not copying %s: not committed (a save that never finished)", source.url_of(folder))
     pointer = source.join(POINTER_NAME)
-    if listing.exists(source, pointer):
+    if run_listing.exists(source, pointer):
         files[POINTER_NAME] = int(source.fs.info(pointer).get("size") or 0)
     return files, copied
 

@@ -1,12 +1,12 @@
 """``verify``: check a checkpoint, an iteration folder or a whole run on storage, without loading it.
 
-Each DCP checkpoint is checked by :func:`dcp_fsspec.storage.verification.verify_checkpoint`
+Each DCP checkpoint is checked by :func:`dcp_fsspec.storage.checkpoint_files.integrity.verify_checkpoint`
 (every file present and long enough, every record decoded, every CRC-32 compared; see there).
 This module adds what knows runs: given an iteration folder, it verifies every key its commit
 record lists (a listed key without ``.metadata`` is a problem); given a ``save_dirname``, every
 committed iteration and the pointer (uncommitted and retired folders are noted, not failed). A key's
 references into other iterations are followed and checked like its own files. Damage is
-reported, not raised: each :class:`~dcp_fsspec.storage.verification.VerifyProblem` names the
+reported, not raised: each :class:`~dcp_fsspec.storage.checkpoint_files.integrity.VerifyProblem` names the
 file, the item and, for a checksum mismatch, both CRC-32s. Errors are raised only when there is
 nothing to verify (:class:`CheckpointNotFoundError`) or the backend fails (:class:`StorageError`).
 """
@@ -19,14 +19,14 @@ import posixpath
 from collections.abc import Callable
 from typing import Any
 
-from ..checkpoint import layout, listing, pointer
-from ..checkpoint.record import referable
-from ..errors import CorruptCheckpointError
-from ..storage.names import COMMIT_RECORD_NAME, METADATA_NAME
-from ..storage.urls import Location, resolve
-from ..storage.verification import VerifyProblem, VerifyReport, verify_checkpoint
-from . import _cli, targets
-from .progress import Progress, human_bytes
+from dcp_fsspec.checkpoint.commit import layout, run_listing, pointer
+from dcp_fsspec.checkpoint.commit.commit_record import referable
+from dcp_fsspec.errors import CorruptCheckpointError
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME
+from dcp_fsspec.storage.transport.urls import Location, resolve
+from dcp_fsspec.storage.checkpoint_files.integrity import VerifyProblem, VerifyReport, verify_checkpoint
+from dcp_fsspec.tools import _cli, targets
+from dcp_fsspec.tools.progress import Progress, human_bytes
 
 MiB = 1024 * 1024
 # What verify says of an iteration retention retired (ls shows it as "retired").
@@ -66,7 +66,7 @@ def verify(
         CheckpointNotFoundError: nothing at ``url`` is a checkpoint, iteration folder or
             save_dirname.
         StorageError: the backend failed while listing or reading.
-        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.urls.resolve`.
+        InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.transport.urls.resolve`.
     """
     target = targets.classify(resolve(url, storage_options))
     location = target.location
@@ -138,7 +138,7 @@ class _Checker:
             self.problem(record_url, None, f"does not exist: {folder} is not committed (its save never finished)")
         for key in keys:
             location = targets.key_location(run, iteration, key)
-            if record is not None and not listing.key_is_committed(run, iteration, key):
+            if record is not None and not run_listing.key_is_committed(run, iteration, key):
                 self.problem(
                     location.url_of(location.join(METADATA_NAME)), None,
                     f"does not exist, but {COMMIT_RECORD_NAME} lists key {key!r}",

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from dcp_fsspec import FsspecStorageReader
-from dcp_fsspec.storage.failures import unwrap_dcp
+from dcp_fsspec.storage.transport.error_wrapping import unwrap_dcp
 from tests.conftest import Backend
 
 

@@ -16,7 +16,7 @@ import torch
 
 from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointError, cli
 from dcp_fsspec.errors import RecordFormatError, UsageError
-from dcp_fsspec.storage.verification import verify_checkpoint
+from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
 from dcp_fsspec.tools.convert import load_state_dict
 from tests.conftest import Backend
 from tests.helpers import save

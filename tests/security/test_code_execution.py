@@ -20,16 +20,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-from dcp_fsspec import (
-    Checkpointer,
-    CorruptCheckpointError,
-    FsspecStorageReader,
-    ReaderSettings,
-    ResumeOptions,
-    SafeLoadPlanner,
-    cli,
-)
-from dcp_fsspec.storage.verification import verify_checkpoint
+from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, ReaderSettings, ResumeOptions, SafeLoadPlanner, cli
+from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
 from dcp_fsspec.tools.convert import load_state_dict
 from tests.conftest import Backend
 from tests.helpers import save

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from dcp_fsspec import CheckpointExistsError, Checkpointer, CorruptCheckpointError, DcpFsspecError
-from dcp_fsspec.checkpoint import commit, pointer
-from dcp_fsspec.checkpoint.record import read_commit_record, take_over_mark
-from dcp_fsspec.storage.names import COMMIT_RECORD_NAME, POINTER_NAME
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.commit import committing, pointer
+from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record, take_over_mark
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
@@ -157,7 +157,7 @@ def test_a_save_that_looked_before_the_other_committed_never_clears_that_commit(
     root = resolve(backend.url, backend.storage_options)
     before = _folder_files(backend)
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=None)
+        committing.take_over_iteration(root, ITERATION, "b" * 32, replacing=None)
     folder = root.url_of(root.join(f"iter_{ITERATION:09d}"))
     assert str(raised.value) == (
         f"cannot save {folder}: another process committed it while this save started (two processes "
@@ -189,7 +189,7 @@ def test_a_save_that_saw_a_commit_before_its_pointer_moved_never_clears_it_once_
     record = read_commit_record(root, ITERATION)
     before = _folder_files(backend)
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
+        committing.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
     assert backend.url in str(raised.value)
     assert _folder_files(backend) == before
     target = _empty_like(_state(0, 0))
@@ -239,19 +239,19 @@ def test_on_s3_a_take_over_that_finds_the_pointer_moved_after_its_mark_puts_the_
     root = resolve(s3_backend.url, s3_backend.storage_options)
     record = read_commit_record(root, ITERATION)
     # A between its record and its pointer, as B saw it:
-    commit.write_atomically(root, root.join(POINTER_NAME), f"iter_{ITERATION - 1:09d}\n".encode())
+    committing.write_atomically(root, root.join(POINTER_NAME), f"iter_{ITERATION - 1:09d}\n".encode())
     before = _folder_files(s3_backend)
     replace = type(root.backend).replace_if_unchanged
 
     def mark_then_a_moves_the_pointer(self: Any, path: str, data: bytes, expected: Any) -> bool:
         done = replace(self, path, data, expected)
         if data == take_over_mark("b" * 32):
-            commit.write_atomically(root, root.join(POINTER_NAME), f"iter_{ITERATION:09d}\n".encode())
+            committing.write_atomically(root, root.join(POINTER_NAME), f"iter_{ITERATION:09d}\n".encode())
         return done
 
     monkeypatch.setattr(type(root.backend), "replace_if_unchanged", mark_then_a_moves_the_pointer)
     with pytest.raises(CheckpointExistsError):
-        commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
+        committing.take_over_iteration(root, ITERATION, "b" * 32, replacing=record, unpublished=True)
     monkeypatch.undo()
     assert read_commit_record(root, ITERATION) == record
     assert _folder_files(s3_backend) == before
@@ -282,14 +282,14 @@ def test_once_a_save_took_the_folder_over_the_other_saves_commit_fails(
     record_path = root.join(f"iter_{ITERATION:09d}", ".commit.json")
     fs = backend.fs
     fs.rm(record_path)  # A has not committed yet
-    commit.take_over_iteration(root, ITERATION, "b" * 32, replacing=None)
+    committing.take_over_iteration(root, ITERATION, "b" * 32, replacing=None)
     assert read_commit_record(root, ITERATION) is None  # B's mark: not a commit
     for path, data in a_files.items():  # A's late writes
         if path != record_path:
             fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             fs.pipe_file(path, data)
     with pytest.raises(CheckpointExistsError) as raised:
-        commit.publish(root, ITERATION, record.keys, 1, save_id=record.save_id)
+        committing.publish(root, ITERATION, record.keys, 1, save_id=record.save_id)
     assert backend.url in str(raised.value)
     assert read_commit_record(root, ITERATION) is None
     with Checkpointer(backend.url, backend.storage_options, overwrite=True) as ckpt:

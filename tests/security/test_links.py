@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, LocalTier, cli
-from dcp_fsspec.checkpoint import drain, listing
-from dcp_fsspec.checkpoint.record import read_commit_record
-from dcp_fsspec.storage.urls import resolve
+from dcp_fsspec.checkpoint.tiers import drain
+from dcp_fsspec.checkpoint.commit import run_listing
+from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
+from dcp_fsspec.storage.transport.urls import resolve
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -44,7 +45,7 @@ def other(tmp_path: Path) -> Path:
 
 def _assert_untouched(other: Path, before: dict[str, bytes]) -> None:
     assert _files(other / SEVEN) == before
-    assert listing.committed_iterations(resolve(str(other))) == [7]
+    assert run_listing.committed_iterations(resolve(str(other))) == [7]
 
 
 def _assert_link_removed(link: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -64,7 +65,7 @@ def test_prune_removes_a_link_to_another_runs_iteration_and_leaves_that_iteratio
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
     assert not os.path.lexists(run / SEVEN)
-    assert listing.committed_iterations(resolve(str(run))) == [9]
+    assert run_listing.committed_iterations(resolve(str(run))) == [9]
 
 
 def test_a_saves_retention_removes_a_link_to_another_runs_iteration_and_leaves_that_iteration_committed(
@@ -83,7 +84,7 @@ def test_a_saves_retention_removes_a_link_to_another_runs_iteration_and_leaves_t
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
     assert not os.path.lexists(run / SEVEN)
-    assert listing.committed_iterations(resolve(str(run))) == [9]
+    assert run_listing.committed_iterations(resolve(str(run))) == [9]
 
 
 @pytest.mark.parametrize("through", ["a take-over", "a drain from the local tier"])
@@ -101,7 +102,7 @@ def test_a_save_over_a_linked_iteration_folder_writes_a_folder_of_its_own_and_le
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
     assert (run / SEVEN).is_dir()
-    assert listing.committed_iterations(resolve(str(run))) == [5, 7]
+    assert run_listing.committed_iterations(resolve(str(run))) == [5, 7]
 
 
 def test_a_drains_other_rank_removes_a_link_standing_for_the_durable_iteration_folder_before_it_writes(

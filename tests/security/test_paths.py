@@ -19,7 +19,7 @@ import torch
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, cli
 from dcp_fsspec.local_s3 import LocalS3Server
-from dcp_fsspec.storage.verification import verify_checkpoint
+from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
 from dcp_fsspec.tools.transfer import copy_checkpoint
 from tests.conftest import Backend
 from tests.helpers import save

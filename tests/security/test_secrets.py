@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, ResumeOptions, cli
-from dcp_fsspec.checkpoint.background import _join_group
+from dcp_fsspec.checkpoint.save.background import _join_group
 from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.errors import DcpFsspecError
-from dcp_fsspec.storage.urls import redact_text, resolve
+from dcp_fsspec.storage.transport.urls import redact_text, resolve
 from tests.conftest import Backend
 from tests.servers.sshd import LocalSSHServer
 
@@ -47,7 +47,7 @@ def _files_holding(root: Path, secret: str) -> list[str]:
 
 
 def test_redact_url_hides_the_password_of_every_userinfo_and_nothing_else() -> None:
-    from dcp_fsspec.storage.urls import redact_url
+    from dcp_fsspec.storage.transport.urls import redact_url
 
     assert redact_url(f"sftp://me:{SECRET}@host:22/a/b") == "sftp://me:***@host:22/a/b"
     assert redact_url(f"s3://AKIA:{SECRET}@bucket/run") == "s3://AKIA:***@bucket/run"

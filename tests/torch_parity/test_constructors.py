@@ -22,12 +22,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageReader, FsspecStorageWriter
-from dcp_fsspec.checkpoint.pipeline import SavePipeline
+from dcp_fsspec.checkpoint.save.pipeline import SavePipeline
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
 from dcp_fsspec import WriterSettings
-from dcp_fsspec.storage.reader import TORCH_READER_DEFAULTS
-from dcp_fsspec.storage.write_plan import TORCH_WRITER_DEFAULTS
+from dcp_fsspec.storage.read.reader import TORCH_READER_DEFAULTS
+from dcp_fsspec.storage.write.file_plan import TORCH_WRITER_DEFAULTS
 
 
 def _keywords(cls: type) -> dict[str, Any]:

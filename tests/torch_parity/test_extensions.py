@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.testing._internal.distributed.checkpoint_utils import Rot13Example, get_test_extension_registry
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, FsspecStorageWriter, MissingDriverError, WriterSettings
-from dcp_fsspec.storage import transforms
+from dcp_fsspec.storage.format import transforms
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
 from tests.states import assert_state_equal, empty_like_state, sample_state
@@ -194,7 +194,7 @@ def test_decompression_runs_on_the_readers_pool_not_fsspecs_event_loop(
         threads.append(threading.current_thread().name)
         return real(*args)
 
-    monkeypatch.setattr("dcp_fsspec.storage.load_decoder.untransform", noting_the_thread)
+    monkeypatch.setattr("dcp_fsspec.storage.read.delivery.untransform", noting_the_thread)
     loaded = load({k: torch.zeros(4096) for k in state}, s3_backend)
     assert len(threads) == 12 and all(name.startswith("dcp-fsspec-undo") for name in threads), threads
     assert all(torch.equal(loaded[k], v) for k, v in state.items())

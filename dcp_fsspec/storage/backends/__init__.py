@@ -1,12 +1,12 @@
 """What differs between storage backends, decided once per filesystem from one table.
 
-Every layer above the storage layer asks a :class:`~.base.Backend` (``location.backend``) what
+Every layer above the storage layer asks a :class:`~dcp_fsspec.storage.backends.base.Backend` (``location.backend``) what
 the store can do and how. Nothing else in the package tests a filesystem's type, protocol or
-private API. The contract (:mod:`.base`) is a small core and optional capabilities with defaults.
+private API. The contract (:mod:`~dcp_fsspec.storage.backends.base`) is a small core and optional capabilities with defaults.
 
 A backend is chosen by the filesystem's fsspec protocol from :data:`BACKENDS` (module path and
 class name, imported on first use, like fsspec's own registry). A protocol missing from the
-table gets the generic :class:`~.generic.FsspecBackend` (documented in the README as "other
+table gets the generic :class:`~dcp_fsspec.storage.backends.generic.FsspecBackend` (documented in the README as "other
 fsspec backends"). Adding a backend is one table entry and the module holding its quirks (S3's
 are spread over ``s3*.py``, one concern each).
 """
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import fsspec
 from fsspec.registry import known_implementations
 
-from ..retry import NO_RETRY, RetryPolicy
-from .base import Backend, RangeReader, Versioned
-from .generic import FsspecBackend
+from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
+from dcp_fsspec.storage.backends.base import Backend, RangeReader, Versioned
+from dcp_fsspec.storage.backends.generic import FsspecBackend
 
 # fsspec protocol → "module:Class" under this package.
 BACKENDS: dict[str, str] = {

@@ -4,7 +4,7 @@ A :class:`Backend` wraps one fsspec filesystem and the retry policy its calls ru
 subclass implements the six core methods (read a range, read a small file with its version,
 upload a whole file, list, remove files, compare-and-swap a small file). Every other member has
 a default built on that core or on plain fsspec calls; a subclass overrides one only where its
-store does better. The generic fsspec backend is :class:`~.generic.FsspecBackend`.
+store does better. The generic fsspec backend is :class:`~dcp_fsspec.storage.backends.generic.FsspecBackend`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 import fsspec
 
-from ...errors import DcpFsspecError, StorageError
-from ..file_syncs import FileSyncs
-from ..retry import RetryPolicy
-from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload, publish_whole
+from dcp_fsspec.errors import DcpFsspecError, StorageError
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.transport.retry import RetryPolicy
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload, publish_whole
 
 # Small-file updates on stores without conditional writes or locks, serialized within this process.
 _PROCESS_LOCK = threading.Lock()
@@ -103,7 +103,7 @@ class Backend(abc.ABC):
 
     def url_of(self, path: str) -> str:
         """The URL of ``path``, for messages: in the form the user wrote, where the backend
-        belongs to a :class:`~..urls.Location` (which passes its ``url_of``)."""
+        belongs to a :class:`~dcp_fsspec.storage.transport.urls.Location` (which passes its ``url_of``)."""
         return self._url_of(path) if self._url_of is not None else self.plain_url(path)
 
     def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
@@ -230,7 +230,7 @@ class Backend(abc.ABC):
         """Make the renames in ``path`` durable where that is a separate step (local disk)."""
 
     def file_syncs(self, threads: int) -> FileSyncs | None:
-        """Where files are fsynced (local disk): a :class:`~..file_syncs.FileSyncs` for one
+        """Where files are fsynced (local disk): a :class:`~dcp_fsspec.storage.transport.file_syncs.FileSyncs` for one
         save, whose uploads then rename each file into place at once and fsync it on one of
         ``threads`` threads; the caller waits for it before anything names the files. ``None``
         elsewhere (a file is in the store once its upload commits)."""

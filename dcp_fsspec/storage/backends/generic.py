@@ -1,6 +1,6 @@
 """The generic backend: the core over any fsspec filesystem, with only what fsspec's API promises.
 
-A protocol missing from :data:`~.BACKENDS` gets :class:`FsspecBackend`: fsspec's buffered
+A protocol missing from :data:`~dcp_fsspec.storage.backends.BACKENDS` gets :class:`FsspecBackend`: fsspec's buffered
 writer, ranged ``cat_file`` reads, one ``pipe_file`` for small files, and small-file updates
 serialized within one process. Local disk, S3 and SFTP refine it.
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 import fsspec
 
-from ...errors import DcpFsspecError, StorageError
-from ..file_syncs import FileSyncs
-from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
-from .base import Backend, InPlaceFiles, Versioned
+from dcp_fsspec.errors import DcpFsspecError, StorageError
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
+from dcp_fsspec.storage.backends.base import Backend, InPlaceFiles, Versioned
 
 
 class FsspecBackend(Backend):

@@ -1,7 +1,7 @@
 """Local disk: temporary name + fsync + rename, folder fsyncs, ``flock``, positional reads.
 
 The final name of a file holds all its bytes or does not exist: bytes go to a temporary name
-in the same folder (:func:`~..names.temporary_path`), are fsynced, and the name is renamed over
+in the same folder (:func:`~dcp_fsspec.storage.format.names.temporary_path`), are fsynced, and the name is renamed over
 the final one; the folder is fsynced so the rename survives a power loss. Pointer updates are
 serialized by ``flock`` on the folder itself, which holds across processes on this machine,
 adds no file, and is released when a process dies, even by SIGKILL.
@@ -23,13 +23,13 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ...errors import StorageError
-from .. import names
-from ..failures import storage_errors
-from ..file_syncs import FileSyncs
-from ..uploads import ByteBudget, FileUpload, publish_whole
-from .base import InPlaceFiles, RangeReader, Versioned
-from .generic import FsspecBackend
+from dcp_fsspec.errors import StorageError
+from dcp_fsspec.storage.format import names
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload, publish_whole
+from dcp_fsspec.storage.backends.base import InPlaceFiles, RangeReader, Versioned
+from dcp_fsspec.storage.backends.generic import FsspecBackend
 
 try:
     import fcntl
@@ -181,7 +181,7 @@ class LocalUpload(FileUpload):
     """Temporary file + fsync + rename: the final name holds all the bytes or does not exist.
 
     With ``syncs``, the rename comes first and the fsync on one of ``syncs``' threads (the
-    owner of ``syncs`` waits for it before anything names the file, see :mod:`..file_syncs`).
+    owner of ``syncs`` waits for it before anything names the file, see :mod:`~dcp_fsspec.storage.transport.file_syncs`).
     """
 
     def __init__(

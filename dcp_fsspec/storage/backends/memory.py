@@ -17,9 +17,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.memory import MemoryFile
 
-from ..file_syncs import FileSyncs
-from ..uploads import ByteBudget, FileUpload
-from .base import Backend, Versioned
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.backends.base import Backend, Versioned
 
 _SWAPS = threading.Lock()
 

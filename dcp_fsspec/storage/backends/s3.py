@@ -2,8 +2,8 @@
 
 The pointer is replaced with ``If-Match`` on the ETag read (``If-None-Match: *`` where there was
 none), so the server settles races between writers. A ranged GET's body is read straight into
-the caller's buffer. Uploads are :mod:`.s3_uploads`, removals :mod:`.s3_removal`, and the
-botocore client's hooks :mod:`.s3_client`.
+the caller's buffer. Uploads are :mod:`~dcp_fsspec.storage.backends.s3_uploads`, removals :mod:`~dcp_fsspec.storage.backends.s3_removal`, and the
+botocore client's hooks :mod:`~dcp_fsspec.storage.backends.s3_client`.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Any
 
 import fsspec.asyn
 
-from ...errors import DcpFsspecError, StorageError
-from ..file_syncs import FileSyncs
-from ..retry import RetryPolicy, causes, http_status
-from ..uploads import ByteBudget, FileUpload
-from .base import Versioned
-from .generic import FsspecBackend
-from .s3_client import hook_client
-from .s3_removal import S3Removal
-from .s3_uploads import S3MultipartUpload
+from dcp_fsspec.errors import DcpFsspecError, StorageError
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.transport.retry import RetryPolicy, causes, http_status
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.backends.base import Versioned
+from dcp_fsspec.storage.backends.generic import FsspecBackend
+from dcp_fsspec.storage.backends.s3_client import hook_client
+from dcp_fsspec.storage.backends.s3_removal import S3Removal
+from dcp_fsspec.storage.backends.s3_uploads import S3MultipartUpload
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from ...errors import DcpFsspecError, StorageError
-from .base import Backend
+from dcp_fsspec.errors import DcpFsspecError, StorageError
+from dcp_fsspec.storage.backends.base import Backend
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -17,13 +17,13 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ..crc import COMBINE_ABOVE, crc32, crc32_combine
-from ..retry import NO_RETRY, RetryPolicy
-from ..uploads import MIN_PART_SIZE, ByteBudget, FileUpload
-from .s3_client import checksummed_bodies
+from dcp_fsspec.storage.format.crc import COMBINE_ABOVE, crc32, crc32_combine
+from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
+from dcp_fsspec.storage.backends.s3_client import checksummed_bodies
 
 # S3's checksum of a body: CRC-32, the checksum tensor records store too, so the pass that
-# computes one gives the other (:mod:`..crc`).
+# computes one gives the other (:mod:`~dcp_fsspec.storage.format.crc`).
 CHECKSUM_ALGORITHM = "CRC32"
 
 

@@ -14,11 +14,11 @@ from collections.abc import Iterable
 
 import fsspec
 
-from .. import names
-from ..failures import storage_errors
-from ..file_syncs import FileSyncs
-from ..uploads import ByteBudget, FileUpload, publish_whole
-from .generic import FsspecBackend
+from dcp_fsspec.storage.format import names
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload, publish_whole
+from dcp_fsspec.storage.backends.generic import FsspecBackend
 
 
 class SftpBackend(FsspecBackend):

@@ -1,0 +1,131 @@
+"""Where a tensor record's bytes are: its zip headers and ``data.pkl`` parsed, without torch.
+
+A record is one ``torch.save`` archive (see :mod:`~dcp_fsspec.storage.format.tensor_records`). :func:`parse_layout` reads its
+leading local headers and ``data.pkl`` (:mod:`~dcp_fsspec.storage.format.tensor_spec`) and says where the tensor's bytes
+start, how many there are, and where the CRC-32 of them is stored. Loads and ``verify`` share it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from dcp_fsspec.errors import RecordFormatError
+from dcp_fsspec.storage.format.tensor_spec import TensorSpec, parse_pickle
+
+_LOCAL_HEADER = b"PK\x03\x04"
+_DESCRIPTOR = b"PK\x07\x08"
+_LOCAL_HEADER_SIZE = 30
+_FLAG_DESCRIPTOR = 0x08
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where a record's tensor bytes are, relative to the record's first byte."""
+
+    spec: TensorSpec
+    data_start: int
+    # Where the CRC-32 of data/0 sits: in the local header (flag bit 3 clear), or in the data
+    # descriptor right after the data (torch's own writer).
+    crc_in_header: int | None
+
+    @property
+    def data_end(self) -> int:
+        return self.data_start + self.spec.nbytes
+
+
+# Records of one dtype and shape written by one writer share their header bytes exactly, so a
+# checkpoint of many small tensors parses each distinct header once: header length → bytes → layout.
+_KNOWN_HEADERS: dict[int, dict[bytes, RecordLayout]] = {}
+_MAX_KNOWN_HEADERS = 4096
+
+
+def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
+    """Parse a record's leading bytes; ``None`` if ``head`` is too short to say yet.
+
+    Raises:
+        RecordFormatError: the bytes are not a torch.save record we can decode directly.
+    """
+    buf = memoryview(head)
+    for length, known in _KNOWN_HEADERS.items():
+        if len(buf) >= length:
+            layout = known.get(bytes(buf[:length]))
+            if layout is not None:
+                return layout
+    layout = _parse_layout(buf)
+    if layout is not None and layout.crc_in_header is None:
+        # (A CRC in the local header differs per record; such headers are not worth keeping.)
+        if sum(len(k) for k in _KNOWN_HEADERS.values()) >= _MAX_KNOWN_HEADERS:
+            _KNOWN_HEADERS.clear()
+        _KNOWN_HEADERS.setdefault(layout.data_start, {})[bytes(buf[: layout.data_start])] = layout
+    return layout
+
+
+def _parse_layout(buf: memoryview) -> RecordLayout | None:
+    pos = 0
+    spec: TensorSpec | None = None
+    while True:
+        if len(buf) < pos + _LOCAL_HEADER_SIZE:
+            return None
+        if bytes(buf[pos : pos + 4]) != _LOCAL_HEADER:
+            raise RecordFormatError(f"no zip entry at byte {pos} of the record")
+        flags, method, crc, csize, _usize, name_len, extra_len = struct.unpack_from("<HHxxxxIIIHH", buf, pos + 6)
+        if method != 0:
+            raise RecordFormatError("compressed zip entry")
+        start = pos + _LOCAL_HEADER_SIZE + name_len + extra_len
+        if len(buf) < start:
+            return None
+        name = bytes(buf[pos + _LOCAL_HEADER_SIZE : pos + _LOCAL_HEADER_SIZE + name_len])
+        has_descriptor = bool(flags & _FLAG_DESCRIPTOR)
+        if name.endswith(b"/data/0"):
+            if spec is None:
+                raise RecordFormatError("data/0 before data.pkl")
+            return RecordLayout(spec, start, None if has_descriptor else crc)
+        end: int | None
+        if name.endswith(b"/data.pkl"):
+            parsed = parse_pickle(buf[start:])
+            if parsed is None:
+                return None
+            spec, length = parsed
+            end = start + length
+        elif not has_descriptor:
+            end = start + csize
+        else:
+            end = _find_descriptor(buf, start)
+        if end is not None and has_descriptor:
+            end = _skip_descriptor(buf, end)
+        if end is None:
+            return None
+        pos = end
+
+
+
+def _find_descriptor(buf: memoryview, start: int) -> int | None:
+    """Where the data descriptor of a small entry starting at ``start`` is (its size is only there)."""
+    window = bytes(buf[start : start + 4096])
+    at = 0
+    while (hit := window.find(_DESCRIPTOR, at)) >= 0:
+        if len(window) < hit + 16:
+            return None
+        if struct.unpack_from("<I", window, hit + 8)[0] == hit:
+            return start + hit
+        at = hit + 1
+    if len(window) < 4096:
+        return None
+    raise RecordFormatError("small zip entry without a data descriptor")
+
+
+def _skip_descriptor(buf: memoryview, pos: int) -> int | None:
+    """The end of the data descriptor at ``pos`` (16 bytes, or 24 with zip64 sizes)."""
+    if len(buf) < pos + 20:
+        return None
+    if bytes(buf[pos : pos + 4]) != _DESCRIPTOR:
+        raise RecordFormatError("missing zip data descriptor")
+    return pos + 16 if bytes(buf[pos + 16 : pos + 20]) == _LOCAL_HEADER else pos + 24
+
+
+def descriptor_crc(record_tail: bytes | bytearray | memoryview) -> int:
+    """The CRC-32 in the data descriptor that starts ``record_tail`` (right after data/0)."""
+    if bytes(record_tail[:4]) != _DESCRIPTOR:
+        raise RecordFormatError("no data descriptor after the tensor data")
+    return int(struct.unpack_from("<I", record_tail, 4)[0])
