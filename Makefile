@@ -7,7 +7,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 
-.PHONY: venv demo test bench mutation clean
+.PHONY: venv demo lint test bench mutation clean
 
 # torchtitan for its integration's tests, without its dependencies: its full requirements
 # (datasets<4.8) would hold fsspec and s3fs back to 2026.2.0 for the whole suite. These are what
@@ -47,10 +47,16 @@ demo:
 		$(MAKE) --no-print-directory .venv-demo/.installed; \
 	} && exec .venv-demo/bin/python -m dcp_fsspec demo $(DEMO_ARGS)
 
-# The suite, under ten minutes on two cores. The slow multi-rank cases (marker `slow`) run too
-# under SLOW=1, which .ci/run sets: `make test SLOW=1` runs everything.
+# One formatter and the lint rules for the whole tree ([tool.ruff] in pyproject.toml).
+# `ruff format .` lays the lines out; `ruff check --fix .` sorts the imports.
+lint: venv
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+# The lint, then the suite, under ten minutes on two cores. The slow multi-rank cases (marker
+# `slow`) run too under SLOW=1, which .ci/run sets: `make test SLOW=1` runs everything.
 SLOW ?=
-test: venv
+test: lint
 	$(PY) -m pytest -q $(if $(filter 1 true yes,$(SLOW)),,-m "not slow")
 
 # One process, then two gloo ranks (memory:// lives in one process: not at 2 ranks); each run

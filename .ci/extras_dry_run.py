@@ -27,10 +27,23 @@ def _dry_run(wheel: Path, extras: str, constraint: Path, scratch: Path) -> str |
     """The failure of ``pip install --dry-run WHEEL[extras]``; None if it resolves."""
     report = scratch / f"{extras.replace(',', '+')}.json"
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
-         "--constraint", str(constraint), f"{wheel}[{extras}]"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--report",
+            str(report),
+            "--constraint",
+            str(constraint),
+            f"{wheel}[{extras}]",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         return f"[{extras}] does not resolve on torch {version('torch')}:\n{done.stderr[-3000:]}"
     names = [item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]]

@@ -73,13 +73,19 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     state = build_state(spec["state"], spec["size_mib"])
     level = spec["level"]
-    settings = WriterSettings() if level is None else WriterSettings(compression="zstd", compression_level=level)
+    settings = (
+        WriterSettings() if level is None else WriterSettings(compression="zstd", compression_level=level)
+    )
     options = spec["storage_options"]
     start = time.perf_counter()
     dcp.save(state, storage_writer=FsspecStorageWriter(spec["url"], options, settings=settings), no_dist=True)
     saved = time.perf_counter() - start
     location = resolve(spec["url"], options)
-    stored = sum(info["size"] for info in location.fs.ls(location.path, detail=True) if info["name"].endswith(".distcp"))
+    stored = sum(
+        info["size"]
+        for info in location.fs.ls(location.path, detail=True)
+        if info["name"].endswith(".distcp")
+    )
     target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     start = time.perf_counter()
     dcp.load(target, storage_reader=FsspecStorageReader(spec["url"], options), no_dist=True)
@@ -88,10 +94,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     location.fs.rm(location.path, recursive=True)
     nbytes = _tensor_bytes(state)
     return {
-        "backend": spec["backend"], "state": spec["state"], "zstd_level": level, "state_bytes": nbytes,
-        "stored_bytes": stored, "ratio": round(stored / nbytes, 4),
-        "save_s": round(saved, 3), "load_s": round(loaded, 3),
-        "save_gbps": round(nbytes / saved / 1e9, 3), "load_gbps": round(nbytes / loaded / 1e9, 3),
+        "backend": spec["backend"],
+        "state": spec["state"],
+        "zstd_level": level,
+        "state_bytes": nbytes,
+        "stored_bytes": stored,
+        "ratio": round(stored / nbytes, 4),
+        "save_s": round(saved, 3),
+        "load_s": round(loaded, 3),
+        "save_gbps": round(nbytes / saved / 1e9, 3),
+        "load_gbps": round(nbytes / loaded / 1e9, 3),
         "bit_exact": exact,
     }
 
@@ -101,10 +113,15 @@ def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "benchmarks.compression", "--worker", json.dumps(spec)],
-        capture_output=True, text=True, env=env, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
     )
     if done.returncode:
-        raise RuntimeError(f"worker {spec['backend']}/{spec['state']}/{spec['level']} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"worker {spec['backend']}/{spec['state']}/{spec['level']} failed:\n{done.stderr[-3000:]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -126,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=256, help="tensor data per state (default 256)")
     parser.add_argument("--backends", default="local,s3", help="comma-separated: local, s3")
     parser.add_argument("--states", default=",".join(STATES), help=f"comma-separated: {', '.join(STATES)}")
-    parser.add_argument("--levels", default="none,1,3", help="comma-separated zstd levels; 'none' = uncompressed")
+    parser.add_argument(
+        "--levels", default="none,1,3", help="comma-separated zstd levels; 'none' = uncompressed"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -153,8 +172,14 @@ def main(argv: list[str] | None = None) -> int:
                             url, options = f"s3://bench/{kind}-{level}", server.storage_options()
                         else:
                             url, options = os.path.join(local_root, f"{kind}-{level}"), {}
-                        spec = {"backend": backend, "state": kind, "level": level, "size_mib": args.size_mib,
-                                "url": url, "storage_options": options}
+                        spec = {
+                            "backend": backend,
+                            "state": kind,
+                            "level": level,
+                            "size_mib": args.size_mib,
+                            "url": url,
+                            "storage_options": options,
+                        }
                         row = _run_worker(spec)
                         print(json.dumps(row), flush=True)
                         rows.append(row)

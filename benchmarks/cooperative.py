@@ -26,9 +26,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import state as st
-from .run import git_revision
-from .s3server import CountingS3Server, delta, fetch_counters
+from benchmarks import state as st
+from benchmarks.run import git_revision
+from benchmarks.s3server import CountingS3Server, delta, fetch_counters
 from dcp_fsspec import ReaderSettings
 
 READERS = ("torch-fsspec", "ours", "ours-cooperative")
@@ -42,10 +42,14 @@ def _reader(name: str, url: str, options: dict[str, Any]) -> Any:
         return FsspecReader(url, **options)
     from dcp_fsspec import FsspecStorageReader
 
-    return FsspecStorageReader(url, storage_options=options, settings=ReaderSettings(cooperative=name == 'ours-cooperative'))
+    return FsspecStorageReader(
+        url, storage_options=options, settings=ReaderSettings(cooperative=name == "ours-cooperative")
+    )
 
 
-def _rank(rank: int, world: int, store: str, reader: str, url: str, options: dict[str, Any], args: dict[str, Any]) -> None:
+def _rank(
+    rank: int, world: int, store: str, reader: str, url: str, options: dict[str, Any], args: dict[str, Any]
+) -> None:
     import torch.distributed.checkpoint as dcp
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -64,11 +68,17 @@ def _rank(rank: int, world: int, store: str, reader: str, url: str, options: dic
         gets = {k: v for k, v in ops.items() if k.startswith("GetObject")}
         read = int(sum(v["bytes_out"] for v in gets.values()))
         sample = {
-            "bench": "cooperative", "reader": reader, "ranks": world, "seconds": round(seconds, 3),
-            "bytes_read": read, "unique_bytes": args["unique"], "read_over_unique": round(read / args["unique"], 3),
-            "get_requests": int(sum(v["requests"] for v in gets.values())), "size_mib": args["size_mib"],
+            "bench": "cooperative",
+            "reader": reader,
+            "ranks": world,
+            "seconds": round(seconds, 3),
+            "bytes_read": read,
+            "unique_bytes": args["unique"],
+            "read_over_unique": round(read / args["unique"], 3),
+            "get_requests": int(sum(v["requests"] for v in gets.values())),
+            "size_mib": args["size_mib"],
             "revision": args["revision"],
-        }  # fmt: skip
+        }
         print(json.dumps(sample), flush=True)
         with open(args["out"], "a") as f:
             f.write(json.dumps(sample) + "\n")
@@ -97,24 +107,41 @@ def main() -> None:
         url = f"s3://{BUCKET}/coop"
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(st.build(st.realistic(args.size_mib, args.seed)), storage_writer=FsspecStorageWriter(url, options), no_dist=True)
+        dcp.save(
+            st.build(st.realistic(args.size_mib, args.seed)),
+            storage_writer=FsspecStorageWriter(url, options),
+            no_dist=True,
+        )
         fs = FsspecStorageWriter(url, options).location.fs
         unique = sum(int(e["size"]) for e in fs.ls(f"{BUCKET}/coop", detail=True))
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "samples.jsonl")
-            shared = {"size_mib": args.size_mib, "seed": args.seed, "counters_url": server.counters_url,
-                      "unique": unique, "out": out, "revision": git_revision()}  # fmt: skip
+            shared = {
+                "size_mib": args.size_mib,
+                "seed": args.seed,
+                "counters_url": server.counters_url,
+                "unique": unique,
+                "out": out,
+                "revision": git_revision(),
+            }
             for world in args.ranks:
                 for reader in args.readers:
                     store = os.path.join(tmp, f"store-{reader}-{world}")
-                    mp.start_processes(_rank, args=(world, store, reader, url, options, shared), nprocs=world,
-                                       join=True, start_method="spawn")  # fmt: skip
+                    mp.start_processes(
+                        _rank,
+                        args=(world, store, reader, url, options, shared),
+                        nprocs=world,
+                        join=True,
+                        start_method="spawn",
+                    )
             samples = [json.loads(line) for line in open(out)]
     finally:
         server.stop()
     print("\n| reader | ranks | seconds | bytes read / unique | GET requests |\n|---|---|---|---|---|")
     for s in samples:
-        print(f"| {s['reader']} | {s['ranks']} | {s['seconds']} | {s['read_over_unique']} | {s['get_requests']} |")
+        print(
+            f"| {s['reader']} | {s['ranks']} | {s['seconds']} | {s['read_over_unique']} | {s['get_requests']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -56,9 +56,16 @@ def _trainer(impl: str, storage_options: dict[str, Any]) -> Any:
     elif impl == "dcp_fsspec_sharded":
         kwargs["strategy"] = FsspecModelParallelStrategy(storage_options=storage_options)
     return Trainer(
-        max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )  # fmt: skip
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -78,7 +85,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             super().__init__()
             torch.manual_seed(0)
             layers = max(1, spec["size_mib"] // LAYER_MIB)
-            self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers)))
+            self.net = torch.nn.Sequential(
+                *(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+            )
 
         def configure_model(self) -> None:
             if spec["impl"] == "dcp_fsspec_sharded":  # the strategy needs a parallelized model
@@ -112,23 +121,37 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     stored = fs.du(spec["url"])
     fs.rm(spec["url"], recursive=True)
     return {
-        "impl": spec["impl"], "repeat": spec["repeat"], "nbytes": nbytes, "stored_bytes": stored,
-        "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3), "gbps": round(nbytes / seconds / 1e9, 4),
-        "peak_extra_rss_mib": round(peak), "requests": server["requests"], "bytes_up": server["bytes_in"],
-    }  # fmt: skip
+        "impl": spec["impl"],
+        "repeat": spec["repeat"],
+        "nbytes": nbytes,
+        "stored_bytes": stored,
+        "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu, 3),
+        "gbps": round(nbytes / seconds / 1e9, 4),
+        "peak_extra_rss_mib": round(peak),
+        "requests": server["requests"],
+        "bytes_up": server["bytes_in"],
+    }
 
 
 def _run_worker(spec: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, **environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        **environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+    }
     # Lightning's own path takes no storage_options: fsspec's environment configuration gives
     # its s3fs the same long read timeout as ours (moto completes a large multipart upload
     # slowly on a busy machine, and a client that gives up and retries the completion fails).
     env["FSSPEC_S3"] = json.dumps({"config_kwargs": spec["storage_options"]["config_kwargs"]})
     done = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "benchmarks.frameworks", "--worker", json.dumps(spec)],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if done.returncode:
         raise RuntimeError(f"worker {spec['impl']} (repeat {spec['repeat']}) failed:\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -144,12 +167,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             seconds = statistics.median(r["seconds"] for r in runs)
             nbytes = runs[0]["nbytes"]
             medians[impl] = {
-                "n": len(runs), "gbps": nbytes / seconds / 1e9, "seconds": seconds,
+                "n": len(runs),
+                "gbps": nbytes / seconds / 1e9,
+                "seconds": seconds,
                 "cpu_per_gb": statistics.median(r["cpu_seconds"] for r in runs) / (nbytes / 1e9),
                 "rss": statistics.median(r["peak_extra_rss_mib"] for r in runs),
                 "requests": statistics.median(r["requests"] for r in runs),
                 "up": statistics.median(r["bytes_up"] for r in runs) / nbytes,
-            }  # fmt: skip
+            }
     base = medians.get("lightning_default")
     lines = [
         "| Lightning save to S3 | n | GB/s | s | CPU s/GB | extra RSS MiB | requests | uploaded ÷ model | ÷ default |",
@@ -166,8 +191,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--size-mib", type=int, default=512, help=f"model weights, in {LAYER_MIB} MiB layers (default 512)")
-    parser.add_argument("--repeats", type=int, default=3, help="saves per implementation (default 3; medians)")
+    parser.add_argument(
+        "--size-mib", type=int, default=512, help=f"model weights, in {LAYER_MIB} MiB layers (default 512)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="saves per implementation (default 3; medians)"
+    )
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated: {', '.join(IMPLS)}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -192,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
             for impl in impls[turn:] + impls[:turn]:
                 suffix = "" if impl == "dcp_fsspec_sharded" else ".ckpt"  # a folder of shards, or one file
                 spec = {
-                    "impl": impl, "repeat": repeat, "size_mib": args.size_mib, "url": f"s3://{BUCKET}/{impl}-{repeat}{suffix}",
-                    "storage_options": server.storage_options(), "counters_url": server.counters_url,
-                }  # fmt: skip
+                    "impl": impl,
+                    "repeat": repeat,
+                    "size_mib": args.size_mib,
+                    "url": f"s3://{BUCKET}/{impl}-{repeat}{suffix}",
+                    "storage_options": server.storage_options(),
+                    "counters_url": server.counters_url,
+                }
                 row = _run_worker(spec, server.environ())
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -74,13 +74,13 @@ def _torch_fs_reader(url: str, so: dict[str, Any]) -> Any:
 
 
 def _floor_writer(url: str, so: dict[str, Any]) -> Any:
-    from .null_storage import NullWriter
+    from benchmarks.null_storage import NullWriter
 
     return NullWriter(url)
 
 
 def _floor_reader(url: str, so: dict[str, Any]) -> Any:
-    from .null_storage import NullReader
+    from benchmarks.null_storage import NullReader
 
     return NullReader(url)
 

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .run import add_server_arguments, git_revision, start_server
-from .s3server import CountingS3Server, delta, fetch_counters, totals
+from benchmarks.run import add_server_arguments, git_revision, start_server
+from benchmarks.s3server import delta, fetch_counters, totals
 
 MiB = 1024 * 1024
 _TENSOR_MIB = 64  # the base in tensors of this size (a transformer's weight matrices)
@@ -43,7 +43,12 @@ def lora_state(base_mib: int, adapter_mib: int, seed: int) -> dict[str, dict[str
     adapter_elements = adapter_mib * MiB // 4 // 8
     for i in range(8):
         model[f"adapter.{i}.weight"] = torch.randn(adapter_elements, generator=gen)
-    optim = {f"{name}.{moment}": torch.zeros_like(t) for name, t in model.items() if "adapter" in name for moment in ("exp_avg", "exp_avg_sq")}
+    optim = {
+        f"{name}.{moment}": torch.zeros_like(t)
+        for name, t in model.items()
+        if "adapter" in name
+        for moment in ("exp_avg", "exp_avg_sq")
+    }
     return {"model": model, "optim": optim}
 
 
@@ -62,7 +67,9 @@ class Place:
         self.name, self.url, self.options, self.written = name, url, options, written
 
 
-def _save_twice(place: Place, state: dict[str, Any], *, incremental: bool, everything: bool) -> dict[str, Any]:
+def _save_twice(
+    place: Place, state: dict[str, Any], *, incremental: bool, everything: bool
+) -> dict[str, Any]:
     from dcp_fsspec import Checkpointer
 
     with Checkpointer(place.url, place.options, incremental=incremental) as ckpt:
@@ -76,8 +83,13 @@ def _save_twice(place: Place, state: dict[str, Any], *, incremental: bool, every
         ckpt.save(2, **state)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         second = place.written() - before
-    return {"first_bytes": first, "first_seconds": round(first_seconds, 3), "second_bytes": second,
-            "second_seconds": round(seconds, 3), "second_cpu_seconds": round(cpu, 3)}  # fmt: skip
+    return {
+        "first_bytes": first,
+        "first_seconds": round(first_seconds, 3),
+        "second_bytes": second,
+        "second_seconds": round(seconds, 3),
+        "second_cpu_seconds": round(cpu, 3),
+    }
 
 
 def _local_place(parent: str) -> Place:
@@ -141,8 +153,13 @@ def main() -> None:
     revision = git_revision()
 
     def emit(sample: dict[str, Any]) -> None:
-        sample = {"bench": "incremental", **sample, "base_mib": args.base_mib, "adapter_mib": args.adapter_mib,
-                  "revision": revision}  # fmt: skip
+        sample = {
+            "bench": "incremental",
+            **sample,
+            "base_mib": args.base_mib,
+            "adapter_mib": args.adapter_mib,
+            "revision": revision,
+        }
         print(json.dumps(sample), flush=True)
         samples.append(sample)
 
@@ -160,7 +177,11 @@ def main() -> None:
                 for _ in range(1 if case == "lora" else args.repeats):
                     for incremental in (True, False):
                         n += 1
-                        place = _local_place(args.local_dir or tempfile.gettempdir()) if backend == "local" else _s3_place(server, n)
+                        place = (
+                            _local_place(args.local_dir or tempfile.gettempdir())
+                            if backend == "local"
+                            else _s3_place(server, n)
+                        )
                         state = lora_state(args.base_mib, args.adapter_mib, seed=n)
                         result = _save_twice(place, state, incremental=incremental, everything=everything)
                         emit({"case": case, "backend": backend, "incremental": incremental, **result})
@@ -174,7 +195,9 @@ def main() -> None:
 
 
 def _table(samples: list[dict[str, Any]]) -> None:
-    print("\n| case | backend | incremental | 2nd save bytes | of the 1st | 2nd save s | 2nd save CPU s |\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| case | backend | incremental | 2nd save bytes | of the 1st | 2nd save s | 2nd save CPU s |\n|---|---|---|---|---|---|---|"
+    )
     best: dict[tuple[str, str, bool], dict[str, Any]] = {}
     for s in samples:
         if s["case"] == "hash":
@@ -184,8 +207,10 @@ def _table(samples: list[dict[str, Any]]) -> None:
             best[key] = s
     for (case, backend, incremental), s in best.items():
         share = s["second_bytes"] / s["first_bytes"]
-        print(f"| {case} | {backend} | {incremental} | {s['second_bytes'] / MiB:.1f} MiB | {share:.1%} | "
-              f"{s['second_seconds']} | {s['second_cpu_seconds']} |")  # fmt: skip
+        print(
+            f"| {case} | {backend} | {incremental} | {s['second_bytes'] / MiB:.1f} MiB | {share:.1%} | "
+            f"{s['second_seconds']} | {s['second_cpu_seconds']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -87,7 +87,9 @@ class NullReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return pickle.loads(_STORE[self.url][0])
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

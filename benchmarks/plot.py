@@ -43,7 +43,14 @@ def _figure(section: dict[str, Any], panels: int) -> tuple[Figure, Any]:
 
 def _finish(fig: Figure, ax: Any, columns: int) -> Figure:
     """One legend for the figure, under its title, and the panels laid out below it."""
-    fig.legend(*ax.get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.94), ncol=columns, fontsize=7, frameon=False)
+    fig.legend(
+        *ax.get_legend_handles_labels(),
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.94),
+        ncol=columns,
+        fontsize=7,
+        frameon=False,
+    )
     fig.tight_layout(rect=(0, 0.04, 1, 0.84))
     return fig
 
@@ -75,7 +82,9 @@ def cost_per_size(section: dict[str, Any]) -> Figure:
     sizes = section["sizes_mib"]
     for name, series in section["series"].items():
         style = "-" if "dcp_fsspec" in name else "--"
-        color = OURS if "dcp_fsspec" in name and "moto" in name else ("#2ca02c" if "local" in name else "#e08a2c")
+        color = (
+            OURS if "dcp_fsspec" in name and "moto" in name else ("#2ca02c" if "local" in name else "#e08a2c")
+        )
         marker = "o" if "save" in name else "s"
         axes[0].plot(sizes, series["gbps"], style, color=color, marker=marker, label=name)
         axes[1].plot(sizes, series["cpu_s_per_gb"], style, color=color, marker=marker, label=name)
@@ -92,8 +101,20 @@ def small(section: dict[str, Any]) -> Figure:
     settings = section["settings"]
     for ax, (phase, label) in zip(axes, ((0, "save ms (lower is better)"), (1, "load ms (lower is better)"))):
         xs = range(len(settings))
-        ax.bar([x - 0.2 for x in xs], [s["ours_ms"][phase] for s in settings.values()], 0.4, color=OURS, label="dcp_fsspec Checkpointer")
-        ax.bar([x + 0.2 for x in xs], [s["torch_ms"][phase] for s in settings.values()], 0.4, color=THEIRS, label="torch, one dcp.save per key + pointer")
+        ax.bar(
+            [x - 0.2 for x in xs],
+            [s["ours_ms"][phase] for s in settings.values()],
+            0.4,
+            color=OURS,
+            label="dcp_fsspec Checkpointer",
+        )
+        ax.bar(
+            [x + 0.2 for x in xs],
+            [s["torch_ms"][phase] for s in settings.values()],
+            0.4,
+            color=THEIRS,
+            label="torch, one dcp.save per key + pointer",
+        )
         ax.set_xticks(list(xs), [name.replace(" + ", "\n+ ") for name in settings], fontsize=7)
         ax.set_title(label, fontsize=9)
     return _finish(fig, axes[0], 2)
@@ -123,13 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="results file (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=IMAGES, help="folder for the SVGs (default: %(default)s)")
-    parser.add_argument("--check", action="store_true", help="fail if a committed chart differs from its results")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if a committed chart differs from its results"
+    )
     args = parser.parse_args(argv)
     charts = render(json.loads(args.results.read_text()))
-    stale = [name for name, svg in charts.items() if not (args.out / name).is_file() or (args.out / name).read_bytes() != svg]
+    stale = [
+        name
+        for name, svg in charts.items()
+        if not (args.out / name).is_file() or (args.out / name).read_bytes() != svg
+    ]
     if args.check:
         if stale:
-            print(f"stale charts in {args.out}: {', '.join(stale)}; run `python -m benchmarks.plot` and commit them", file=sys.stderr)
+            print(
+                f"stale charts in {args.out}: {', '.join(stale)}; run `python -m benchmarks.plot` and commit them",
+                file=sys.stderr,
+            )
             return 1
         print(f"{len(charts)} charts in {args.out} match {args.results}")
         return 0

@@ -26,18 +26,34 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from .run import BUCKET, REPO, SERVERS, drop_page_cache, start_server
-
+from benchmarks.run import BUCKET, REPO, SERVERS, drop_page_cache, start_server
 
 # Stacks that are the worker's own work, not the phase measured: building the state (randn),
 # imports at start-up, torch's teardown at exit.
 NOT_THE_PHASE = ("benchmarks/state.py", "importlib._bootstrap", "torch/library.py")
 # Frames under everything (threads, the event loop, the worker's own main): no total of theirs.
-PLUMBING = ("(threading.py)", "(thread.py)", "(<frozen runpy>)", "(base_events.py)", "(events.py)", "worker.py)")
+PLUMBING = (
+    "(threading.py)",
+    "(thread.py)",
+    "(<frozen runpy>)",
+    "(base_events.py)",
+    "(events.py)",
+    "worker.py)",
+)
 # Where a thread that py-spy still reports waits, not works (a pool's worker waiting for work,
 # the event loop in epoll, a lock or condition).
-IDLE = {"EpollSelector.select", "Condition.wait", "_worker", "Event.wait", "Thread.join", "Queue.get",
-        "Thread._wait_for_tstate_lock", "_wait_for_tstate_lock", "Lock.acquire", "sleep"}  # fmt: skip
+IDLE = {
+    "EpollSelector.select",
+    "Condition.wait",
+    "_worker",
+    "Event.wait",
+    "Thread.join",
+    "Queue.get",
+    "Thread._wait_for_tstate_lock",
+    "_wait_for_tstate_lock",
+    "Lock.acquire",
+    "sleep",
+}
 
 
 def top_functions(raw: str, n: int) -> tuple[int, int, list[tuple[str, int]], list[tuple[str, int]]]:
@@ -92,10 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--impl", default="dcp_fsspec")
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--ranks", type=int, default=1, help="gloo ranks (py-spy follows each one)")
-    p.add_argument("--gil", action="store_true",
-                   help="only samples of threads holding the GIL: Python's own CPU, without threads "
-                        "waiting for the GIL (which py-spy otherwise counts as busy) and without C "
-                        "code that released it (socket writes, CRCs, fsync)")
+    p.add_argument(
+        "--gil",
+        action="store_true",
+        help="only samples of threads holding the GIL: Python's own CPU, without threads "
+        "waiting for the GIL (which py-spy otherwise counts as busy) and without C "
+        "code that released it (socket writes, CRCs, fsync)",
+    )
     p.add_argument("--server", choices=["moto", *SERVERS], default="moto")
     p.add_argument("--s3-endpoint", default=None)
     p.add_argument("--s3-key", default="testing")
@@ -113,18 +132,39 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         if args.backend == "local":
-            base = args.local_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-fsspec-profile-"))
+            base = args.local_dir or stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="dcp-fsspec-profile-")
+            )
             url, options, env = os.path.join(base, "profile", args.impl), {}, {}
             where = f"local {base}"
         else:
             server, _ = start_server(args, [args.size_mib], [])
             stack.callback(server.stop)
             server.create_bucket(BUCKET)
-            url, options, env = f"s3://{BUCKET}/profile/{args.impl}", server.storage_options(), server.environ()
+            url, options, env = (
+                f"s3://{BUCKET}/profile/{args.impl}",
+                server.storage_options(),
+                server.environ(),
+            )
             where = f"server {args.s3_endpoint or args.server}"
-        worker = [sys.executable, "-m", "benchmarks.worker", "save", "--size-mib", str(args.size_mib),
-                  "--impl", args.impl, "--backend", args.backend, "--url", url,
-                  "--storage-options", json.dumps(options), "--world-size", str(args.ranks)]  # fmt: skip
+        worker = [
+            sys.executable,
+            "-m",
+            "benchmarks.worker",
+            "save",
+            "--size-mib",
+            str(args.size_mib),
+            "--impl",
+            args.impl,
+            "--backend",
+            args.backend,
+            "--url",
+            url,
+            "--storage-options",
+            json.dumps(options),
+            "--world-size",
+            str(args.ranks),
+        ]
         env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
         if args.phase == "load":  # the save first, unprofiled
             subprocess.run(worker, cwd=REPO, env=env, check=True, capture_output=True)
@@ -133,14 +173,28 @@ def main(argv: list[str] | None = None) -> None:
                 drop_page_cache(url)
         raw = out / f"{args.impl}-{args.phase}-{args.backend}-{args.size_mib}MiB-{args.ranks}r.txt"
         follow = (["--subprocesses"] if args.ranks > 1 else []) + (["--gil"] if args.gil else [])
-        record = [py_spy, "record", *follow, "--format", "raw", "--rate", "100", "-o", str(raw), "--", *worker]
+        record = [
+            py_spy,
+            "record",
+            *follow,
+            "--format",
+            "raw",
+            "--rate",
+            "100",
+            "-o",
+            str(raw),
+            "--",
+            *worker,
+        ]
         done = subprocess.run(record, cwd=REPO, env=env, capture_output=True, text=True)
         print(*(ln for ln in done.stdout.splitlines() if ln.startswith('{"kind"')), sep="\n")
         if done.returncode != 0:
             raise SystemExit(f"py-spy record failed ({done.returncode}): {done.stderr[-2000:]}")
     samples, left_out, by_self, by_total = top_functions(raw.read_text(), args.top)
-    print(f"\n{samples} samples (100/s, every thread not idle) of one {args.phase}, waits left out ({args.impl}, {args.size_mib} MiB, "
-          f"{where}); {left_out} more left out (state building, imports); raw: {raw}\n")  # fmt: skip
+    print(
+        f"\n{samples} samples (100/s, every thread not idle) of one {args.phase}, waits left out ({args.impl}, {args.size_mib} MiB, "
+        f"{where}); {left_out} more left out (state building, imports); raw: {raw}\n"
+    )
     for title, rows in (("self", by_self), ("total", by_total)):
         print(f"| function | {title} % |\n|---|---:|")
         print("\n".join(f"| `{f}` | {100 * k / samples:.1f} |" for f, k in rows), "\n")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from .impls import FLOOR, OURS
+from benchmarks.impls import FLOOR, OURS
 
 PEERS = ("torch_fsspec", "torch_fs", "s3torchconnector")
 SAVE_PHASES = {"save", "memcopy", "local-write", "s3-put"}
@@ -185,8 +185,11 @@ def render(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
         f"{m.get('fsspec')} · s3fs {m.get('s3fs')} · moto {m.get('moto')} · s3torchconnector "
         f"{m.get('s3torchconnector')}",
         "",
-        (f"States: realistic, {', '.join(f'{n} MiB' for n in args['sizes'])}" if args.get("sizes")
-         else f"State: {args.get('size_mib')} MiB realistic")
+        (
+            f"States: realistic, {', '.join(f'{n} MiB' for n in args['sizes'])}"
+            if args.get("sizes")
+            else f"State: {args.get('size_mib')} MiB realistic"
+        )
         + (f", and {args.get('many_small')} small tensors" if args.get("many_small") else "")
         + f"; world size {args.get('world_size')}; medians of {args.get('repeats')} repeats, "
         "each save and each load in a fresh process. GB/s = 10^9 bytes of tensor data per "
@@ -196,23 +199,38 @@ def render(meta: dict[str, Any], samples: list[dict[str, Any]]) -> str:
         "seconds of the worker process(es) per 10^9 bytes; server CPU s/GB: the S3 server's "
         "meanwhile (where it runs here). "
         "Peak +RSS: the worker's peak resident memory above what it held when the phase started (state or load target already allocated). "
-        + (f"Server: CompleteMultipartUpload {args.get('moto_complete')}; ranged GETs "
-           f"{GET_MODES.get(args.get('moto_get', ''), '?')}." if meta.get("s3_server", "moto") == "moto" else ""),
+        + (
+            f"Server: CompleteMultipartUpload {args.get('moto_complete')}; ranged GETs "
+            f"{GET_MODES.get(args.get('moto_get', ''), '?')}."
+            if meta.get("s3_server", "moto") == "moto"
+            else ""
+        ),
     ]
     scenarios = sorted({k[0][0] for k in cells}, key=_scenario_order)
     sweep = _sizes(cells, [s for s in scenarios if s.startswith("state-")], meta)
     if sweep:
-        out += ["", "## Cost per size", "",
-                "Each cell: GB/s · client CPU s/GB · peak +RSS MiB (medians).", "", sweep]
+        out += [
+            "",
+            "## Cost per size",
+            "",
+            "Each cell: GB/s · client CPU s/GB · peak +RSS MiB (medians).",
+            "",
+            sweep,
+        ]
     for scen in scenarios:
         out += ["", f"## {scen}", "", _measurements(cells, scen, meta), "", _ratios(cells, scen)]
     targets = _targets(cells)
     if targets:
-        out += ["", "## Targets", "",
-                "Set for 1 GiB, 10,000 small tensors and one process; measured here at "
-                f"{args.get('size_mib')} MiB, {args.get('many_small') or 'no'} small tensors, "
-                f"world size {args.get('world_size')}. S3 loads: range-serving server.",
-                "", targets]
+        out += [
+            "",
+            "## Targets",
+            "",
+            "Set for 1 GiB, 10,000 small tensors and one process; measured here at "
+            f"{args.get('size_mib')} MiB, {args.get('many_small') or 'no'} small tensors, "
+            f"world size {args.get('world_size')}. S3 loads: range-serving server.",
+            "",
+            targets,
+        ]
     ops = _operations(samples)
     if ops:
         out += ["", "## S3 requests by operation (medians: count, server-side seconds)", "", ops]
@@ -229,7 +247,11 @@ def _server_text(server: str) -> str:
     if server == "moto":
         return "S3 is moto on 127.0.0.1 in the benchmark's own process"
     names = {"ceph": "Ceph RGW", "seaweedfs": "SeaweedFS"}
-    return f"S3 is {names[server]} on 127.0.0.1 (tests/servers/)" if server in names else f"S3 is the server at {server}"
+    return (
+        f"S3 is {names[server]} on 127.0.0.1 (tests/servers/)"
+        if server in names
+        else f"S3 is the server at {server}"
+    )
 
 
 def _scenario_order(scen: str) -> tuple[int, float, str]:
@@ -247,13 +269,17 @@ def _sizes(cells: dict[tuple[Key, str], Cell], scenarios: list[str], meta: dict[
     if not scenarios:
         return ""
     rows = []
-    for backend, impl in sorted({r for scen in scenarios for r in _rows_of(cells, scen)},
-                                key=lambda r: (BACKEND_ORDER.index(r[0]), r[1] != OURS, r[1])):
+    for backend, impl in sorted(
+        {r for scen in scenarios for r in _rows_of(cells, scen)},
+        key=lambda r: (BACKEND_ORDER.index(r[0]), r[1] != OURS, r[1]),
+    ):
         for phase in ("save", "load"):
             row = [backend, _row_label(backend, impl, meta), phase]
             for scen in scenarios:
                 c = cells.get(((scen, backend, impl), phase))
-                row.append("–" if c is None else f"{c.gbps:.3f} · {_f(c.cpu_per_gb)} · {_f(c.rss, '{:+.0f}')}")
+                row.append(
+                    "–" if c is None else f"{c.gbps:.3f} · {_f(c.cpu_per_gb)} · {_f(c.rss, '{:+.0f}')}"
+                )
             if any(cell != "–" for cell in row[3:]):
                 rows.append(row)
     return _md(["backend", "implementation", "phase", *[s.split("-", 1)[1] for s in scenarios]], rows)
@@ -270,10 +296,21 @@ def _pair(sv: Cell | None, ld: Cell | None, field: str, fmt: str = "{:.0f}") -> 
 
 
 def _measurements(cells: dict[tuple[Key, str], Cell], scen: str, meta: dict[str, Any]) -> str:
-    header = ["backend", "implementation", "save GB/s", "load GB/s", "save s", "load s",
-              "uploaded ÷ size", "downloaded ÷ size", "requests save / load",
-              "peak +RSS MiB save / load", "client CPU s/GB save / load",
-              "server CPU s/GB save / load", "bitwise"]
+    header = [
+        "backend",
+        "implementation",
+        "save GB/s",
+        "load GB/s",
+        "save s",
+        "load s",
+        "uploaded ÷ size",
+        "downloaded ÷ size",
+        "requests save / load",
+        "peak +RSS MiB save / load",
+        "client CPU s/GB save / load",
+        "server CPU s/GB save / load",
+        "bitwise",
+    ]
     rows = []
     for backend, impl in _rows_of(cells, scen):
         sv = cells.get(((scen, backend, impl), "save"))
@@ -282,21 +319,23 @@ def _measurements(cells: dict[tuple[Key, str], Cell], scen: str, meta: dict[str,
         saved = sv or cells.get(((scen, "s3", impl), "save"))
         any_cell = sv or ld
         size = (saved.stored if saved else None) or (any_cell.nbytes if any_cell else 1)
-        rows.append([
-            backend,
-            _row_label(backend, impl, meta),
-            _f(sv.gbps if sv else None, "{:.3f}"),
-            _f(ld.gbps if ld else None, "{:.3f}"),
-            _f(sv.seconds if sv else None),
-            _f(ld.seconds if ld else None),
-            _ratio(sv.up / size if sv and sv.up is not None else None),
-            _ratio(ld.down / size if ld and ld.down is not None else None),
-            _pair(sv, ld, "requests"),
-            _pair(sv, ld, "rss"),
-            _pair(sv, ld, "cpu_per_gb", "{:.2f}"),
-            _pair(sv, ld, "server_cpu_per_gb", "{:.2f}"),
-            {True: "ok", False: "MISMATCH", None: "–"}[ld.verified if ld else None],
-        ])
+        rows.append(
+            [
+                backend,
+                _row_label(backend, impl, meta),
+                _f(sv.gbps if sv else None, "{:.3f}"),
+                _f(ld.gbps if ld else None, "{:.3f}"),
+                _f(sv.seconds if sv else None),
+                _f(ld.seconds if ld else None),
+                _ratio(sv.up / size if sv and sv.up is not None else None),
+                _ratio(ld.down / size if ld and ld.down is not None else None),
+                _pair(sv, ld, "requests"),
+                _pair(sv, ld, "rss"),
+                _pair(sv, ld, "cpu_per_gb", "{:.2f}"),
+                _pair(sv, ld, "server_cpu_per_gb", "{:.2f}"),
+                {True: "ok", False: "MISMATCH", None: "–"}[ld.verified if ld else None],
+            ]
+        )
     return _md(header, rows)
 
 
@@ -381,17 +420,25 @@ TARGETS = [
     Target("S3 load ≥ 1.1× s3torchconnector", _vs("s3", "load", "s3torchconnector"), 1.1),
     Target("S3 load ≥ 80 % of raw concurrent ranged GETs", _vs("s3", "load", "raw"), 0.8),
     Target("S3 load downloads ≤ 1.05× the checkpoint", _down_ratio, 1.05, at_most=True),
-    Target("local save ≥ 1.5× torch FileSystemWriter (fsync)",
-           _vs("local", "save", "torch_fs"), 1.5),
+    Target("local save ≥ 1.5× torch FileSystemWriter (fsync)", _vs("local", "save", "torch_fs"), 1.5),
     Target("local load ≥ 3× torch FileSystemReader (cold)", _vs("local", "load", "torch_fs"), 3),
     Target("S3 load peak extra RSS ≤ 256 MiB", _load_rss, 256, at_most=True, fmt="{:.0f} MiB"),
-    Target("10,000 small: S3 save+load ≥ 3× torch FsspecWriter/Reader",
-           _vs("s3", "save+load", "torch_fsspec", "many-small"), 3),
-    Target("10,000 small: local save+load ≥ 3× torch FileSystemWriter/Reader",
-           _vs("local", "save+load", "torch_fs", "many-small"), 3),
-    Target("10,000 small: the most any storage could be ahead of torch FileSystemWriter/Reader "
-           "(DCP's own save+load, no I/O, vs torch's)",
-           _floor_headroom("local", "torch_fs"), 3),
+    Target(
+        "10,000 small: S3 save+load ≥ 3× torch FsspecWriter/Reader",
+        _vs("s3", "save+load", "torch_fsspec", "many-small"),
+        3,
+    ),
+    Target(
+        "10,000 small: local save+load ≥ 3× torch FileSystemWriter/Reader",
+        _vs("local", "save+load", "torch_fs", "many-small"),
+        3,
+    ),
+    Target(
+        "10,000 small: the most any storage could be ahead of torch FileSystemWriter/Reader "
+        "(DCP's own save+load, no I/O, vs torch's)",
+        _floor_headroom("local", "torch_fs"),
+        3,
+    ),
 ]
 
 
@@ -399,8 +446,9 @@ def _targets(cells: dict[tuple[Key, str], Cell]) -> str:
     rows = []
     for t in TARGETS:
         v = t.measure(cells)
-        met = "not measured" if v is None else (
-            "yes" if (v <= t.goal if t.at_most else v >= t.goal) else "no")
+        met = (
+            "not measured" if v is None else ("yes" if (v <= t.goal if t.at_most else v >= t.goal) else "no")
+        )
         rows.append([t.text, "–" if v is None else t.fmt.format(v), met])
     return _md(["target", "measured", "target met?"], rows)
 
@@ -443,20 +491,33 @@ def _async(samples: list[dict[str, Any]]) -> str:
         copy = [s["copy_seconds"] for s in asy if "copy_seconds" in s]
         later_s = statistics.median(later) if later else None
         copy_s = statistics.median(copy) if copy else None
-        rows.append([backend, f"{s_sec:.2f}", f"{blocked:.2f}", f"{total:.2f}",
-                     _f(later_s, "{:.2f}"), _f(copy_s, "{:.2f}"),
-                     f"{(later_s if later_s is not None else blocked) / s_sec:.0%}",
-                     f"{later_s / copy_s:.2f}×" if later_s and copy_s else "–"])
-    header = ["backend", "sync save s", "first async save() blocks s", "first until done s",
-              "later save() blocks s", "one copy_ of the state s", "later ÷ sync",
-              "later ÷ one copy"]
+        rows.append(
+            [
+                backend,
+                f"{s_sec:.2f}",
+                f"{blocked:.2f}",
+                f"{total:.2f}",
+                _f(later_s, "{:.2f}"),
+                _f(copy_s, "{:.2f}"),
+                f"{(later_s if later_s is not None else blocked) / s_sec:.0%}",
+                f"{later_s / copy_s:.2f}×" if later_s and copy_s else "–",
+            ]
+        )
+    header = [
+        "backend",
+        "sync save s",
+        "first async save() blocks s",
+        "first until done s",
+        "later save() blocks s",
+        "one copy_ of the state s",
+        "later ÷ sync",
+        "later ÷ one copy",
+    ]
     return _md(header, rows) if rows else ""
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.report", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n")[0])
     p.add_argument("samples", help="a samples.json written by benchmarks.run")
     args = p.parse_args(argv)
     with open(args.samples) as f:

@@ -28,14 +28,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import procmem, report
-from .impls import IMPLS
+from benchmarks import procmem, report
+from benchmarks.impls import IMPLS
+from benchmarks.s3server import CountingS3Server
 from tests.servers import ServerUnavailable
 from tests.servers.ceph import LocalCephRGW
 from tests.servers.s3gateway import S3Gateway
 from tests.servers.seaweedfs import LocalSeaweedFS
-
-from .s3server import CountingS3Server
 
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "dcp-fsspec-bench"
@@ -67,10 +66,22 @@ class Runner:
     def worker(self, phase: str, tags: dict[str, Any], **opts: Any) -> list[dict[str, Any]]:
         """Run one worker; its samples, tagged, or an ``error`` record when it failed."""
         a = self.args
-        cmd = [sys.executable, "-m", "benchmarks.worker", phase,
-               "--size-mib", str(tags["size_mib"]), "--many-small", str(tags["many_small"]),
-               "--seed", str(a.seed), "--part-mib", str(a.part_mib),
-               "--concurrency", str(a.concurrency)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.worker",
+            phase,
+            "--size-mib",
+            str(tags["size_mib"]),
+            "--many-small",
+            str(tags["many_small"]),
+            "--seed",
+            str(a.seed),
+            "--part-mib",
+            str(a.part_mib),
+            "--concurrency",
+            str(a.concurrency),
+        ]
         for k, v in opts.items():
             cmd += [f"--{k.replace('_', '-')}", str(v)]
         if tags["backend"] == "s3":
@@ -81,8 +92,9 @@ class Runner:
         procmem.reset_peak()
         server_cpu_before = self.server_cpu()
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True,
-                                  timeout=a.timeout)
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=a.timeout
+            )
             rc: int | str = proc.returncode
             out, err = proc.stdout, proc.stderr
         except subprocess.TimeoutExpired as e:
@@ -91,8 +103,10 @@ class Runner:
         samples = [json.loads(line) for line in out.splitlines() if line.startswith('{"kind"')]
         if rc != 0 or not samples:
             samples = [{"kind": "error", "phase": phase, "rc": rc, "stderr_tail": err[-2000:]}]
-            self.notes.append(f"{tags['scenario']}/{tags['backend']}/{opts.get('impl', 'raw')} "
-                              f"{phase} failed (rc {rc}): {_last_line(err)}")
+            self.notes.append(
+                f"{tags['scenario']}/{tags['backend']}/{opts.get('impl', 'raw')} "
+                f"{phase} failed (rc {rc}): {_last_line(err)}"
+            )
         server_peak = procmem.peak_mib() - rss_before
         server_cpu_after = self.server_cpu()
         for s in samples:
@@ -110,7 +124,12 @@ class Runner:
     # -- one implementation, one repeat --------------------------------------------------
 
     def run_impl(self, impl: str, backend: str, tags: dict[str, Any]) -> None:
-        common = {"impl": impl, "backend": backend, "world_size": self.args.world_size, "warm": int(self.args.warm)}
+        common = {
+            "impl": impl,
+            "backend": backend,
+            "world_size": self.args.world_size,
+            "warm": int(self.args.warm),
+        }
         if backend == "memory":
             url = f"memory://bench/{tags['scenario']}/{impl}"
             self.worker("saveload", tags, url=url, **common)
@@ -155,8 +174,9 @@ class Runner:
         for mode in ("async_with_pinned_mem", "disabled"):
             url = self.url(backend, tags, f"checkpointer-{mode}")
             try:
-                s = self.worker("async", tags, url=url, impl="dcp_fsspec", backend=backend,
-                                async_mode=mode)[0]
+                s = self.worker("async", tags, url=url, impl="dcp_fsspec", backend=backend, async_mode=mode)[
+                    0
+                ]
             finally:
                 self.remove(backend, url)
             if s["kind"] != "sample":
@@ -232,10 +252,16 @@ def drop_page_cache(root: str) -> None:
 def git_revision() -> str | None:
     """The commit the run measured, ``+dirty`` with uncommitted changes; None outside git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO, capture_output=True, text=True, check=True).stdout
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     return head + ("+dirty" if dirty.strip() else "")
@@ -252,32 +278,62 @@ def _last_line(text: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--size-mib", type=int, default=1024,
-                   help="tensor data in the realistic state (0: skip that scenario)")
-    p.add_argument("--sizes", type=parse_sizes, default=None, metavar="256M,1G,4G",
-                   help="a sweep: the realistic state at each size (instead of --size-mib), "
-                        "and a table of GB/s, CPU s/GB and +RSS per size")
-    p.add_argument("--many-small", type=int, default=0, metavar="N",
-                   help="also run a state of N small tensors (e.g. 10000)")
+    p.add_argument(
+        "--size-mib",
+        type=int,
+        default=1024,
+        help="tensor data in the realistic state (0: skip that scenario)",
+    )
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        metavar="256M,1G,4G",
+        help="a sweep: the realistic state at each size (instead of --size-mib), "
+        "and a table of GB/s, CPU s/GB and +RSS per size",
+    )
+    p.add_argument(
+        "--many-small",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run a state of N small tensors (e.g. 10000)",
+    )
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--world-size", "--ranks", dest="world_size", type=int, default=1,
-                   help="ranks per save/load (gloo); each rank saves its own keys")
+    p.add_argument(
+        "--world-size",
+        "--ranks",
+        dest="world_size",
+        type=int,
+        default=1,
+        help="ranks per save/load (gloo); each rank saves its own keys",
+    )
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--moto-get", choices=["ranges", "stock", "both"], default=None,
-                   help="how the server answers ranged GETs during loads: from the range "
-                        "(like S3), reading the whole object like stock moto, or each in turn "
-                        "(default: both up to 1024 MiB, ranges above: stock GETs hold a copy "
-                        "of the whole object per concurrent request)")
+    p.add_argument(
+        "--moto-get",
+        choices=["ranges", "stock", "both"],
+        default=None,
+        help="how the server answers ranged GETs during loads: from the range "
+        "(like S3), reading the whole object like stock moto, or each in turn "
+        "(default: both up to 1024 MiB, ranges above: stock GETs hold a copy "
+        "of the whole object per concurrent request)",
+    )
     add_server_arguments(p)
     p.add_argument("--no-async", action="store_true", help="skip the Checkpointer async hook")
-    p.add_argument("--warm", action="store_true",
-                   help="each save and load after an untimed small one of the same implementation "
-                        "in its process: a training run's later saves, not its first")
-    p.add_argument("--part-mib", type=int, default=16,
-                   help="part / range size of the raw s3fs references")
-    p.add_argument("--concurrency", type=int, default=8,
-                   help="concurrent requests (s3) or files (local) of the raw references")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="each save and load after an untimed small one of the same implementation "
+        "in its process: a training run's later saves, not its first",
+    )
+    p.add_argument("--part-mib", type=int, default=16, help="part / range size of the raw s3fs references")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        help="concurrent requests (s3) or files (local) of the raw references",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per worker")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -306,15 +362,26 @@ def size_label(mib: int) -> str:
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     """The options that pick the S3 server a benchmark measures (see :func:`start_server`),
     shared by ``benchmarks.run``, ``benchmarks.small`` and ``benchmarks.tiers``."""
-    p.add_argument("--moto-complete", choices=["lean", "stock"], default="lean",
-                   help="CompleteMultipartUpload with one copy of the object (lean) or moto's "
-                        "own (~5 copies in memory, ~80 MB/s here)")
-    p.add_argument("--server", choices=["moto", *SERVERS], default="moto",
-                   help="the S3 server to start on 127.0.0.1: moto in this process (counts "
-                        "requests), or SeaweedFS / Ceph RGW (tests/servers/; installed apart)")
-    p.add_argument("--s3-endpoint", default=None, metavar="URL",
-                   help="a running S3 server instead of starting one; no request counters, "
-                        "no server CPU then")
+    p.add_argument(
+        "--moto-complete",
+        choices=["lean", "stock"],
+        default="lean",
+        help="CompleteMultipartUpload with one copy of the object (lean) or moto's "
+        "own (~5 copies in memory, ~80 MB/s here)",
+    )
+    p.add_argument(
+        "--server",
+        choices=["moto", *SERVERS],
+        default="moto",
+        help="the S3 server to start on 127.0.0.1: moto in this process (counts "
+        "requests), or SeaweedFS / Ceph RGW (tests/servers/; installed apart)",
+    )
+    p.add_argument(
+        "--s3-endpoint",
+        default=None,
+        metavar="URL",
+        help="a running S3 server instead of starting one; no request counters, no server CPU then",
+    )
     p.add_argument("--s3-key", default="testing", help="access key for --s3-endpoint")
     p.add_argument("--s3-secret", default="testing", help="secret key for --s3-endpoint")
     p.add_argument("--local-dir", default=None, help="parent of the temporary local folder")
@@ -333,8 +400,10 @@ def start_server(args: argparse.Namespace, sizes: list[int], notes: list[str]) -
         room = shutil.disk_usage(parent).free - 2 * (max(sizes) << 20)
         fits = [n for n in sizes if CEPH_DISK_PER_STATE_BYTE * (n << 20) <= room]
         for n in sorted(set(sizes) - set(fits)):
-            notes.append(f"{size_label(n)} skipped on Ceph: its OSD needs ~{CEPH_DISK_PER_STATE_BYTE * n / 1024:.0f} GiB "
-                         f"of disk, {room / 2**30:.0f} GiB free under {parent}")
+            notes.append(
+                f"{size_label(n)} skipped on Ceph: its OSD needs ~{CEPH_DISK_PER_STATE_BYTE * n / 1024:.0f} GiB "
+                f"of disk, {room / 2**30:.0f} GiB free under {parent}"
+            )
         if not fits:
             raise SystemExit("; ".join(notes))
         server: S3Gateway = LocalCephRGW(disk_gib=-(-CEPH_DISK_PER_STATE_BYTE * max(fits) // 1024) + 4)
@@ -375,13 +444,17 @@ def main(argv: list[str] | None = None) -> None:
     server: S3Server = S3Gateway()  # without S3: nothing to start, nothing measured on it
     if "s3" in backends:
         server, sizes = start_server(args, sizes, notes)
-    scenarios = [{"scenario": f"state-{size_label(n)}" if args.sizes else "state", "size_mib": n, "many_small": 0}
-                 for n in sizes]  # fmt: skip
+    scenarios = [
+        {"scenario": f"state-{size_label(n)}" if args.sizes else "state", "size_mib": n, "many_small": 0}
+        for n in sizes
+    ]
     if args.many_small > 0:
         scenarios.append({"scenario": "many-small", "size_mib": 0, "many_small": args.many_small})
     if args.warm:
-        notes.append("--warm: every save and load is a later one in its process, after an untimed save (and "
-                     "load) of a small state with the same implementation; the raw references are as without it")
+        notes.append(
+            "--warm: every save and load is a later one in its process, after an untimed save (and "
+            "load) of a small state with the same implementation; the raw references are as without it"
+        )
     for n in notes:
         print(f"note: {n}", file=sys.stderr, flush=True)
 

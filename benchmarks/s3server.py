@@ -31,7 +31,7 @@ from typing import Any
 from unittest import mock
 from urllib.parse import parse_qs
 
-from dcp_fsspec.local_s3 import REGION, LocalS3Server
+from dcp_fsspec.local_s3 import LocalS3Server
 
 COUNTERS_PATH = "/__bench__/counters"
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
@@ -124,9 +124,7 @@ class CountingApp:
 
     def _add(self, op: str, field: str, value: float) -> None:
         with self._lock:
-            c = self._ops.setdefault(
-                op, {"requests": 0, "bytes_in": 0, "bytes_out": 0, "seconds": 0.0}
-            )
+            c = self._ops.setdefault(op, {"requests": 0, "bytes_in": 0, "bytes_out": 0, "seconds": 0.0})
             c[field] += value
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
@@ -139,9 +137,7 @@ class CountingApp:
         op = operation(environ)
         started = time.perf_counter()
         self._add(op, "requests", 1)
-        environ["wsgi.input"] = _CountingInput(
-            environ["wsgi.input"], lambda n: self._add(op, "bytes_in", n)
-        )
+        environ["wsgi.input"] = _CountingInput(environ["wsgi.input"], lambda n: self._add(op, "bytes_in", n))
         ranged = self._serve_range(environ, start_response) if self.fast_ranges else None
         if ranged is not None:
             body: Iterable[bytes] = ranged
@@ -164,9 +160,7 @@ class CountingApp:
                 close()
             self._add(op, "seconds", time.perf_counter() - started)
 
-    def _serve_range(
-        self, environ: dict[str, Any], start_response: StartResponse
-    ) -> list[bytes] | None:
+    def _serve_range(self, environ: dict[str, Any], start_response: StartResponse) -> list[bytes] | None:
         """Answer ``GET /bucket/key`` with ``Range: bytes=a-b`` from those bytes alone, or
         return ``None`` to leave the request to moto (errors, conditions, versions, suffix
         and multi-ranges all take moto's path, so their answers stay moto's)."""
@@ -304,9 +298,7 @@ class CountingS3Server(LocalS3Server):
             self._patch = mock.patch.object(FakeMultipart, "complete", lean_complete)
             self._patch.start()
         self.app = CountingApp(DomainDispatcherApplication(create_backend_app), self._fast_ranges)
-        self._httpd = make_server(
-            "127.0.0.1", 0, self.app, threaded=True, request_handler=QuietHandler
-        )
+        self._httpd = make_server("127.0.0.1", 0, self.app, threaded=True, request_handler=QuietHandler)
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
         host, port = self._httpd.server_address[:2]

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from .procmem import peak_mib, reset_peak, rss_mib
-from .run import add_server_arguments, drop_page_cache, git_revision, start_server
+from benchmarks.procmem import peak_mib, reset_peak, rss_mib
+from benchmarks.run import add_server_arguments, drop_page_cache, git_revision, start_server
 
 MiB = 1024 * 1024
 _TENSOR_MIB = 64
@@ -66,7 +66,9 @@ def _measured(run: Any) -> dict[str, Any]:
 def _case_export(c: dict[str, Any]) -> dict[str, Any]:
     from dcp_fsspec.tools.safetensors.export import export_safetensors
 
-    return _measured(lambda: export_safetensors(c["src"], c["out"], c["src_options"], c["out_options"], overwrite=True))
+    return _measured(
+        lambda: export_safetensors(c["src"], c["out"], c["src_options"], c["out_options"], overwrite=True)
+    )
 
 
 def _case_consolidate(c: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +78,9 @@ def _case_consolidate(c: dict[str, Any]) -> dict[str, Any]:
 
     mapping = dict.fromkeys(c["fqns"], 1)
     os.makedirs(c["out"], exist_ok=True)  # torch's consolidation writes into an existing folder
-    return _measured(lambda: consolidate_safetensors_files(c["src"], c["out"], mapping, num_threads=c["threads"]))
+    return _measured(
+        lambda: consolidate_safetensors_files(c["src"], c["out"], mapping, num_threads=c["threads"])
+    )
 
 
 def _case_save(c: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +89,11 @@ def _case_save(c: dict[str, Any]) -> dict[str, Any]:
     from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 
     state = make_state(c["size_gib"])
-    return _measured(lambda: dcp.save(state, storage_writer=FsspecStorageWriter(c["out"], storage_options=c["out_options"])))
+    return _measured(
+        lambda: dcp.save(
+            state, storage_writer=FsspecStorageWriter(c["out"], storage_options=c["out_options"])
+        )
+    )
 
 
 def _case_import(c: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +114,9 @@ def _case_checkpointer(c: dict[str, Any]) -> dict[str, Any]:
     from dcp_fsspec.tools.safetensors.on_save import SafetensorsExport
 
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(max(1, int(c["size_gib"] * 256)))])
-    export = SafetensorsExport(c["out"] + "/step-{iteration}", dtype=torch.bfloat16) if c["with_export"] else None
+    export = (
+        SafetensorsExport(c["out"] + "/step-{iteration}", dtype=torch.bfloat16) if c["with_export"] else None
+    )
     saves = []
     with Checkpointer(c["src"], async_mode="async_with_pinned_mem", keep_last_n=3, on_event=export) as ckpt:
         for iteration in range(1, 6):
@@ -116,16 +126,29 @@ def _case_checkpointer(c: dict[str, Any]) -> dict[str, Any]:
             saves.append(time.perf_counter() - t0)
     if export is not None:
         export.close()
-    return {"save_seconds_median": round(statistics.median(saves[1:]), 4), "saves": [round(s, 4) for s in saves]}
+    return {
+        "save_seconds_median": round(statistics.median(saves[1:]), 4),
+        "saves": [round(s, 4) for s in saves],
+    }
 
 
-_CASES = {"export": _case_export, "consolidate": _case_consolidate, "save": _case_save,
-          "import": _case_import, "checkpointer": _case_checkpointer}  # fmt: skip
+_CASES = {
+    "export": _case_export,
+    "consolidate": _case_consolidate,
+    "save": _case_save,
+    "import": _case_import,
+    "checkpointer": _case_checkpointer,
+}
 
 
 def _child(case: dict[str, Any]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.safetensors_export", "--child", json.dumps(case)],
-                          check=False, capture_output=True, text=True, env=os.environ.copy())  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.safetensors_export", "--child", json.dumps(case)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+    )
     if done.returncode != 0:
         raise RuntimeError(f"case {case['kind']} failed:\n{done.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -143,7 +166,11 @@ def _setup(root: str, size_gib: float, s3: dict[str, Any]) -> dict[str, Any]:
     from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 
     state = make_state(size_gib)
-    paths: dict[str, Any] = {"ours": os.path.join(root, "dcp"), "torch": os.path.join(root, "torch-hf"), "s3": s3["url"] + "/dcp"}
+    paths: dict[str, Any] = {
+        "ours": os.path.join(root, "dcp"),
+        "torch": os.path.join(root, "torch-hf"),
+        "s3": s3["url"] + "/dcp",
+    }
     dcp.save(state, storage_writer=FsspecStorageWriter(paths["ours"]))
     dcp.save(state, storage_writer=FsspecStorageWriter(paths["s3"], storage_options=s3["options"]))
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(paths["torch"], save_distributed=True))
@@ -151,22 +178,72 @@ def _setup(root: str, size_gib: float, s3: dict[str, Any]) -> dict[str, Any]:
     return paths
 
 
-def _plan(root: str, size_gib: float, s3: dict[str, Any], paths: dict[str, Any], threads: int) -> list[tuple[str, dict[str, Any]]]:
+def _plan(
+    root: str, size_gib: float, s3: dict[str, Any], paths: dict[str, Any], threads: int
+) -> list[tuple[str, dict[str, Any]]]:
     base = {"size_gib": size_gib, "src_options": None, "out_options": None}
     local_out = os.path.join(root, "hf-ours")
     return [
-        ("torch-consolidate local->local", {**base, "kind": "consolidate", "src": paths["torch"],
-                                            "out": os.path.join(root, "hf-torch"), "fqns": paths["fqns"], "threads": threads}),
+        (
+            "torch-consolidate local->local",
+            {
+                **base,
+                "kind": "consolidate",
+                "src": paths["torch"],
+                "out": os.path.join(root, "hf-torch"),
+                "fqns": paths["fqns"],
+                "threads": threads,
+            },
+        ),
         ("ours local->local", {**base, "kind": "export", "src": paths["ours"], "out": local_out}),
-        ("ours local->s3", {**base, "kind": "export", "src": paths["ours"], "out": s3["url"] + "/hf-a", "out_options": s3["options"]}),
-        ("ours s3->s3", {**base, "kind": "export", "src": paths["s3"], "out": s3["url"] + "/hf-b", "src_options": s3["options"], "out_options": s3["options"]}),
+        (
+            "ours local->s3",
+            {
+                **base,
+                "kind": "export",
+                "src": paths["ours"],
+                "out": s3["url"] + "/hf-a",
+                "out_options": s3["options"],
+            },
+        ),
+        (
+            "ours s3->s3",
+            {
+                **base,
+                "kind": "export",
+                "src": paths["s3"],
+                "out": s3["url"] + "/hf-b",
+                "src_options": s3["options"],
+                "out_options": s3["options"],
+            },
+        ),
         ("save s3", {**base, "kind": "save", "out": s3["url"] + "/save", "out_options": s3["options"]}),
         ("import ours", {**base, "kind": "import", "impl": "ours", "src": local_out}),
         ("import torch", {**base, "kind": "import", "impl": "torch", "src": local_out}),
         # The training thread's time only: 1 GiB at most, so that five saves and exports fit the disk.
-        ("checkpointer without export", {**base, "size_gib": min(size_gib, 1.0), "kind": "checkpointer", "src": os.path.join(root, "run-a"), "out": "", "with_export": False}),
-        ("checkpointer with export", {**base, "size_gib": min(size_gib, 1.0), "kind": "checkpointer", "src": os.path.join(root, "run-b"), "out": os.path.join(root, "hf-run"), "with_export": True}),
-    ]  # fmt: skip
+        (
+            "checkpointer without export",
+            {
+                **base,
+                "size_gib": min(size_gib, 1.0),
+                "kind": "checkpointer",
+                "src": os.path.join(root, "run-a"),
+                "out": "",
+                "with_export": False,
+            },
+        ),
+        (
+            "checkpointer with export",
+            {
+                **base,
+                "size_gib": min(size_gib, 1.0),
+                "kind": "checkpointer",
+                "src": os.path.join(root, "run-b"),
+                "out": os.path.join(root, "hf-run"),
+                "with_export": True,
+            },
+        ),
+    ]
 
 
 def main() -> None:
@@ -196,7 +273,13 @@ def main() -> None:
             # case's dirty pages would otherwise slow whichever runs next.
             os.sync()
             drop_page_cache(root)
-            sample = {"bench": "safetensors_export", "case": label, "size_gib": args.size_gib, **_child(case), "revision": revision}
+            sample = {
+                "bench": "safetensors_export",
+                "case": label,
+                "size_gib": args.size_gib,
+                **_child(case),
+                "revision": revision,
+            }
             print(json.dumps(sample), flush=True)
             samples.append(sample)
     finally:

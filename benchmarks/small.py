@@ -50,9 +50,9 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .latency import LatencyProxy
-from .run import add_server_arguments, start_server
-from .s3server import CountingS3Server, delta, fetch_counters, totals
+from benchmarks.latency import LatencyProxy
+from benchmarks.run import add_server_arguments, start_server
+from benchmarks.s3server import CountingS3Server, delta, fetch_counters, totals
 
 BUCKET = "dcp-fsspec-small"
 POINTER = "latest_checkpoint.txt"
@@ -61,22 +61,41 @@ POINTER = "latest_checkpoint.txt"
 def small_state(seed: int = 0) -> dict[str, dict[str, Any]]:
     """~3 MiB in four keys: a small MLP's weights, its Adam state, a scheduler, a trainer."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"emb.weight": (512, 256), "fc1.weight": (512, 512), "fc1.bias": (512,), "fc2.weight": (256, 512)}
+    shapes = {
+        "emb.weight": (512, 256),
+        "fc1.weight": (512, 512),
+        "fc1.bias": (512,),
+        "fc2.weight": (256, 512),
+    }
     model = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    optim = {"state": {k: {"exp_avg": torch.randn(s, generator=g) * 1e-3, "step": torch.tensor(10.0)}
-                       for k, s in list(shapes.items())[:2]},  # fmt: skip
-             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(shapes)}]}
+    optim = {
+        "state": {
+            k: {"exp_avg": torch.randn(s, generator=g) * 1e-3, "step": torch.tensor(10.0)}
+            for k, s in list(shapes.items())[:2]
+        },
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(shapes)}],
+    }
     return {
         "model": model,
         "optim": optim,
         "scheduler": {"last_epoch": 10, "base_lrs": [1e-3], "_step_count": 11},
-        "trainer": {"step": 10, "tokens_seen": 10 * 4096, "rng": torch.randint(0, 2**31, (624,), generator=g)},
+        "trainer": {
+            "step": 10,
+            "tokens_seen": 10 * 4096,
+            "rng": torch.randint(0, 2**31, (624,), generator=g),
+        },
     }
 
 
 def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: _zeros_like(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
-            for k, v in state.items()}  # fmt: skip
+    return {
+        k: _zeros_like(v)
+        if isinstance(v, dict)
+        else torch.zeros_like(v)
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in state.items()
+    }
 
 
 class Ours:
@@ -153,8 +172,14 @@ def measure(impls: dict[str, Any], repeats: int, counters_url: str | None) -> di
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
     return {
         name: {
-            **{what: statistics.median(s[what]) for what in ("save_ms", "load_ms", "save_cpu_ms", "load_cpu_ms")},
-            **{what: statistics.median(s[what]) if s[what] else None for what in ("save_requests", "load_requests")},
+            **{
+                what: statistics.median(s[what])
+                for what in ("save_ms", "load_ms", "save_cpu_ms", "load_cpu_ms")
+            },
+            **{
+                what: statistics.median(s[what]) if s[what] else None
+                for what in ("save_requests", "load_requests")
+            },
             "state_bytes": nbytes,
             "keys": len(state),
             "repeats": repeats,
@@ -163,7 +188,9 @@ def measure(impls: dict[str, Any], repeats: int, counters_url: str | None) -> di
     }
 
 
-def _save_and_load(impl: Any, iteration: int, state: dict[str, Any], counters_url: str | None) -> dict[str, float]:
+def _save_and_load(
+    impl: Any, iteration: int, state: dict[str, Any], counters_url: str | None
+) -> dict[str, float]:
     """One timed save of ``state`` as ``iteration`` and one timed load of it, checked bit-exact."""
     before = fetch_counters(counters_url) if counters_url else None
     c0, t0 = time.process_time(), time.perf_counter()
@@ -179,8 +206,12 @@ def _save_and_load(impl: Any, iteration: int, state: dict[str, Any], counters_ur
     same = all(torch.equal(a, b) for a, b in zip(_tensors(target), _tensors(state), strict=True))
     if loaded != iteration or not same:
         raise AssertionError(f"{impl.label} loaded iteration {loaded} wrongly (saved {iteration})")
-    one = {"save_ms": (t1 - t0) * 1e3, "load_ms": (t3 - t2) * 1e3,
-           "save_cpu_ms": (c1 - c0) * 1e3, "load_cpu_ms": (c3 - c2) * 1e3}  # fmt: skip
+    one = {
+        "save_ms": (t1 - t0) * 1e3,
+        "load_ms": (t3 - t2) * 1e3,
+        "save_cpu_ms": (c1 - c0) * 1e3,
+        "load_cpu_ms": (c3 - c2) * 1e3,
+    }
     if before is not None and middle is not None and after is not None:
         one["save_requests"] = totals(delta(before, middle))["requests"]
         one["load_requests"] = totals(delta(middle, after))["requests"]
@@ -196,19 +227,25 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = ["| backend | implementation | state | save ms | load ms | CPU ms save / load | requests per save / load |",
-             "|---|---|---|---:|---:|---|---|"]  # fmt: skip
+    lines = [
+        "| backend | implementation | state | save ms | load ms | CPU ms save / load | requests per save / load |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
     for r in rows:
         req = "–" if r["save_requests"] is None else f"{r['save_requests']:.0f} / {r['load_requests']:.0f}"
         state = f"{r['state_bytes'] / 2**20:.1f} MiB, {r['keys']} keys"
         cpu = f"{r['save_cpu_ms']:.0f} / {r['load_cpu_ms']:.0f}"
-        lines.append(f"| {r['backend']} | {r['label']} | {state} | {r['save_ms']:.0f} | {r['load_ms']:.0f} | {cpu} | {req} |")
+        lines.append(
+            f"| {r['backend']} | {r['label']} | {state} | {r['save_ms']:.0f} | {r['load_ms']:.0f} | {cpu} | {req} |"
+        )
     by = {(r["backend"], r["impl"]): r for r in rows}
     for backend in dict.fromkeys(r["backend"] for r in rows):
         ours, torch_ = by.get((backend, "dcp_fsspec")), by.get((backend, "torch"))
         if ours and torch_:
-            lines.append(f"| {backend} | ours ÷ torch | | {ours['save_ms'] / torch_['save_ms']:.2f}× | "
-                         f"{ours['load_ms'] / torch_['load_ms']:.2f}× | | |")  # fmt: skip
+            lines.append(
+                f"| {backend} | ours ÷ torch | | {ours['save_ms'] / torch_['save_ms']:.2f}× | "
+                f"{ours['load_ms'] / torch_['load_ms']:.2f}× | | |"
+            )
     return "\n".join(lines)
 
 
@@ -217,12 +254,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=10, help="saves and loads measured (after one warm-up)")
     p.add_argument("--backends", default="s3,local")
     p.add_argument("--impls", default=",".join(IMPLS))
-    p.add_argument("--rtt-ms", type=float, default=0.0,
-                   help="a round trip this long added to every S3 request (a proxy in front of the server)")
-    p.add_argument("--local-dirs", default=None, metavar="DIR,DIR",
-                   help="local disk: one parent folder per implementation, in --impls order, each on a "
-                        "filesystem of its own (a journal of its own: one's unsynced metadata then never "
-                        "lands in the other's fsync); default: one temporary folder under --local-dir")
+    p.add_argument(
+        "--rtt-ms",
+        type=float,
+        default=0.0,
+        help="a round trip this long added to every S3 request (a proxy in front of the server)",
+    )
+    p.add_argument(
+        "--local-dirs",
+        default=None,
+        metavar="DIR,DIR",
+        help="local disk: one parent folder per implementation, in --impls order, each on a "
+        "filesystem of its own (a journal of its own: one's unsynced metadata then never "
+        "lands in the other's fsync); default: one temporary folder under --local-dir",
+    )
     add_server_arguments(p)
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
@@ -233,14 +278,20 @@ def main(argv: list[str] | None = None) -> None:
     server = None
     if "s3" in backends:
         server, _ = start_server(args, [1], [])
-    proxy = LatencyProxy(server.endpoint_url, args.rtt_ms).start() if server is not None and args.rtt_ms > 0 else None
+    proxy = (
+        LatencyProxy(server.endpoint_url, args.rtt_ms).start()
+        if server is not None and args.rtt_ms > 0
+        else None
+    )
     rows = []
     try:
         if server is not None:
             server.create_bucket(BUCKET)
         with contextlib.ExitStack() as stack:
-            local = {name: stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-fsspec-small-", dir=parent))
-                     for name, parent in zip(names, parents)}  # fmt: skip
+            local = {
+                name: stack.enter_context(tempfile.TemporaryDirectory(prefix="dcp-fsspec-small-", dir=parent))
+                for name, parent in zip(names, parents)
+            }
             for backend in backends:
                 impls = {}
                 for name in names:
@@ -248,15 +299,26 @@ def main(argv: list[str] | None = None) -> None:
                         assert server is not None
                         url, so = f"s3://{BUCKET}/{name}", server.storage_options()
                         if proxy is not None:
-                            so = {**so, "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url}}
+                            so = {
+                                **so,
+                                "client_kwargs": {**so["client_kwargs"], "endpoint_url": proxy.endpoint_url},
+                            }
                     else:
                         url, so = f"{local[name]}/{name}", {}
                     impls[name] = IMPLS[name](url, so)
-                counters = server.counters_url if backend == "s3" and isinstance(server, CountingS3Server) else None
+                counters = (
+                    server.counters_url if backend == "s3" and isinstance(server, CountingS3Server) else None
+                )
                 for name, result in measure(impls, args.repeats, counters).items():
-                    row = {"kind": "small", "backend": backend, "impl": name, "label": impls[name].label,
-                           "server": args.s3_endpoint or args.server if backend == "s3" else None,
-                           "rtt_ms": args.rtt_ms if backend == "s3" else None, **result}  # fmt: skip
+                    row = {
+                        "kind": "small",
+                        "backend": backend,
+                        "impl": name,
+                        "label": impls[name].label,
+                        "server": args.s3_endpoint or args.server if backend == "s3" else None,
+                        "rtt_ms": args.rtt_ms if backend == "s3" else None,
+                        **result,
+                    }
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:

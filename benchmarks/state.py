@@ -112,9 +112,7 @@ def _non_tensors(prefix: str, seed: int) -> list[Entry]:
     ]
 
 
-def for_rank(
-    size_mib: int, seed: int, *, many: int = 0, rank: int = 0, world_size: int = 1
-) -> list[Entry]:
+def for_rank(size_mib: int, seed: int, *, many: int = 0, rank: int = 0, world_size: int = 1) -> list[Entry]:
     """Rank ``rank``'s share: distinct keys per rank, ``size_mib / world_size`` each."""
     prefix = f"rank{rank}." if world_size > 1 else ""
     rank_seed = seed + 7919 * rank

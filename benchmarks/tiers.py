@@ -32,11 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from . import state as st
-from .run import REPO, add_server_arguments, drop_page_cache, git_revision, start_server
+from benchmarks import state as st
+from benchmarks.run import REPO, add_server_arguments, drop_page_cache, git_revision, start_server
 
 PHASES = ("direct", "tiered", "resume-local", "resume-s3")
 GB = 1e9
@@ -55,7 +54,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         drains: list[Any] = []
         local = args.local if args.phase == "tiered" else None
         ckpt = Checkpointer(
-            args.url, options, local_tier=None if local is None else LocalTier(local), async_mode=args.async_mode,
+            args.url,
+            options,
+            local_tier=None if local is None else LocalTier(local),
+            async_mode=args.async_mode,
             on_event=lambda e: drains.append(e) if e.kind == "drain_end" else None,
         )
         start = time.perf_counter()
@@ -65,7 +67,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         ckpt.finalize()  # waits for the drain
         sample["until_durable_s"] = sample["save_blocks_s"] + time.perf_counter() - start
         if args.phase == "direct":
-            sample["upload_gbps"] = nbytes / sample["until_durable_s"] / GB  # the whole save in async mode too
+            sample["upload_gbps"] = (
+                nbytes / sample["until_durable_s"] / GB
+            )  # the whole save in async mode too
         else:
             event = drains[-1]
             sample["drain_s"], sample["drain_bytes"] = event.seconds, event.nbytes
@@ -75,7 +79,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     target = st.template(entries)
     tiers: list[str | None] = []
     ckpt = Checkpointer(
-        args.url, options, local_tier=LocalTier(args.local),
+        args.url,
+        options,
+        local_tier=LocalTier(args.local),
         on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None,
     )
     start = time.perf_counter()
@@ -88,12 +94,30 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     return sample
 
 
-def _run_phase(phase: str, repeat: int, url: str, local: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def _run_phase(
+    phase: str, repeat: int, url: str, local: str, options: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     command = [
-        sys.executable, "-m", "benchmarks.tiers", "--worker", phase, "--repeat", str(repeat), "--url", url,
-        "--local", local, "--storage-options", json.dumps(options), "--size-mib", str(args.size_mib),
-        "--seed", str(args.seed), "--async-mode", args.async_mode,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "benchmarks.tiers",
+        "--worker",
+        phase,
+        "--repeat",
+        str(repeat),
+        "--url",
+        url,
+        "--local",
+        local,
+        "--storage-options",
+        json.dumps(options),
+        "--size-mib",
+        str(args.size_mib),
+        "--seed",
+        str(args.seed),
+        "--async-mode",
+        args.async_mode,
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -125,15 +149,17 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(m: dict[str, Any], size_mib: int, server: str, async_mode: str) -> str:
     mode = "sync" if async_mode == "disabled" else "async"
-    return "\n".join([
-        f"| {size_mib} MiB state, {server} on 127.0.0.1 (medians) | seconds | |",
-        "|---|---|---|",
-        f"| `save()` blocks, direct S3 ({mode}) | {m['direct_save_s']:.2f} | {m['direct_upload_gbps']:.3f} GB/s until committed |",
-        f"| `save()` blocks, local tier ({mode}) | {m['tiered_save_s']:.2f} | {m['save_ratio']:.2f}x the direct save |",
-        f"| ... until the durable copy is committed | {m['tiered_until_durable_s']:.2f} | drain {m['drain_upload_gbps']:.3f} GB/s upload |",
-        f"| resume from the local tier (cold page cache) | {m['resume_local_s']:.2f} | {m['resume_speedup']:.1f}x faster than from S3 |",
-        f"| resume from S3 (empty local tier) | {m['resume_s3_s']:.2f} | |",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"| {size_mib} MiB state, {server} on 127.0.0.1 (medians) | seconds | |",
+            "|---|---|---|",
+            f"| `save()` blocks, direct S3 ({mode}) | {m['direct_save_s']:.2f} | {m['direct_upload_gbps']:.3f} GB/s until committed |",
+            f"| `save()` blocks, local tier ({mode}) | {m['tiered_save_s']:.2f} | {m['save_ratio']:.2f}x the direct save |",
+            f"| ... until the durable copy is committed | {m['tiered_until_durable_s']:.2f} | drain {m['drain_upload_gbps']:.3f} GB/s upload |",
+            f"| resume from the local tier (cold page cache) | {m['resume_local_s']:.2f} | {m['resume_speedup']:.1f}x faster than from S3 |",
+            f"| resume from S3 (empty local tier) | {m['resume_s3_s']:.2f} | |",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,8 +172,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--local", help=argparse.SUPPRESS)
     p.add_argument("--storage-options", default="{}", help=argparse.SUPPRESS)
-    p.add_argument("--async-mode", choices=["disabled", "async_with_pinned_mem"], default="disabled",
-                   help="the saves' async_mode: asynchronous, save() blocks for the staging only")
+    p.add_argument(
+        "--async-mode",
+        choices=["disabled", "async_with_pinned_mem"],
+        default="disabled",
+        help="the saves' async_mode: asynchronous, save() blocks for the staging only",
+    )
     add_server_arguments(p)
     args = p.parse_args(argv)
     if args.phase is not None:
@@ -155,7 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     samples: list[dict[str, Any]] = []
     server, _ = start_server(args, [args.size_mib], [])
-    server_name = "S3 at " + args.s3_endpoint if args.s3_endpoint else {"ceph": "Ceph RGW", "seaweedfs": "SeaweedFS"}.get(args.server, "moto S3")
+    server_name = (
+        "S3 at " + args.s3_endpoint
+        if args.s3_endpoint
+        else {"ceph": "Ceph RGW", "seaweedfs": "SeaweedFS"}.get(args.server, "moto S3")
+    )
     try:
         with tempfile.TemporaryDirectory(prefix="dcp-fsspec-tiers-", dir=args.local_dir) as tmp:
             options = server.storage_options()
@@ -180,9 +214,21 @@ def main(argv: list[str] | None = None) -> None:
     for s in samples:
         if "bit_exact" in s and not s["bit_exact"]:
             raise SystemExit(f"{s['phase']} (repeat {s['repeat']}) did not load the state bit for bit")
-    print(json.dumps({"kind": "summary", "date": datetime.date.today().isoformat(), "commit": git_revision(),
-                      "repeats": args.repeats, "size_mib": args.size_mib, "server": server_name,
-                      "async_mode": args.async_mode, **m}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "kind": "summary",
+                "date": datetime.date.today().isoformat(),
+                "commit": git_revision(),
+                "repeats": args.repeats,
+                "size_mib": args.size_mib,
+                "server": server_name,
+                "async_mode": args.async_mode,
+                **m,
+            }
+        ),
+        flush=True,
+    )
     print(table(m, args.size_mib, server_name, args.async_mode))
 
 

@@ -37,9 +37,9 @@ import tempfile
 import time
 from typing import Any
 
-from . import state as st
-from .run import drop_page_cache, git_revision
-from .s3server import CountingS3Server, delta, fetch_counters
+from benchmarks import state as st
+from benchmarks.run import drop_page_cache, git_revision
+from benchmarks.s3server import CountingS3Server, delta, fetch_counters
 
 IMPLS = ("tc-ours-s3", "tc-ours-s3-marker", "tc-theirs-local", "checkpointer-s3")
 BUCKET = "bench"
@@ -95,7 +95,11 @@ def _save(spec: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu
             # Its commit is not timed apart; a copy would show as a CopyObject.
             ops = delta(before, _counters())
-            return {"seconds": seconds, "cpu_seconds": cpu, "copy_requests": int(ops.get("CopyObject", {}).get("requests", 0))}
+            return {
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "copy_requests": int(ops.get("CopyObject", {}).get("requests", 0)),
+            }
     manager = _manager(spec)
     try:
         t0, cpu = time.perf_counter(), time.process_time()
@@ -104,8 +108,12 @@ def _save(spec: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     finally:
         manager.close()
     written, written_at = _WRITTEN[-1]
-    return {"seconds": end - t0, "cpu_seconds": cpu, "commit_seconds": round(end - written_at, 3),
-            "copy_requests": _copies(delta(written, _counters()))}  # fmt: skip
+    return {
+        "seconds": end - t0,
+        "cpu_seconds": cpu,
+        "commit_seconds": round(end - written_at, 3),
+        "copy_requests": _copies(delta(written, _counters())),
+    }
 
 
 def _load(spec: dict[str, Any], into: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -148,8 +156,10 @@ def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """``spec`` run by a fresh ``--worker`` process, niced as this one is; its result."""
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.torch_checkpointing", "--worker", json.dumps(spec)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{spec['impl']} {spec['phase']} failed:\n{done.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -162,8 +172,12 @@ def _step_bytes(spec: dict[str, Any]) -> int:
 
     fs, root = fsspec.core.url_to_fs(spec["url"], **spec["storage_options"])
     fs.invalidate_cache()
-    sizes = [int(info["size"]) for info in fs.find(f"{root}/{STEP}" if spec["impl"] != "checkpointer-s3" else root,
-                                                    detail=True).values()]  # fmt: skip
+    sizes = [
+        int(info["size"])
+        for info in fs.find(
+            f"{root}/{STEP}" if spec["impl"] != "checkpointer-s3" else root, detail=True
+        ).values()
+    ]
     return sum(sizes)
 
 
@@ -188,8 +202,12 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         if phase == "save":
             # A rename copies each file of the step whole, once; the marker copies nothing.
             size, copies = _step_bytes(spec), result.get("copy_requests", 0)
-            row.update(commit_seconds=result.get("commit_seconds"), copy_requests=copies,
-                       bytes_copied=size if copies else 0, step_bytes=size)  # fmt: skip
+            row.update(
+                commit_seconds=result.get("commit_seconds"),
+                copy_requests=copies,
+                bytes_copied=size if copies else 0,
+                step_bytes=size,
+            )
     return row
 
 
@@ -218,8 +236,11 @@ def main(argv: list[str] | None = None) -> None:
                     os.makedirs(spec["url"])
                 else:
                     server.create_bucket(f"{BUCKET}-{n}")
-                    spec.update(url=f"s3://{BUCKET}-{n}/run", storage_options=server.storage_options(),
-                                counters_url=server.counters_url)  # fmt: skip
+                    spec.update(
+                        url=f"s3://{BUCKET}-{n}/run",
+                        storage_options=server.storage_options(),
+                        counters_url=server.counters_url,
+                    )
                 row = {**measure(spec), "revision": revision}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -230,14 +251,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
-    print("\n| impl | save GB/s | load GB/s | save CPU s/GB | load CPU s/GB | server CPU s (save, load) "
-          "| commit s | bytes copied by the commit |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "\n| impl | save GB/s | load GB/s | save CPU s/GB | load CPU s/GB | server CPU s (save, load) "
+        "| commit s | bytes copied by the commit |\n|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
-        server = "—" if r["save_server_cpu_s"] is None else f"{r['save_server_cpu_s']}, {r['load_server_cpu_s']}"
+        server = (
+            "—" if r["save_server_cpu_s"] is None else f"{r['save_server_cpu_s']}, {r['load_server_cpu_s']}"
+        )
         commit = "—" if r["commit_seconds"] is None else r["commit_seconds"]
-        print(f"| {r['impl']} | {r['save_gb_per_s']} | {r['load_gb_per_s']} | {r['save_cpu_s_per_gb']} | "
-              f"{r['load_cpu_s_per_gb']} | {server} | {commit} | {r['bytes_copied'] / 2**20:.0f} MiB "
-              f"({r['copy_requests']} copies) |")  # fmt: skip
+        print(
+            f"| {r['impl']} | {r['save_gb_per_s']} | {r['load_gb_per_s']} | {r['save_cpu_s_per_gb']} | "
+            f"{r['load_cpu_s_per_gb']} | {server} | {commit} | {r['bytes_copied'] / 2**20:.0f} MiB "
+            f"({r['copy_requests']} copies) |"
+        )
 
 
 if __name__ == "__main__":

@@ -97,7 +97,13 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
         path = f"{BUCKET}/{KEY}"
         return lambda: sum(
             len(b)
-            for b in fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges], batch_size=n, on_error="raise")
+            for b in fs.cat_ranges(
+                [path] * len(ranges),
+                [a for a, _ in ranges],
+                [b for _, b in ranges],
+                batch_size=n,
+                on_error="raise",
+            )
         )
     if t == "s3fs-readinto":
         import fsspec.asyn
@@ -154,13 +160,19 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
 
             fs = FsspecStore(
                 "s3",
-                config={"endpoint": args.endpoint, "access_key_id": args.key, "secret_access_key": args.secret,
-                        "region": "us-east-1", "virtual_hosted_style_request": False},
+                config={
+                    "endpoint": args.endpoint,
+                    "access_key_id": args.key,
+                    "secret_access_key": args.secret,
+                    "region": "us-east-1",
+                    "virtual_hosted_style_request": False,
+                },
                 client_options={"allow_http": True},
             )
             path = f"s3://{BUCKET}/{KEY}"
             return lambda: sum(
-                len(b) for b in fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges])
+                len(b)
+                for b in fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges])
             )
     raise SystemExit(f"unknown transport {t!r}; one of {', '.join(TRANSPORTS)}")
 
@@ -175,9 +187,19 @@ def _child(args: argparse.Namespace) -> None:
         raise SystemExit(f"{args.child}: read {got} bytes of {size}")
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     gb = size / 1e9
-    print(json.dumps({"transport": args.child, "seconds": seconds, "cpu_seconds": cpu,
-                      "user_s_per_gb": (cpu1.user - cpu0.user) / gb, "sys_s_per_gb": (cpu1.system - cpu0.system) / gb,
-                      "gb_per_s": gb / seconds, "cpu_s_per_gb": cpu / gb}))
+    print(
+        json.dumps(
+            {
+                "transport": args.child,
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "user_s_per_gb": (cpu1.user - cpu0.user) / gb,
+                "sys_s_per_gb": (cpu1.system - cpu0.system) / gb,
+                "gb_per_s": gb / seconds,
+                "cpu_s_per_gb": cpu / gb,
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,23 +218,39 @@ def main(argv: list[str] | None = None) -> None:
         _child(args)
         return
 
-    from .s3server import CountingS3Server
+    from benchmarks.s3server import CountingS3Server
 
     server = CountingS3Server().start()
     try:
         server.create_bucket(BUCKET)
         fs = _s3fs(server.endpoint_url, "testing", "testing")
-        fs.pipe_file(f"{BUCKET}/{KEY}", os.urandom(args.size_mib * MiB), chunksize=16 * MiB, max_concurrency=8)
+        fs.pipe_file(
+            f"{BUCKET}/{KEY}", os.urandom(args.size_mib * MiB), chunksize=16 * MiB, max_concurrency=8
+        )
         samples: dict[str, list[dict[str, Any]]] = {}
         names = args.transports.split(",")
         if importlib.util.find_spec("obstore") is None:
-            print("obstore is not installed (pip install obstore): its transports are left out", file=sys.stderr)
+            print(
+                "obstore is not installed (pip install obstore): its transports are left out", file=sys.stderr
+            )
             names = [n for n in names if not n.startswith("obstore")]
         for repeat in range(args.repeats):
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:  # rotate the order
-                cmd = [sys.executable, "-m", "benchmarks.transport", "--child", name, "--endpoint", server.endpoint_url,
-                       "--size-mib", str(args.size_mib), "--range-mib", str(args.range_mib),
-                       "--concurrency", str(args.concurrency)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.transport",
+                    "--child",
+                    name,
+                    "--endpoint",
+                    server.endpoint_url,
+                    "--size-mib",
+                    str(args.size_mib),
+                    "--range-mib",
+                    str(args.range_mib),
+                    "--concurrency",
+                    str(args.concurrency),
+                ]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if out.returncode:
                     print(f"{name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -222,12 +260,15 @@ def main(argv: list[str] | None = None) -> None:
                 samples.setdefault(name, []).append(json.loads(line))
     finally:
         server.stop()
-    print(f"\n{args.size_mib} MiB in {args.range_mib} MiB ranges, {args.concurrency} at a time; "
-          f"medians of {args.repeats}; load average {os.getloadavg()[0]:.2f}\n")
+    print(
+        f"\n{args.size_mib} MiB in {args.range_mib} MiB ranges, {args.concurrency} at a time; "
+        f"medians of {args.repeats}; load average {os.getloadavg()[0]:.2f}\n"
+    )
     print("| transport | client CPU s/GB (user + sys) | GB/s |\n|---|---|---|")
     for name, got in samples.items():
         cpu, user, system, rate = (
-            statistics.median(s[k] for s in got) for k in ("cpu_s_per_gb", "user_s_per_gb", "sys_s_per_gb", "gb_per_s")
+            statistics.median(s[k] for s in got)
+            for k in ("cpu_s_per_gb", "user_s_per_gb", "sys_s_per_gb", "gb_per_s")
         )
         print(f"| {name} | {cpu:.2f} ({user:.2f} + {system:.2f}) | {rate:.3f} |")
 

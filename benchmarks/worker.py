@@ -37,10 +37,10 @@ from typing import Any
 import fsspec
 import torch
 
-from . import procmem
-from . import state as st
-from .impls import IMPLS
-from .s3server import delta, fetch_counters
+from benchmarks import procmem
+from benchmarks import state as st
+from benchmarks.impls import IMPLS
+from benchmarks.s3server import delta, fetch_counters
 
 _CHUNK = 64 * st.MiB
 
@@ -81,9 +81,7 @@ def measure(fn: Callable[[], Any], counters_url: str | None, barrier: Callable[[
 
 
 def _entries(args: argparse.Namespace, rank: int, world_size: int) -> list[st.Entry]:
-    return st.for_rank(
-        args.size_mib, args.seed, many=args.many_small, rank=rank, world_size=world_size
-    )
+    return st.for_rank(args.size_mib, args.seed, many=args.many_small, rank=rank, world_size=world_size)
 
 
 def _phase_sample(args: argparse.Namespace, phase: str, entries: list[st.Entry], m: dict) -> dict:
@@ -145,9 +143,7 @@ def _run_ranks(args: argparse.Namespace, phases: list[str]) -> list[dict]:
 def _rank_main(rank: int, args: argparse.Namespace, phases: list[str], tmp: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=args.world_size
-    )
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=args.world_size)
     try:
         # Only rank 0 reads the server's counters: once per phase, for all ranks.
         if rank:
@@ -175,7 +171,11 @@ def _dcp_phases(
 
 @contextlib.contextmanager
 def _warmed_up(
-    args: argparse.Namespace, entries: list[st.Entry], phases: list[str], rank: int, barrier: Callable[[], None]
+    args: argparse.Namespace,
+    entries: list[st.Entry],
+    phases: list[str],
+    rank: int,
+    barrier: Callable[[], None],
 ) -> Iterator[None]:
     """``--warm``: before the measured phase, the same implementation saves (and for a load,
     loads) a small state in this process, untimed: the smallest tensor of each dtype. The
@@ -280,7 +280,10 @@ def _local_write(args: argparse.Namespace, entries: list[st.Entry]) -> Timed:
     def write() -> None:
         os.makedirs(args.url, exist_ok=True)
         with ThreadPoolExecutor(args.concurrency) as pool:
-            for f in [pool.submit(write_one, i, lo, hi) for i, (lo, hi) in enumerate(_slices(len(data), args.concurrency))]:
+            for f in [
+                pool.submit(write_one, i, lo, hi)
+                for i, (lo, hi) in enumerate(_slices(len(data), args.concurrency))
+            ]:
                 f.result()
 
     return write, lambda _: None
@@ -303,7 +306,10 @@ def _local_read(args: argparse.Namespace, entries: list[st.Entry]) -> Timed:
 
     def read() -> bytearray:
         with ThreadPoolExecutor(args.concurrency) as pool:
-            for f in [pool.submit(read_one, i, lo, hi) for i, (lo, hi) in enumerate(_slices(len(buf), args.concurrency))]:
+            for f in [
+                pool.submit(read_one, i, lo, hi)
+                for i, (lo, hi) in enumerate(_slices(len(buf), args.concurrency))
+            ]:
                 f.result()
         return buf
 
@@ -363,8 +369,7 @@ def _ceiling(args: argparse.Namespace) -> dict:
 def _async(args: argparse.Namespace) -> dict:
     """Seconds ``Checkpointer.save`` blocks the caller, and until ``finalize`` returns (the
     checkpoint committed), with ``async_mode=--async-mode`` ("disabled" is the sync save)."""
-    base = {"kind": "sample", "phase": f"async:{args.async_mode}", "impl": args.impl,
-            "backend": args.backend}
+    base = {"kind": "sample", "phase": f"async:{args.async_mode}", "impl": args.impl, "backend": args.backend}
     try:
         from dcp_fsspec import Checkpointer
     except ImportError as e:
@@ -383,8 +388,13 @@ def _async(args: argparse.Namespace) -> dict:
     ckpt.finalize() if args.async_mode == "disabled" else ckpt.wait()
     total = time.perf_counter() - t0
     nbytes = st.nbytes(entries)
-    sample = {**base, "nbytes": nbytes, "seconds": blocked, "total_seconds": total,
-              "gbps": nbytes / total / 1e9}
+    sample = {
+        **base,
+        "nbytes": nbytes,
+        "seconds": blocked,
+        "total_seconds": total,
+        "gbps": nbytes / total / 1e9,
+    }
     if args.async_mode != "disabled":
         # A later save reuses the staging buffers the first one allocated: what a training run
         # pays at every save after its first. Next to it, one copy_ of the state into
@@ -406,9 +416,7 @@ def _async(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.worker", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m benchmarks.worker", description=__doc__.split("\n")[0])
     p.add_argument("phase", choices=["save", "load", "saveload", "async", *CEILINGS])
     p.add_argument("--impl", default="")
     p.add_argument("--backend", default="")

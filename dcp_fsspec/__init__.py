@@ -54,13 +54,25 @@ if TYPE_CHECKING:
     from dcp_fsspec.checkpoint import Checkpointer
     from dcp_fsspec.checkpoint.events import CheckpointEvent
     from dcp_fsspec.checkpoint.options import CheckpointerOptions, LocalTier, ResumeOptions
-    from dcp_fsspec.errors import BackgroundSaveError, CheckpointExistsError, CheckpointMismatchError, CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, DcpFsspecError, DrainError, InvalidURLError, MissingDriverError, StorageError
+    from dcp_fsspec.errors import (
+        BackgroundSaveError,
+        CheckpointExistsError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        ChecksumMismatchError,
+        CorruptCheckpointError,
+        DcpFsspecError,
+        DrainError,
+        InvalidURLError,
+        MissingDriverError,
+        StorageError,
+    )
+    from dcp_fsspec.storage.checkpoint_files.integrity import VerifyProblem, VerifyReport
+    from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
     from dcp_fsspec.storage.read.reader import FsspecStorageReader
-    from dcp_fsspec.storage.transport.retry import RetryPolicy
     from dcp_fsspec.storage.read.safetensors_reader import SafetensorsStorageReader
     from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
-    from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
-    from dcp_fsspec.storage.checkpoint_files.integrity import VerifyProblem, VerifyReport
+    from dcp_fsspec.storage.transport.retry import RetryPolicy
     from dcp_fsspec.storage.write.writer import FsspecStorageWriter
     from dcp_fsspec.tools.safetensors.on_save import SafetensorsExport
     from dcp_fsspec.tools.verify import verify

@@ -26,23 +26,39 @@ from dcp_fsspec.tools import _cli
 # name: (module under dcp_fsspec, its function that runs the subcommand, one-line help). The
 # helps live here, not in the modules, so that the top-level --help imports none of them.
 _COMMANDS: dict[str, tuple[str, str, str]] = {
-    "ls": ("tools.ls", "main",
-           "list the iterations under a save_dirname: latest, committed or not, size, age"),
-    "inspect": ("tools.inspection", "main",
-                "show the keys, tensors, dtypes, shapes and sizes of a checkpoint"),
-    "verify": ("tools.verify", "main",
-               "check every file and every tensor's CRC-32 without loading; exit 1 on any problem"),
-    "cp": ("tools.transfer", "main",
-           "copy a checkpoint or a whole run between any two URLs, committing last"),
-    "prune": ("tools.prune", "main",
-              "delete all but the newest N committed iterations (never the latest)"),
-    "to-torch": ("tools.convert_options", "main_to_torch",
-                 "convert a checkpoint to one torch.save file"),
-    "to-safetensors": ("tools.safetensors.command", "main",
-                       "export a checkpoint's tensors as sharded safetensors (a folder) or one .safetensors file"),
-    "demo": ("demo", "main",
-             "train a small model, checkpoint to an embedded S3, resume in a fresh process, compare bitwise"),
-}  # fmt: skip
+    "ls": (
+        "tools.ls",
+        "main",
+        "list the iterations under a save_dirname: latest, committed or not, size, age",
+    ),
+    "inspect": (
+        "tools.inspection",
+        "main",
+        "show the keys, tensors, dtypes, shapes and sizes of a checkpoint",
+    ),
+    "verify": (
+        "tools.verify",
+        "main",
+        "check every file and every tensor's CRC-32 without loading; exit 1 on any problem",
+    ),
+    "cp": (
+        "tools.transfer",
+        "main",
+        "copy a checkpoint or a whole run between any two URLs, committing last",
+    ),
+    "prune": ("tools.prune", "main", "delete all but the newest N committed iterations (never the latest)"),
+    "to-torch": ("tools.convert_options", "main_to_torch", "convert a checkpoint to one torch.save file"),
+    "to-safetensors": (
+        "tools.safetensors.command",
+        "main",
+        "export a checkpoint's tensors as sharded safetensors (a folder) or one .safetensors file",
+    ),
+    "demo": (
+        "demo",
+        "main",
+        "train a small model, checkpoint to an embedded S3, resume in a fresh process, compare bitwise",
+    ),
+}
 
 _VERBOSE_HELP = "log what the checkpointer and the tools do; on an error, show its traceback"
 _DEBUG_HELP = "on an error, show its traceback; log this package's debug messages"
@@ -87,12 +103,17 @@ def build_parser(commands: Collection[str] = ()) -> argparse.ArgumentParser:
             continue
         module = _module(name)
         sub = subparsers.add_parser(
-            name, help=help_text, description=_description(name, module), epilog=_cli.EXIT_CODES_HELP,
+            name,
+            help=help_text,
+            description=_description(name, module),
+            epilog=_cli.EXIT_CODES_HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
-        )  # fmt: skip
+        )
         module.add_arguments(sub)
         # After the subcommand too; SUPPRESS keeps the value given before it when not repeated.
-        sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+        sub.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP
+        )
         sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
         sub.set_defaults(run=getattr(module, function))
     return parser
@@ -148,7 +169,10 @@ def _urls(args: argparse.Namespace) -> list[str]:
 
 def _check_storage_options(args: argparse.Namespace) -> None:
     """Parse the ``--storage-options`` JSON given, before the subcommand does anything (UsageError)."""
-    for name, flag in (("storage_options", "--storage-options"), ("dst_storage_options", "--dst-storage-options")):
+    for name, flag in (
+        ("storage_options", "--storage-options"),
+        ("dst_storage_options", "--dst-storage-options"),
+    ):
         _cli.storage_options(getattr(args, name, None), flag)
 
 
@@ -160,9 +184,11 @@ def _run(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - every error is reported, by type (see _cli.failure_for)
         urls = _urls(args)
         failure = _cli.failure_for(
-            e, urls, storage_options_given=_storage_options_given(args),
+            e,
+            urls,
+            storage_options_given=_storage_options_given(args),
             options_advice=_cli.source_only_options(args, urls),
-        )  # fmt: skip
+        )
         _cli.report_failure(args.command, failure, e, as_json=args.json, debug=args.debug or args.verbose)
         return failure.exit_code
 
@@ -191,7 +217,9 @@ def _report_bad_command_line(error: _BadCommandLine, *, as_json: bool) -> NoRetu
     """Say what is wrong with the command line as argparse would (usage, then the error), or as
     a JSON object with ``--json``; exit 2."""
     if as_json:
-        _cli.print_json(_cli.Failure("usage", _cli.EXIT_USAGE, f"{error.parser.prog}: {error.message}", None).to_dict())
+        _cli.print_json(
+            _cli.Failure("usage", _cli.EXIT_USAGE, f"{error.parser.prog}: {error.message}", None).to_dict()
+        )
     else:
         error.parser.print_usage(sys.stderr)
         print(f"{error.parser.prog}: error: {error.message}", file=sys.stderr)

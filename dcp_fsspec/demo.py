@@ -60,7 +60,9 @@ class Trainer:
 
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.model = nn.Sequential(
+            nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+        )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=3e-3, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optim, step_size=100, gamma=0.5)
         self.teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(seed + 1))
@@ -146,7 +148,9 @@ def _resume_in_fresh_process(cfg: DemoConfig) -> Run:
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith(_RESULT_PREFIX)]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the resumed process failed (exit code {done.returncode}); its output:\n{done.stdout}")
+        raise RuntimeError(
+            f"the resumed process failed (exit code {done.returncode}); its output:\n{done.stdout}"
+        )
     doc = json.loads(lines[-1][len(_RESULT_PREFIX) :])
     saves = [(int(i), float(s), int(b)) for i, s, b in doc["saves"]]
     return Run(float.fromhex(doc["last_loss"]), doc["resumed_from"], doc["load_seconds"], saves)
@@ -157,17 +161,22 @@ def _size(cfg: DemoConfig, iteration: int) -> int:
     root = resolve(cfg.url, cfg.storage_options)
     folder = root.join(layout.format_iteration(iteration))
     sizes = root.fs.du(folder, total=False).items()
-    return sum(int(size) for path, size in sizes if not path[len(folder):].strip("/").startswith("."))
+    return sum(int(size) for path, size in sizes if not path[len(folder) :].strip("/").startswith("."))
 
 
 def _table(first: Run, second: Run, kept: Sequence[int]) -> str:
     rows = [("iteration", "saved by", "size", "save", "kept")]
     for who, run in (("first process", first), ("fresh process", second)):
         for iteration, seconds, size in run.saves:
-            rows.append((
-                layout.format_iteration(iteration), who, f"{size / 1024:.1f} KiB", f"{seconds * 1000:.0f} ms",
-                "yes" if iteration in kept else "deleted",
-            ))  # fmt: skip
+            rows.append(
+                (
+                    layout.format_iteration(iteration),
+                    who,
+                    f"{size / 1024:.1f} KiB",
+                    f"{seconds * 1000:.0f} ms",
+                    "yes" if iteration in kept else "deleted",
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
@@ -186,20 +195,25 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> bool:
     out(f"checkpoints: {cfg.url}   keys: {', '.join(keys)}   every {cfg.every} of {cfg.steps} steps")
     start = time.perf_counter()
     reference, reference_run = train_uninterrupted(cfg)
-    out(f"uninterrupted run: {cfg.steps} steps, final loss {reference_run.last_loss:.6f} ({time.perf_counter() - start:.1f} s)")
+    out(
+        f"uninterrupted run: {cfg.steps} steps, final loss {reference_run.last_loss:.6f} ({time.perf_counter() - start:.1f} s)"
+    )
 
     first = train_with_checkpoints(cfg, cfg.stop_at, new_run=True)
     out(f"first process: stopped at step {cfg.stop_at} after {len(first.saves)} checkpoints")
     second = _resume_in_fresh_process(cfg)
-    out(f"fresh process: resumed from iteration {second.resumed_from} in {second.load_seconds * 1000:.0f} ms, "
-        f"trained to step {cfg.steps}, final loss {second.last_loss:.6f}")  # fmt: skip
+    out(
+        f"fresh process: resumed from iteration {second.resumed_from} in {second.load_seconds * 1000:.0f} ms, "
+        f"trained to step {cfg.steps}, final loss {second.last_loss:.6f}"
+    )
 
     final = Trainer(cfg.seed + 1)  # different initial weights: everything must come from storage
     with Checkpointer(cfg.url, cfg.storage_options) as ckpt:
         iteration = ckpt.load(model=final.model)
         kept = ckpt.committed_iterations()
     same_weights = iteration == cfg.steps and all(
-        torch.equal(a, b) for a, b in zip(reference.model.state_dict().values(), final.model.state_dict().values())
+        torch.equal(a, b)
+        for a, b in zip(reference.model.state_dict().values(), final.model.state_dict().values())
     )
     same_loss = second.last_loss.hex() == reference_run.last_loss.hex()
     out("")
@@ -209,7 +223,9 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> bool:
     out("not of its bytes. `make bench` measures throughput, on a 1 GiB checkpoint.")
     out("")
     if same_weights and same_loss:
-        out(f"resumed training is bit-identical to the uninterrupted run (weights at step {cfg.steps} and final loss)")
+        out(
+            f"resumed training is bit-identical to the uninterrupted run (weights at step {cfg.steps} and final loss)"
+        )
         return True
     out(f"MISMATCH: weights identical: {same_weights}, final loss identical: {same_loss}")
     return False
@@ -217,13 +233,23 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], None] = print) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``demo`` subcommand's options."""
-    parser.add_argument("--url", help="checkpoint to this URL instead of an embedded S3 server (must hold no checkpoint)")
-    parser.add_argument("--storage-options", default="{}", metavar="JSON", help="fsspec options for --url, as a JSON object")
+    parser.add_argument(
+        "--url", help="checkpoint to this URL instead of an embedded S3 server (must hold no checkpoint)"
+    )
+    parser.add_argument(
+        "--storage-options", default="{}", metavar="JSON", help="fsspec options for --url, as a JSON object"
+    )
     parser.add_argument("--steps", type=int, default=300, help="training steps in all (default: 300)")
-    parser.add_argument("--every", type=int, default=50, help="checkpoint every this many steps (default: 50)")
-    parser.add_argument("--stop-at", type=int, default=170, help="the first process stops after this step (default: 170)")
+    parser.add_argument(
+        "--every", type=int, default=50, help="checkpoint every this many steps (default: 50)"
+    )
+    parser.add_argument(
+        "--stop-at", type=int, default=170, help="the first process stops after this step (default: 170)"
+    )
     parser.add_argument("--keep-last-n", type=int, default=3, help="checkpoints to keep (default: 3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the data and the teacher (default: 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the model, the data and the teacher (default: 0)"
+    )
     parser.add_argument("--resume-worker", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -239,9 +265,13 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--storage-options must be a JSON object, got {args.storage_options!r}")
     if not 0 < args.stop_at < args.steps or args.every < 1:
         raise SystemExit("need 0 < --stop-at < --steps and --every >= 1")
-    cfg = DemoConfig(args.url or "", options, args.steps, args.every, args.stop_at, args.keep_last_n, args.seed)
+    cfg = DemoConfig(
+        args.url or "", options, args.steps, args.every, args.stop_at, args.keep_last_n, args.seed
+    )
     if cfg.url and not resolve(cfg.url, cfg.storage_options).backend.shared_across_processes:
-        raise SystemExit(f"--url {cfg.url}: that store lives in one process, and the demo resumes in a fresh one")
+        raise SystemExit(
+            f"--url {cfg.url}: that store lives in one process, and the demo resumes in a fresh one"
+        )
     if cfg.url:
         with Checkpointer(cfg.url, cfg.storage_options) as probe:
             if probe.latest_checkpoint() is not None:

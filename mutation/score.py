@@ -19,7 +19,9 @@ EQUIVALENT = Path(__file__).with_name("EQUIVALENT.md")
 def main() -> int:
     listing = subprocess.run(
         [str(Path(sys.executable).with_name("mutmut")), "results", "--all", "true"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     status = dict(line.strip().rsplit(": ", 1) for line in listing.splitlines() if ": " in line)
     equivalent = set(re.findall(r"`(dcp_fsspec\.[^`]+__mutmut_\d+)`", EQUIVALENT.read_text()))
@@ -38,7 +40,10 @@ def _report(title: str, status: dict[str, str], equivalent: set[str]) -> None:
     counts = Counter(v for name, v in status.items() if name not in equivalent and v != "not checked")
     total, killed = sum(counts.values()), counts["killed"]
     parts = [f"{k}: {v}" for k, v in sorted(counts.items())]
-    parts += [f"equivalent: {len(equivalent & set(status))}", f"not run: {sum(v == 'not checked' for v in status.values())}"]
+    parts += [
+        f"equivalent: {len(equivalent & set(status))}",
+        f"not run: {sum(v == 'not checked' for v in status.values())}",
+    ]
     print(f"{title}: {killed}/{total} = {100 * killed / max(total, 1):.1f}% killed ({', '.join(parts)})")
 
 

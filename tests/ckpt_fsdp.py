@@ -17,13 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dcp_fsspec import Checkpointer
-
-from .ckpt_helpers import assert_equal
+from tests.ckpt_helpers import assert_equal
 
 
 @dataclass
@@ -46,7 +49,9 @@ class Phase:
 class FsdpTraining:
     def __init__(self, mesh: Any, seed: int) -> None:
         torch.manual_seed(seed)
-        self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.model = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+        )
         for layer in self.model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -59,7 +64,12 @@ class FsdpTraining:
 
     def keys(self) -> dict[str, Any]:
         self.trainer["data_rng"] = self.data.get_state()
-        return {"model": self.model, "optim": self.optim, "scheduler": self.scheduler, "trainer": self.trainer}
+        return {
+            "model": self.model,
+            "optim": self.optim,
+            "scheduler": self.scheduler,
+            "trainer": self.trainer,
+        }
 
     def after_load(self) -> None:
         self.data.set_state(self.trainer["data_rng"])
@@ -110,7 +120,9 @@ def run_phase(rank: int, phase: Phase) -> None:
 
 
 def _run_phase(rank: int, phase: Phase) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{phase.init_file}", rank=rank, world_size=phase.world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{phase.init_file}", rank=rank, world_size=phase.world_size
+    )
     try:
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (phase.world_size,))
@@ -125,7 +137,9 @@ def _run_phase(rank: int, phase: Phase) -> None:
         training = FsdpTraining(mesh, phase.seed if phase.expect_resume == 0 else phase.seed + 1)
         with Checkpointer(phase.url, phase.storage_options, async_mode=phase.async_mode) as ckpt:
             resumed = ckpt.load(**training.keys())
-            assert resumed == phase.expect_resume, f"rank {rank} resumed from {resumed}, not {phase.expect_resume}"
+            assert resumed == phase.expect_resume, (
+                f"rank {rank} resumed from {resumed}, not {phase.expect_resume}"
+            )
             training.after_load()
             while training.trainer["step"] < phase.stop_at:
                 training.step()

@@ -28,7 +28,12 @@ class Training:
     def keys(self) -> dict[str, Any]:
         """The keywords for ``Checkpointer.save``/``load``."""
         self.trainer["data_rng"] = self.data.get_state()
-        return {"model": self.model, "optim": self.optim, "scheduler": self.scheduler, "trainer": self.trainer}
+        return {
+            "model": self.model,
+            "optim": self.optim,
+            "scheduler": self.scheduler,
+            "trainer": self.trainer,
+        }
 
     def after_load(self) -> None:
         self.data.set_state(self.trainer["data_rng"])
@@ -49,7 +54,9 @@ class Training:
 def assert_equal(a: Any, b: Any, where: str = "") -> None:
     """``a == b`` exactly, recursing through dicts and lists; tensors compared bitwise."""
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where}: {a} != {b}"
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), (
+            f"{where}: {a} != {b}"
+        )
     elif isinstance(a, dict):
         assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
         for k in a:

@@ -124,7 +124,9 @@ def import_or_skip(module: str, reason: str) -> Any:
         try:
             return importlib.import_module(module)
         except ImportError as e:
-            pytest.fail(f"{reason} ({e}; CI=true: make venv installs every extra the suite uses)", pytrace=False)
+            pytest.fail(
+                f"{reason} ({e}; CI=true: make venv installs every extra the suite uses)", pytrace=False
+            )
     return pytest.importorskip(module, reason=reason)
 
 
@@ -191,7 +193,9 @@ _SLOW_TO_START = {"ceph"}
 
 def _optional_s3_server(name: str) -> Iterator[S3Gateway]:
     if name in _SLOW_TO_START and name not in _opted_in_s3_servers():
-        pytest.skip(f"{name} takes ~20 s to start: set DCP_FSSPEC_TEST_S3_SERVERS={name} to run this test on it")
+        pytest.skip(
+            f"{name} takes ~20 s to start: set DCP_FSSPEC_TEST_S3_SERVERS={name} to run this test on it"
+        )
     try:
         server = OPTIONAL_S3_SERVERS[name]().start()
     except ServerUnavailable as e:
@@ -234,7 +238,9 @@ def _opted_in_s3_servers() -> list[str]:
     names = [n.strip() for n in os.environ.get("DCP_FSSPEC_TEST_S3_SERVERS", "").split(",") if n.strip()]
     unknown = sorted(set(names) - set(OPTIONAL_S3_SERVERS))
     if unknown:
-        raise pytest.UsageError(f"DCP_FSSPEC_TEST_S3_SERVERS names unknown servers {unknown}; known: {sorted(OPTIONAL_S3_SERVERS)}")
+        raise pytest.UsageError(
+            f"DCP_FSSPEC_TEST_S3_SERVERS names unknown servers {unknown}; known: {sorted(OPTIONAL_S3_SERVERS)}"
+        )
     return names
 
 
@@ -275,7 +281,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         used = {_BACKEND_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in _BACKEND_OF_FIXTURE}
         callspec = getattr(item, "callspec", None)
         # A fixture parametrized over backend names (backend, shared_backend, a test's own).
-        used |= {v for v in (callspec.params.values() if callspec else ()) if isinstance(v, str) and v in _ALL_BACKENDS}
+        used |= {
+            v
+            for v in (callspec.params.values() if callspec else ())
+            if isinstance(v, str) and v in _ALL_BACKENDS
+        }
         _backends_of_test[item.nodeid] = used
 
 
@@ -291,7 +301,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for name, by_test in outcomes.items():
         if name not in BACKENDS and not by_test:
             continue  # an optional server nobody asked for
-        counts = {k: sum(1 for v in by_test.values() if v == k) for k in ("passed", "skipped", "failed", "error", "xfailed")}
+        counts = {
+            k: sum(1 for v in by_test.values() if v == k)
+            for k in ("passed", "skipped", "failed", "error", "xfailed")
+        }
         terminalreporter.write_line(
             f"{name:>6}: {len(by_test)} run, {counts['passed']} passed, {counts['skipped']} skipped, "
             f"{counts['failed'] + counts['error']} failed, {counts['xfailed']} xfailed"

@@ -30,4 +30,6 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, store: str, args
 def run_ranks(fn: Callable[..., None], world_size: int, tmp_path: Path, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; raise if any fails."""
     store = tmp_path / f"pg-store-{os.urandom(4).hex()}"
-    mp.start_processes(_entry, args=(fn, world_size, str(store), args), nprocs=world_size, join=True, start_method="spawn")
+    mp.start_processes(
+        _entry, args=(fn, world_size, str(store), args), nprocs=world_size, join=True, start_method="spawn"
+    )

@@ -31,7 +31,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 FAULT_KINDS = ("503", "500", "drop", "cut")
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "expect"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
+}
 _ERRORS = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
@@ -49,7 +58,9 @@ class FaultyProxy:
         kinds: the ways requests fail, drawn uniformly.
     """
 
-    def __init__(self, upstream: str, *, rate: float = 0.0, seed: int = 0, kinds: tuple[str, ...] = FAULT_KINDS) -> None:
+    def __init__(
+        self, upstream: str, *, rate: float = 0.0, seed: int = 0, kinds: tuple[str, ...] = FAULT_KINDS
+    ) -> None:
         target = urlsplit(upstream)
         self._upstream = (target.hostname or "127.0.0.1", target.port or 80)
         self.rate = rate
@@ -191,16 +202,26 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "drop":
             self._drop()
             return
-        status, reason, headers, payload = self.owner._forward(self.command, self.path, list(self.headers.items()), body)
+        status, reason, headers, payload = self.owner._forward(
+            self.command, self.path, list(self.headers.items()), body
+        )
         head_only = self.command == "HEAD"  # keeps the upstream's Content-Length, sends no body
-        out = [(n, v) for n, v in headers if n.lower() not in _HOP_BY_HOP and (head_only or n.lower() != "content-length")]
+        out = [
+            (n, v)
+            for n, v in headers
+            if n.lower() not in _HOP_BY_HOP and (head_only or n.lower() != "content-length")
+        ]
         if not head_only:
             out.append(("Content-Length", str(len(payload))))
-        head = (f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{n}: {v}\r\n" for n, v in out) + "\r\n").encode("latin-1")
+        head = (f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{n}: {v}\r\n" for n, v in out) + "\r\n").encode(
+            "latin-1"
+        )
         response = head + (b"" if head_only else payload)
         if fault == "cut":
             # Applied upstream, but the client sees the connection die mid-response.
-            self.wfile.write(response[: len(head) + len(payload) // 2 if payload and not head_only else len(head) // 2])
+            self.wfile.write(
+                response[: len(head) + len(payload) // 2 if payload and not head_only else len(head) // 2]
+            )
             self._drop()
             return
         self.wfile.write(response)

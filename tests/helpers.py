@@ -66,9 +66,18 @@ def differences_outside_the_serialization_id(ours: bytes, theirs: bytes) -> list
     and its CRC-32 (in the entry's data descriptor and its central directory entry)."""
     name = b"archive/.data/serialization_id"
     local = theirs.find(name)
-    start = local + len(name) + 4 + int.from_bytes(theirs[local + len(name) + 2 : local + len(name) + 4], "little")
+    start = (
+        local
+        + len(name)
+        + 4
+        + int.from_bytes(theirs[local + len(name) + 2 : local + len(name) + 4], "little")
+    )
     central = theirs.rfind(name) - 46
-    allowed = set(range(start, start + 40)) | set(range(start + 44, start + 48)) | set(range(central + 16, central + 20))
+    allowed = (
+        set(range(start, start + 40))
+        | set(range(start + 44, start + 48))
+        | set(range(central + 16, central + 20))
+    )
     assert len(ours) == len(theirs)
     return [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b and i not in allowed]
 

@@ -52,7 +52,9 @@ def sample_state(seed: int = 0) -> dict[str, Any]:
         "name": "run-1",
         "schedule": [0.1, 0.01],
     }
-    state["small"] = {f"t{i}": random_tensor((i + 1,), torch.int64 if i % 3 else torch.float32, gen) for i in range(50)}
+    state["small"] = {
+        f"t{i}": random_tensor((i + 1,), torch.int64 if i % 3 else torch.float32, gen) for i in range(50)
+    }
     return state
 
 

@@ -13,9 +13,27 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dcp_fsspec"
 # Bottom up. A module may import from its own layer and the ones below it, never above.
-LAYERS = {"errors": 0, "storage": 1, "checkpoint": 2, "tools": 3, "integrations": 3, "cli": 4, "demo": 4, "local_s3": 4, "__main__": 4}
+LAYERS = {
+    "errors": 0,
+    "storage": 1,
+    "checkpoint": 2,
+    "tools": 3,
+    "integrations": 3,
+    "cli": 4,
+    "demo": 4,
+    "local_s3": 4,
+    "__main__": 4,
+}
 # Training frameworks: only dcp_fsspec.integrations may import them, and nothing imports it.
-FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan", "torch_checkpointing", "ray")
+FRAMEWORKS = (
+    "lightning",
+    "pytorch_lightning",
+    "transformers",
+    "accelerate",
+    "torchtitan",
+    "torch_checkpointing",
+    "ray",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -80,7 +98,7 @@ def test_no_import_circles() -> None:
             if modules[nxt].name == "__init__.py":
                 continue  # importing a package's public names, not a module cycle
             if state.get(nxt) == 1:
-                circles.append(" → ".join(trail[trail.index(nxt):] + [nxt]))
+                circles.append(" → ".join(trail[trail.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = 2
@@ -103,7 +121,9 @@ def test_backend_type_tests_and_driver_types_live_only_in_storage_backends_and_d
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if backend_specific.search(line) and not line.lstrip().startswith("#")
     ]
-    assert not outside, "backend knowledge outside storage/backends/ and storage/driver_errors.py:\n" + "\n".join(outside)
+    assert not outside, (
+        "backend knowledge outside storage/backends/ and storage/driver_errors.py:\n" + "\n".join(outside)
+    )
 
 
 def test_every_module_imports_first_in_a_fresh_interpreter() -> None:
@@ -145,8 +165,15 @@ def _external_imports(path: Path) -> set[str]:
             out |= {alias.name.partition(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             out.add(node.module.partition(".")[0])
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in ("require", "import_module"):
-            out |= {a.value.partition(".")[0] for a in node.args[:1] if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
+            "require",
+            "import_module",
+        ):
+            out |= {
+                a.value.partition(".")[0]
+                for a in node.args[:1]
+                if isinstance(a, ast.Constant) and isinstance(a.value, str)
+            }
     return out
 
 
@@ -173,7 +200,9 @@ def test_the_public_names_are_one_list_that_the_type_checkers_imports_match() ->
 
     tree = ast.parse((PACKAGE / "__init__.py").read_text())
     guarded = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
-    imported = {alias.asname or alias.name for n in guarded.body if isinstance(n, ast.ImportFrom) for alias in n.names}
+    imported = {
+        alias.asname or alias.name for n in guarded.body if isinstance(n, ast.ImportFrom) for alias in n.names
+    }
     assert imported == set(dcp_fsspec._EXPORTS)
     assert dcp_fsspec.__all__ == sorted([*dcp_fsspec._EXPORTS, "__version__"])
     for name in dcp_fsspec._EXPORTS:  # each resolves, from the module the list names

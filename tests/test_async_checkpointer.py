@@ -18,11 +18,10 @@ import torch.multiprocessing as mp
 
 from dcp_fsspec import BackgroundSaveError, Checkpointer, FsspecStorageReader, StorageError
 from dcp_fsspec.checkpoint.save.staging import Stager
-
-from .async_child import STEP1, STEP2, STOP_AT_ENV
-from .ckpt_fsdp import Phase, run_phase
-from .ckpt_helpers import Training, assert_equal, assert_same_training
-from .conftest import BACKENDS, Backend
+from tests.async_child import STEP1, STEP2, STOP_AT_ENV
+from tests.ckpt_fsdp import Phase, run_phase
+from tests.ckpt_helpers import Training, assert_equal, assert_same_training
+from tests.conftest import BACKENDS, Backend
 
 ASYNC = "async_with_pinned_mem"
 pytestmark = pytest.mark.timeout(240)
@@ -49,7 +48,9 @@ def _wait_until_gone(pid: int, within: float = 30.0) -> bool:
 # The background process reaches a store the way a synchronous save does, which the shared suites
 # check on every backend; on the emulated ones (GCS, Azure, SFTP: ~5 s a test) these two run
 # under `slow` only, and local disk, memory:// and S3 keep them in `make test`.
-@pytest.fixture(params=[pytest.param(b, marks=pytest.mark.slow) if b in ("gcs", "azure", "sftp") else b for b in BACKENDS])
+@pytest.fixture(
+    params=[pytest.param(b, marks=pytest.mark.slow) if b in ("gcs", "azure", "sftp") else b for b in BACKENDS]
+)
 def async_backend(request: pytest.FixtureRequest) -> Backend:
     """Every backend; the emulated ones marked slow."""
     return request.getfixturevalue(f"{request.param}_backend")
@@ -82,7 +83,9 @@ def test_back_to_back_saves_both_land_and_the_pointer_ends_on_the_newest(async_b
         assert ckpt.latest_checkpoint() == "iter_000000003"
     for step in (1, 2, 3):
         target = {"w": torch.zeros(50_000)}
-        reader = FsspecStorageReader(f"{async_backend.url}/iter_{step:09d}/trainer", storage_options=async_backend.storage_options)
+        reader = FsspecStorageReader(
+            f"{async_backend.url}/iter_{step:09d}/trainer", storage_options=async_backend.storage_options
+        )
         dcp.load(target, storage_reader=reader, no_dist=True)
         assert torch.equal(target["w"], torch.full((50_000,), float(step)))
 
@@ -142,16 +145,27 @@ def test_finalize_waits_and_leaves_no_process_behind(local_backend: Backend) -> 
 
 # On S3 (~6.5 s each) under `slow` only: the kill and the cleanup are the same on every store; what
 # S3 adds, aborting the killed save's multipart uploads, is then checked in CI.
-@pytest.mark.parametrize("shared_backend", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize(
+    "shared_backend", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True
+)
 @pytest.mark.parametrize("phase", ["before-commit", "after-commit"])
 def test_a_killed_training_process_leaves_a_whole_checkpoint_and_no_orphan(
     shared_backend: Backend, tmp_path: Path, phase: str
 ) -> None:
     env = {**os.environ, STOP_AT_ENV: f"{phase}:{tmp_path}"}
     child = subprocess.Popen(
-        [sys.executable, "-m", "tests.async_child", shared_backend.url, json.dumps(shared_backend.storage_options)],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1], env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.async_child",
+            shared_backend.url,
+            json.dumps(shared_backend.storage_options),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+    )
     try:
         assert child.stdout is not None
         line = child.stdout.readline()
@@ -165,7 +179,9 @@ def test_a_killed_training_process_leaves_a_whole_checkpoint_and_no_orphan(
         child.kill()
         child.wait()
     killed = time.monotonic()
-    assert _wait_until_gone(background_pid, within=5.0), "the background process outlived its training process"
+    assert _wait_until_gone(background_pid, within=5.0), (
+        "the background process outlived its training process"
+    )
     assert time.monotonic() - killed < 2.0  # it watches its parent every 0.2 s
 
     with Checkpointer(shared_backend.url, shared_backend.storage_options) as ckpt:

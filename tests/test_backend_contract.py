@@ -19,13 +19,18 @@ from dcp_fsspec.storage.backends import Versioned
 from dcp_fsspec.storage.backends.memory import MemoryBackend
 from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload, publish_whole
 from dcp_fsspec.storage.transport.urls import Location, resolve
-
-from .conftest import Backend
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 CORE = {"read_range", "read_versioned", "new_upload", "find", "remove_files", "replace_if_unchanged"}
-FLAGS = {"real_folders", "shared_across_processes", "answers_locally", "conditional_writes", "exclusive_across_processes"}
+FLAGS = {
+    "real_folders",
+    "shared_across_processes",
+    "answers_locally",
+    "conditional_writes",
+    "exclusive_across_processes",
+}
 
 
 def _where(backend: Backend) -> Location:
@@ -204,15 +209,22 @@ def test_remove_trees_deletes_everything_under_each_path_and_nothing_beside(back
     where = _where(backend)
     for name in ("iter_1/m/a", "iter_1/m/b", "iter_1/c", "iter_2/m/a", "iter_10/m/a", "solo"):
         _put(where, name, b"x")
-    where.backend.remove_trees([where.join("iter_1"), where.join("solo"), where.join("absent")], within=where.path)
-    assert sorted(_files(where, where.path)) == [where.join("iter_10", "m", "a"), where.join("iter_2", "m", "a")]
+    where.backend.remove_trees(
+        [where.join("iter_1"), where.join("solo"), where.join("absent")], within=where.path
+    )
+    assert sorted(_files(where, where.path)) == [
+        where.join("iter_10", "m", "a"),
+        where.join("iter_2", "m", "a"),
+    ]
     assert not where.backend.folder_exists(where.join("iter_1"))
 
 
 # -- a backend of only the core, through the whole stack -----------------------------------------
 
 
-def test_a_backend_of_only_the_core_saves_commits_and_loads_through_the_checkpointer(memory_backend: Backend) -> None:
+def test_a_backend_of_only_the_core_saves_commits_and_loads_through_the_checkpointer(
+    memory_backend: Backend,
+) -> None:
     assert isinstance(_where(memory_backend).backend, MemoryBackend)
     state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 3)}
     with Checkpointer(memory_backend.url, memory_backend.storage_options, keep_last_n=2) as ckpt:

@@ -22,12 +22,11 @@ import torch
 from torch import nn
 
 from dcp_fsspec import (
-    CheckpointMismatchError,
     Checkpointer,
+    CheckpointMismatchError,
     CorruptCheckpointError,
     DcpFsspecError,
     FsspecStorageReader,
-    FsspecStorageWriter,
     InvalidURLError,
     MissingDriverError,
     ResumeOptions,
@@ -51,7 +50,13 @@ MORE_DTYPES = [
     torch.uint64,
     torch.complex32,
 ]
-OBJECT_STORES = ("s3", "gcs", "azure", "seaweedfs", "ceph")  # no folders: a key and a "folder" of the same name coexist
+OBJECT_STORES = (
+    "s3",
+    "gcs",
+    "azure",
+    "seaweedfs",
+    "ceph",
+)  # no folders: a key and a "folder" of the same name coexist
 
 
 def _fs_path(backend: Backend, *names: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -67,7 +72,9 @@ def _fs_path(backend: Backend, *names: str) -> tuple[fsspec.AbstractFileSystem, 
 def test_the_checkpointer_refuses_an_unknown_scheme_naming_the_url(where: str) -> None:
     url = "nosuchscheme://bucket/run"
     with pytest.raises(InvalidURLError, match=url):
-        Checkpointer(url) if where == "save_dirname" else Checkpointer("memory://run", resume=ResumeOptions(load_path=url))
+        Checkpointer(url) if where == "save_dirname" else Checkpointer(
+            "memory://run", resume=ResumeOptions(load_path=url)
+        )
 
 
 def test_the_checkpointer_names_the_package_of_a_missing_driver(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,7 +118,9 @@ def test_a_file_where_the_save_folder_should_be_is_an_error_naming_it(backend: B
     assert url in str(raised.value)
 
 
-def test_the_checkpointer_resolves_relative_and_home_paths_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_checkpointer_resolves_relative_and_home_paths_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     monkeypatch.chdir(tmp_path / "a")
@@ -146,16 +155,22 @@ def _model(layers: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     return nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(dtype)
 
 
-def test_a_model_with_parameters_the_checkpoint_lacks_is_a_mismatch_naming_them_and_the_url(memory_backend: Backend) -> None:
+def test_a_model_with_parameters_the_checkpoint_lacks_is_a_mismatch_naming_them_and_the_url(
+    memory_backend: Backend,
+) -> None:
     with Checkpointer(memory_backend.url) as ckpt:
         ckpt.save(1, model=_model(2))
     with Checkpointer(memory_backend.url) as ckpt, pytest.raises(CheckpointMismatchError) as info:
         ckpt.load(model=_model(3))
     message = str(info.value)
-    assert memory_backend.sub("iter_000000001", "model") in message and ("2.weight" in message or "2.bias" in message)
+    assert memory_backend.sub("iter_000000001", "model") in message and (
+        "2.weight" in message or "2.bias" in message
+    )
 
 
-def test_a_model_with_fewer_parameters_than_the_checkpoint_loads_those_it_has(memory_backend: Backend) -> None:
+def test_a_model_with_fewer_parameters_than_the_checkpoint_loads_those_it_has(
+    memory_backend: Backend,
+) -> None:
     # DCP loads what the state dict asks for: a checkpoint may hold more (e.g. a head dropped).
     saved = _model(3)
     with Checkpointer(memory_backend.url) as ckpt:
@@ -163,7 +178,9 @@ def test_a_model_with_fewer_parameters_than_the_checkpoint_loads_those_it_has(me
     smaller = _model(2)
     with Checkpointer(memory_backend.url) as ckpt:
         assert ckpt.load(model=smaller) == 1
-    assert_state_equal(smaller.state_dict(), {k: v for k, v in saved.state_dict().items() if not k.startswith("2.")})
+    assert_state_equal(
+        smaller.state_dict(), {k: v for k, v in saved.state_dict().items() if not k.startswith("2.")}
+    )
 
 
 def test_a_model_in_another_dtype_loads_converted_as_torch_converts(memory_backend: Backend) -> None:
@@ -211,7 +228,9 @@ def test_unusual_values_and_tensor_layouts_round_trip_bit_exact(backend: Backend
     save(state, backend)
     loaded = load(empty_like_state(state) | {"none": 0, "bytes": b"", "tuple": (), "nan": 0.0}, backend)
     assert loaded["nan"] != loaded["nan"]  # NaN, compared apart
-    assert_state_equal({k: v for k, v in loaded.items() if k != "nan"}, {k: v for k, v in state.items() if k != "nan"})
+    assert_state_equal(
+        {k: v for k, v in loaded.items() if k != "nan"}, {k: v for k, v in state.items() if k != "nan"}
+    )
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
@@ -242,7 +261,9 @@ def _available_memory() -> int:
 
 # ~10 s and 4 GiB of memory: CI only (`make test SLOW=1`); nothing faster crosses 2**31.
 @pytest.mark.slow
-@pytest.mark.skipif(_available_memory() < 8 * GiB, reason="needs 8 GiB free: two 2 GiB tensors and the page cache")
+@pytest.mark.skipif(
+    _available_memory() < 8 * GiB, reason="needs 8 GiB free: two 2 GiB tensors and the page cache"
+)
 def test_a_tensor_over_2_gib_round_trips_bit_exact(local_backend: Backend) -> None:
     n = 2 * GiB + 3  # past every 31-bit offset and length
     block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))

@@ -18,22 +18,22 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from dcp_fsspec import (
+    Checkpointer,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
-    Checkpointer,
     CorruptCheckpointError,
     FsspecStorageWriter,
     ResumeOptions,
 )
-from dcp_fsspec.checkpoint.commit import deletion, layout, run_listing as listing, retention
+from dcp_fsspec.checkpoint.commit import deletion, layout, retention
+from dcp_fsspec.checkpoint.commit import run_listing as listing
 from dcp_fsspec.checkpoint.save.pipeline import SavePipeline
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME
 from dcp_fsspec.storage.transport.urls import resolve
-
-from .conftest import Backend
-from .ckpt_helpers import Training, assert_equal, assert_same_training
-from .helpers import flip_a_byte_of_each_data_file_once_written
+from tests.ckpt_helpers import Training, assert_equal, assert_same_training
+from tests.conftest import Backend
+from tests.helpers import flip_a_byte_of_each_data_file_once_written
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -159,7 +159,9 @@ def test_any_stateful_round_trips(memory_backend: Backend) -> None:
 # -- resume rules -------------------------------------------------------------------------------
 
 
-def test_load_without_checkpoint_or_load_path_starts_from_scratch(backend: Backend, caplog: pytest.LogCaptureFixture) -> None:
+def test_load_without_checkpoint_or_load_path_starts_from_scratch(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
     training = Training()
     before = {k: v.clone() for k, v in training.model.state_dict().items()}
     with caplog.at_level(logging.INFO, logger="dcp_fsspec"), _ckpt(backend) as ckpt:
@@ -172,7 +174,11 @@ def test_load_without_checkpoint_or_load_path_starts_from_scratch(backend: Backe
 def test_load_path_loads_only_the_model_and_returns_zero(backend: Backend) -> None:
     source = _save_trained(backend, [4])
     target = Training(seed=3)
-    with Checkpointer(backend.sub("new_run"), backend.storage_options, resume=ResumeOptions(load_path=backend.sub("iter_000000004"))) as ckpt:
+    with Checkpointer(
+        backend.sub("new_run"),
+        backend.storage_options,
+        resume=ResumeOptions(load_path=backend.sub("iter_000000004")),
+    ) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
     assert target.optim.state_dict()["state"] == {}
@@ -183,7 +189,9 @@ def test_load_path_with_training_state_loads_every_key_and_returns_its_iteration
     source = _save_trained(backend, [4])
     target = Training(seed=3)
     with Checkpointer(
-        backend.sub("new_run"), backend.storage_options, resume=ResumeOptions(load_path=backend.sub("iter_000000004"), load_training_state=True)
+        backend.sub("new_run"),
+        backend.storage_options,
+        resume=ResumeOptions(load_path=backend.sub("iter_000000004"), load_training_state=True),
     ) as ckpt:
         assert ckpt.load(**target.keys()) == 4
     target.after_load()
@@ -193,7 +201,10 @@ def test_load_path_with_training_state_loads_every_key_and_returns_its_iteration
 def test_load_path_may_be_another_runs_save_dirname(memory_backend: Backend) -> None:
     source = _save_trained(memory_backend, [2, 4])
     target = Training(seed=3)
-    with Checkpointer(memory_backend.sub("new_run"), resume=ResumeOptions(load_path=memory_backend.url, load_training_state=True)) as ckpt:
+    with Checkpointer(
+        memory_backend.sub("new_run"),
+        resume=ResumeOptions(load_path=memory_backend.url, load_training_state=True),
+    ) as ckpt:
         assert ckpt.load(**target.keys()) == 4
     target.after_load()
     assert_same_training(target, source)
@@ -202,9 +213,14 @@ def test_load_path_may_be_another_runs_save_dirname(memory_backend: Backend) -> 
 def test_load_path_may_be_a_single_dcp_checkpoint_of_the_model(backend: Backend) -> None:
     source = Training(seed=5)
     url = backend.sub("weights")
-    dcp.save(source.model.state_dict(), storage_writer=FsspecStorageWriter(url, storage_options=backend.storage_options))
+    dcp.save(
+        source.model.state_dict(),
+        storage_writer=FsspecStorageWriter(url, storage_options=backend.storage_options),
+    )
     target = Training()
-    with Checkpointer(backend.sub("run"), backend.storage_options, resume=ResumeOptions(load_path=url)) as ckpt:
+    with Checkpointer(
+        backend.sub("run"), backend.storage_options, resume=ResumeOptions(load_path=url)
+    ) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
 
@@ -215,19 +231,23 @@ def test_load_path_may_be_a_single_dcp_checkpoint_with_the_model_under_model(bac
     writer = FsspecStorageWriter(url, storage_options=backend.storage_options)
     dcp.save({"model": source.model.state_dict()}, storage_writer=writer)  # the original trainer's RL layout
     target = Training()
-    with Checkpointer(backend.sub("run"), backend.storage_options, resume=ResumeOptions(load_path=url)) as ckpt:
+    with Checkpointer(
+        backend.sub("run"), backend.storage_options, resume=ResumeOptions(load_path=url)
+    ) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
 
 
-def test_only_load_scheduler_state_loads_the_model_and_the_scheduler_and_returns_zero(backend: Backend) -> None:
+def test_only_load_scheduler_state_loads_the_model_and_the_scheduler_and_returns_zero(
+    backend: Backend,
+) -> None:
     source = _save_trained(backend, [4])
     target = Training(seed=3)
     with Checkpointer(
         backend.sub("new_run"),
         backend.storage_options,
         resume=ResumeOptions(load_path=backend.sub("iter_000000004"), only_load_scheduler_state=True),
-        ) as ckpt:
+    ) as ckpt:
         assert ckpt.load(**target.keys()) == 0
     assert_equal(target.model.state_dict(), source.model.state_dict())
     assert_equal(target.scheduler.state_dict(), source.scheduler.state_dict())
@@ -236,23 +256,35 @@ def test_only_load_scheduler_state_loads_the_model_and_the_scheduler_and_returns
     assert target.trainer["step"] == 0 and target.trainer["note"] == "seed 3"
 
 
-def test_only_load_scheduler_state_with_load_training_state_is_a_value_error_naming_both(memory_backend: Backend) -> None:
+def test_only_load_scheduler_state_with_load_training_state_is_a_value_error_naming_both(
+    memory_backend: Backend,
+) -> None:
     with pytest.raises(ValueError) as info:
-        _ckpt(memory_backend, resume=ResumeOptions(load_path=memory_backend.sub("old"), load_training_state=True, only_load_scheduler_state=True))
+        _ckpt(
+            memory_backend,
+            resume=ResumeOptions(
+                load_path=memory_backend.sub("old"), load_training_state=True, only_load_scheduler_state=True
+            ),
+        )
     assert "only_load_scheduler_state" in str(info.value) and "load_training_state" in str(info.value)
     assert memory_backend.sub("old") in str(info.value)
 
 
 def test_load_path_without_any_checkpoint_is_an_error_naming_it(memory_backend: Backend) -> None:
     url = memory_backend.sub("nothing_here")
-    with pytest.raises(CheckpointNotFoundError) as info, Checkpointer(memory_backend.sub("run"), resume=ResumeOptions(load_path=url)) as ckpt:
+    with (
+        pytest.raises(CheckpointNotFoundError) as info,
+        Checkpointer(memory_backend.sub("run"), resume=ResumeOptions(load_path=url)) as ckpt,
+    ):
         ckpt.load(**Training().keys())
     assert url in str(info.value)
 
 
 def test_pointer_under_save_dirname_wins_over_load_path(memory_backend: Backend) -> None:
     _save_trained(memory_backend, [2])
-    run = Checkpointer(memory_backend.sub("run"), resume=ResumeOptions(load_path=memory_backend.sub("iter_000000002")))
+    run = Checkpointer(
+        memory_backend.sub("run"), resume=ResumeOptions(load_path=memory_backend.sub("iter_000000002"))
+    )
     later = Training(seed=9)
     later.run(7)
     run.save(7, **later.keys())
@@ -275,7 +307,10 @@ def test_missing_key_without_strict_resume_is_skipped_and_logged(
 ) -> None:
     source = _save_trained(memory_backend, [3])
     target, ema = Training(seed=2), {"decay": torch.zeros(1)}
-    with caplog.at_level(logging.INFO, logger="dcp_fsspec"), _ckpt(memory_backend, resume=ResumeOptions(strict=False)) as ckpt:
+    with (
+        caplog.at_level(logging.INFO, logger="dcp_fsspec"),
+        _ckpt(memory_backend, resume=ResumeOptions(strict=False)) as ckpt,
+    ):
         assert ckpt.load(**target.keys(), ema=ema) == 3
     target.after_load()
     assert_same_training(target, source)
@@ -316,7 +351,10 @@ def test_keys_not_to_resume_are_left_untouched(memory_backend: Backend) -> None:
 
 def test_keys_not_to_resume_naming_an_unknown_key_is_a_value_error(memory_backend: Backend) -> None:
     _save_trained(memory_backend, [3])
-    with _ckpt(memory_backend, resume=ResumeOptions(keys_not_to_resume=["optimizer"])) as ckpt, pytest.raises(ValueError) as info:
+    with (
+        _ckpt(memory_backend, resume=ResumeOptions(keys_not_to_resume=["optimizer"])) as ckpt,
+        pytest.raises(ValueError) as info,
+    ):
         ckpt.load(**Training().keys())
     assert "'optimizer'" in str(info.value) and memory_backend.url in str(info.value)
 
@@ -334,7 +372,9 @@ def test_load_optimizer_false_leaves_the_optimizer_untouched(memory_backend: Bac
 # -- commit and pointer rules -------------------------------------------------------------------
 
 
-def test_saving_a_committed_iteration_raises_checkpoint_exists_error_naming_the_folder(backend: Backend) -> None:
+def test_saving_a_committed_iteration_raises_checkpoint_exists_error_naming_the_folder(
+    backend: Backend,
+) -> None:
     training = _save_trained(backend, [3])
     with _ckpt(backend) as ckpt, pytest.raises(CheckpointExistsError) as info:
         ckpt.save(3, **training.keys())
@@ -372,7 +412,9 @@ def test_leftovers_of_an_uncommitted_iteration_are_cleared_and_rewritten(backend
     assert_same_training(target, training)
 
 
-def test_iteration_whose_keys_all_finished_is_not_committed_without_its_commit_record(memory_backend: Backend) -> None:
+def test_iteration_whose_keys_all_finished_is_not_committed_without_its_commit_record(
+    memory_backend: Backend,
+) -> None:
     _save_trained(memory_backend, [2, 4])
     fs, folder = _fs_path(memory_backend, "iter_000000004")
     fs.rm_file(posixpath.join(folder, COMMIT_RECORD_NAME))  # a crash just before committing
@@ -386,15 +428,21 @@ def test_pointer_never_moves_backwards(memory_backend: Backend) -> None:
     training = _save_trained(memory_backend, [10])
     with _ckpt(memory_backend) as ckpt, pytest.raises(CheckpointExistsError) as info:
         ckpt.save(5, **training.keys())
-    assert memory_backend.sub("latest_checkpoint.txt") in str(info.value) and "iter_000000010" in str(info.value)
+    assert memory_backend.sub("latest_checkpoint.txt") in str(info.value) and "iter_000000010" in str(
+        info.value
+    )
     with _ckpt(memory_backend, overwrite=True) as ckpt:
         ckpt.save(5, **training.keys())
         assert ckpt.committed_iterations() == [5, 10]
         assert ckpt.latest_checkpoint() == "iter_000000010"
 
 
-@pytest.mark.parametrize("damage", ["delete the folder", "delete a key's .metadata", "delete the commit record"])
-def test_pointer_naming_a_missing_or_uncommitted_folder_is_an_error_naming_both(backend: Backend, damage: str) -> None:
+@pytest.mark.parametrize(
+    "damage", ["delete the folder", "delete a key's .metadata", "delete the commit record"]
+)
+def test_pointer_naming_a_missing_or_uncommitted_folder_is_an_error_naming_both(
+    backend: Backend, damage: str
+) -> None:
     """Guarantee row: 'the pointer names only committed iterations and never moves back' (local, memory, S3, GCS, Azure, SFTP)"""
     _save_trained(backend, [2, 4])
     fs, folder = _fs_path(backend, "iter_000000004")
@@ -419,8 +467,12 @@ def test_pointer_with_trailing_whitespace_is_accepted(memory_backend: Backend) -
         assert ckpt.load(**Training().keys()) == 4
 
 
-@pytest.mark.parametrize("content", [b"", b" \n", b"garbage", b"iter_4", b"iter_000000004/model", b"\xff\xfe"])
-def test_empty_or_garbage_pointer_is_an_error_naming_the_pointer_url(backend: Backend, content: bytes) -> None:
+@pytest.mark.parametrize(
+    "content", [b"", b" \n", b"garbage", b"iter_4", b"iter_000000004/model", b"\xff\xfe"]
+)
+def test_empty_or_garbage_pointer_is_an_error_naming_the_pointer_url(
+    backend: Backend, content: bytes
+) -> None:
     fs, path = _fs_path(backend, "latest_checkpoint.txt")
     fs.makedirs(posixpath.dirname(path), exist_ok=True)
     fs.pipe_file(path, content)
@@ -432,7 +484,9 @@ def test_empty_or_garbage_pointer_is_an_error_naming_the_pointer_url(backend: Ba
             ckpt.latest_checkpoint()
 
 
-def test_pointer_is_renamed_into_place_on_local_disk(local_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pointer_is_renamed_into_place_on_local_disk(
+    local_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Guarantee row: 'the pointer latest_checkpoint.txt is replaced atomically' (local)"""
     renames: list[tuple[str, str]] = []
     real_replace = os.replace
@@ -457,8 +511,10 @@ def test_keep_last_n_keeps_the_newest_committed_iterations(backend: Backend) -> 
     _save_trained(backend, [1, 2, 3, 4], keep_last_n=2)
     fs, root = _fs_path(backend)
     assert sorted(posixpath.basename(p) for p in fs.ls(root, detail=False)) == [
-        "iter_000000003", "iter_000000004", "latest_checkpoint.txt",
-    ]  # fmt: skip
+        "iter_000000003",
+        "iter_000000004",
+        "latest_checkpoint.txt",
+    ]
 
 
 def test_retention_plan_keeps_the_pointer_target_and_iterations_being_written() -> None:
@@ -669,7 +725,11 @@ def test_iteration_names_round_trip_through_the_one_regex() -> None:
 
 
 def test_rank_folder_names_round_trip_and_a_listed_name_is_bounded() -> None:
-    assert [layout.parse_rank_folder(layout.rank_folder_name(r)) for r in (0, 7, 123_456_789)] == [0, 7, 123_456_789]
+    assert [layout.parse_rank_folder(layout.rank_folder_name(r)) for r in (0, 7, 123_456_789)] == [
+        0,
+        7,
+        123_456_789,
+    ]
     # Names from a listing that are not ours: leading zeros, signs, other scripts' digits, and
     # a name whose digits int() would refuse (over 4300) or take long to read.
     bad = ("rank", "rank01", "rank-1", "rank+1", "rank\u0663", "xrank1", "rank1x", "rank" + "9" * 5000)
@@ -697,7 +757,8 @@ def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
     state = {"w": torch.randn(1000), "step": 3}
     with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint"):
         with Checkpointer(
-            backend.url, backend.storage_options,
+            backend.url,
+            backend.storage_options,
             on_event=events.append,
         ) as ckpt:
             ckpt.save(3, trainer=state)
@@ -706,7 +767,11 @@ def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
     assert all(e.nbytes == 4000 and e.iteration == 3 and e.keys == ("trainer",) for e in events)
     assert events[1].seconds > 0 and events[1].gbps > 0 and events[1].url.endswith("iter_000000003")
     # The records written: the tensor's bytes and its header, and the pickled step.
-    assert events[1].written_bytes is not None and events[1].written_bytes > 4000 and events[1].referenced_bytes == 0
+    assert (
+        events[1].written_bytes is not None
+        and events[1].written_bytes > 4000
+        and events[1].referenced_bytes == 0
+    )
     assert events[0].written_bytes is None and events[2].written_bytes is None
     lines = [r.getMessage() for r in caplog.records if r.name == "dcp_fsspec.checkpoint"]
     # 4000 bytes in units that show them, never "0.0 MiB ... 0.000 GB/s".
@@ -717,8 +782,11 @@ def test_callbacks_and_one_log_line_report_bytes_and_time_of_each_save_and_load(
 
 def test_an_asynchronous_save_reports_its_end_once_it_is_committed(local_backend: Backend) -> None:
     ends: list[Any] = []
-    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem",
-                      on_event=lambda e: ends.append(e) if e.kind == "save_end" else None) as ckpt:
+    with Checkpointer(
+        local_backend.url,
+        async_mode="async_with_pinned_mem",
+        on_event=lambda e: ends.append(e) if e.kind == "save_end" else None,
+    ) as ckpt:
         ckpt.save(1, trainer={"w": torch.randn(256)})
         ckpt.wait()
         assert [e.iteration for e in ends] == [1] and ends[0].nbytes == 1024

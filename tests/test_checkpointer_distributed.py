@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from .ckpt_fsdp import Phase, assert_same_full_state, run_phase
-from .conftest import Backend
+from tests.ckpt_fsdp import Phase, assert_same_full_state, run_phase
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,11 +42,15 @@ def _reference(tmp_path: Path, name: str) -> dict[str, Any]:
 def test_two_rank_fsdp2_training_resumed_in_fresh_processes_matches_uninterrupted_training(
     shared_backend: Backend, tmp_path: Path
 ) -> None:
-    first = _run(shared_backend, tmp_path, "first", 2, expect_resume=0, stop_at=5, save_every=2, reference_steps=8)
+    first = _run(
+        shared_backend, tmp_path, "first", 2, expect_resume=0, stop_at=5, save_every=2, reference_steps=8
+    )
     assert first["latest"] == "iter_000000004"  # step 5 is lost with the "crash"
     fs, root = fsspec.core.url_to_fs(shared_backend.url, **shared_backend.storage_options)
     fs.invalidate_cache()
-    shards = {posixpath.basename(p) for p in fs.ls(posixpath.join(root, "iter_000000004", "model"), detail=False)}
+    shards = {
+        posixpath.basename(p) for p in fs.ls(posixpath.join(root, "iter_000000004", "model"), detail=False)
+    }
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= shards  # each rank wrote its own shard
 
     resumed = _run(shared_backend, tmp_path, "resumed", 2, expect_resume=4, stop_at=8, save_every=2)

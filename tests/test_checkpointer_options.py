@@ -37,4 +37,6 @@ def test_an_option_the_integration_decides_is_refused_naming_the_owner_and_what_
 
 
 def test_an_option_left_at_its_default_is_not_refused() -> None:
-    CheckpointerOptions(verify_before_commit=True).require_default("Integration", {"async_mode": "save in order"})
+    CheckpointerOptions(verify_before_commit=True).require_default(
+        "Integration", {"async_mode": "save in order"}
+    )

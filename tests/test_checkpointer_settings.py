@@ -28,10 +28,12 @@ from dcp_fsspec import (
 )
 from dcp_fsspec.checkpoint.commit import pointer
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
+from tests.conftest import Backend
 
-from .conftest import Backend
-
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(240),
+]
 
 ELEMENTS = 4096
 
@@ -44,7 +46,10 @@ def _state(value: float) -> dict[str, Any]:
     ("constructor", "own"),
     [
         (FsspecStorageWriter, ["path", "storage_options", "settings", "retry", "incremental", "base"]),
-        (FsspecStorageReader, ["path", "storage_options", "settings", "retry", "process_group", "references"]),
+        (
+            FsspecStorageReader,
+            ["path", "storage_options", "settings", "retry", "process_group", "references"],
+        ),
     ],
 )
 def test_the_storage_classes_take_a_url_its_options_one_settings_value_and_torchs_keywords(
@@ -53,12 +58,17 @@ def test_the_storage_classes_take_a_url_its_options_one_settings_value_and_torch
     parameters = inspect.signature(constructor).parameters
     public = [name for name, p in parameters.items() if not name.startswith("_") and p.kind != p.VAR_KEYWORD]
     assert public == own
-    assert list(parameters.values())[-1].kind == inspect.Parameter.VAR_KEYWORD  # torch's, then storage options
+    assert (
+        list(parameters.values())[-1].kind == inspect.Parameter.VAR_KEYWORD
+    )  # torch's, then storage options
 
 
 @pytest.mark.parametrize(
     ("constructor", "field", "settings"),
-    [(FsspecStorageWriter, "part_size", "WriterSettings"), (FsspecStorageReader, "window_bytes", "ReaderSettings")],
+    [
+        (FsspecStorageWriter, "part_size", "WriterSettings"),
+        (FsspecStorageReader, "window_bytes", "ReaderSettings"),
+    ],
 )
 def test_a_setting_given_as_a_keyword_is_refused_naming_where_it_goes(
     memory_backend: Backend, constructor: type, field: str, settings: str
@@ -69,13 +79,20 @@ def test_a_setting_given_as_a_keyword_is_refused_naming_where_it_goes(
 
 def test_torchs_keywords_keep_their_meaning(memory_backend: Backend) -> None:
     writer = FsspecStorageWriter(memory_backend.url, thread_count=3, sync_files=False, overwrite=False)
-    assert (writer.thread_count, writer.settings.files_per_rank, writer.sync_files, writer.overwrite) == (3, 3, False, False)
+    assert (writer.thread_count, writer.settings.files_per_rank, writer.sync_files, writer.overwrite) == (
+        3,
+        3,
+        False,
+        False,
+    )
     with pytest.raises(ValueError, match="thread_count=3 and files_per_rank=2"):
         FsspecStorageWriter(memory_backend.url, settings=WriterSettings(files_per_rank=2), thread_count=3)
 
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async_with_pinned_mem"])
-def test_writer_settings_without_checksums_write_records_without_a_crc(local_backend: Backend, async_mode: str) -> None:
+def test_writer_settings_without_checksums_write_records_without_a_crc(
+    local_backend: Backend, async_mode: str
+) -> None:
     with Checkpointer(
         local_backend.url,
         async_mode=async_mode,
@@ -138,14 +155,19 @@ def test_the_retry_policy_reaches_the_pointer_and_every_writer_and_reader(
     memory_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     failed = _fail_each_first_read(memory_backend, monkeypatch)
-    with Checkpointer(memory_backend.url, retry=RetryPolicy(attempts=1)) as ckpt, pytest.raises(StorageError) as info:
+    with (
+        Checkpointer(memory_backend.url, retry=RetryPolicy(attempts=1)) as ckpt,
+        pytest.raises(StorageError) as info,
+    ):
         ckpt.save(1, trainer=_state(1.0))
     assert memory_backend.sub(POINTER_NAME) in str(info.value)
 
     retried = RetryPolicy(attempts=2, base_delay=0.0, deadline=None)
     with Checkpointer(memory_backend.url, retry=retried) as ckpt:
         ckpt.save(1, trainer=_state(1.0))
-    key_metadata = memory_backend.fs._strip_protocol(memory_backend.sub("iter_000000001", "trainer", ".metadata"))
+    key_metadata = memory_backend.fs._strip_protocol(
+        memory_backend.sub("iter_000000001", "trainer", ".metadata")
+    )
     assert ("cat_file", key_metadata) in failed  # the writer's check before writing (one GET), retried
     failed.clear()  # the load's first reads fail once more
     target = _state(0.0)
@@ -155,7 +177,9 @@ def test_the_retry_policy_reaches_the_pointer_and_every_writer_and_reader(
     assert ("cat_file", key_metadata) in failed  # the reader's read, retried
 
 
-def test_one_save_reads_the_pointer_at_most_twice(memory_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_save_reads_the_pointer_at_most_twice(
+    memory_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with Checkpointer(memory_backend.url, keep_last_n=1) as ckpt:
         ckpt.save(1, trainer=_state(1.0))
         reads = []

@@ -57,7 +57,12 @@ def test_cp_between_two_s3_urls_gives_the_destination_the_sources_options_and_re
     code, out, err = _cli(capsys, "cp", s3_backend.url, target, "--storage-options", options, "--json")
     assert code == 0, err
     report = json.loads(out)
-    assert report["src"] == s3_backend.url and report["dst"] == target and report["files"] > 0 and report["bytes"] > 0
+    assert (
+        report["src"] == s3_backend.url
+        and report["dst"] == target
+        and report["files"] > 0
+        and report["bytes"] > 0
+    )
     back = {"w": torch.zeros(8)}
     with Checkpointer(target, s3_backend.storage_options) as ckpt:
         assert ckpt.committed_iterations() == [1, 2]

@@ -21,19 +21,30 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import (
-    CheckpointExistsError,
     Checkpointer,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FsspecStorageWriter,
     StorageError,
 )
-from dcp_fsspec.checkpoint.commit import committing, deletion, layout, run_listing, loadable, pointer, commit_record as record, retention
+from dcp_fsspec.checkpoint.commit import (
+    commit_record as record,
+)
+from dcp_fsspec.checkpoint.commit import (
+    committing,
+    deletion,
+    layout,
+    loadable,
+    pointer,
+    retention,
+    run_listing,
+)
 from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, read_commit_record
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.transport.urls import Location, resolve
-from tests.conftest import Backend
 from dcp_fsspec.storage.write.file_plan import WriteContext
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -72,7 +83,9 @@ def _messages(caplog: pytest.LogCaptureFixture, module: Any) -> list[str]:
 
 def _set_pointer(root: Location, iteration: int) -> None:
     """Put the pointer anywhere, as a run with another history would have left it."""
-    committing.write_atomically(root, root.join(POINTER_NAME), f"{layout.format_iteration(iteration)}\n".encode())
+    committing.write_atomically(
+        root, root.join(POINTER_NAME), f"{layout.format_iteration(iteration)}\n".encode()
+    )
 
 
 def test_the_pointer_moves_forward_stays_on_a_repeat_and_never_moves_back(
@@ -98,7 +111,9 @@ def test_a_pointer_holding_garbage_is_neither_read_nor_overwritten(root: Locatio
     for call in (lambda: pointer.read_pointer(root), lambda: pointer.write_pointer(root, 3)):
         with pytest.raises(CorruptCheckpointError, match="not an iteration folder name") as raised:
             call()
-        assert pointer.pointer_url(root) in str(raised.value) and "'iter_000000002/model'" in str(raised.value)
+        assert pointer.pointer_url(root) in str(raised.value) and "'iter_000000002/model'" in str(
+            raised.value
+        )
     assert _pointer_file(root) == b"iter_000000002/model\n"
 
 
@@ -152,7 +167,9 @@ def test_an_iteration_listing_that_fails_is_a_storage_error_naming_the_folder(
     assert isinstance(raised.value.__cause__, PermissionError)
 
 
-def test_retention_deletes_what_its_plan_says_and_reports_it(root: Location, caplog: pytest.LogCaptureFixture) -> None:
+def test_retention_deletes_what_its_plan_says_and_reports_it(
+    root: Location, caplog: pytest.LogCaptureFixture
+) -> None:
     """keep_last_n=2 with the pointer on 4: 3 and 4 stay, 5 (newer, being written) stays, 1 and 2 go."""
     _save(root, 1, 2, 3, 4, 5)
     _set_pointer(root, 4)
@@ -265,7 +282,9 @@ def test_a_retention_plan_for_fewer_than_one_iteration_is_refused_naming_the_val
 
 def _written_key(root: Location, iteration: int, save_id: str) -> None:
     """One key of ``iteration`` finished by a save whose token is ``save_id``; not committed."""
-    writer = FsspecStorageWriter(root.url_of(layout.key_path(root, iteration, 'model')), _context=WriteContext(save_id=save_id))
+    writer = FsspecStorageWriter(
+        root.url_of(layout.key_path(root, iteration, "model")), _context=WriteContext(save_id=save_id)
+    )
     dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
 
 
@@ -296,7 +315,9 @@ def test_retention_spares_an_older_iteration_being_rewritten(root: Location) -> 
     assert layout.list_iterations(root) == [1, 4]
 
 
-def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missing_file(root: Location) -> None:
+def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missing_file(
+    root: Location,
+) -> None:
     """inspect_iteration and listed_inspection give ls, cp and load's errors their reason: a folder
     without a record below the pointer may be retention's interrupted deletion; at or above it,
     only an unfinished save; a record whose key lacks .metadata names that file."""
@@ -324,7 +345,9 @@ def test_why_an_iteration_is_not_committed_says_what_left_it_and_names_the_missi
     assert run_listing.inspect_iteration(root, 9) == (None, "does not exist")
 
 
-def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the_stray_key(root: Location) -> None:
+def test_a_committed_folder_another_save_wrote_into_is_refused_naming_it_and_the_stray_key(
+    root: Location,
+) -> None:
     """require_saved_together, load's token check: a key whose .metadata another save wrote after
     the commit is never loaded as part of it; a record from before tokens (no save_id) is not checked."""
     _written_key(root, 5, save_id="a" * 32)
@@ -411,10 +434,14 @@ def test_a_pointer_deleted_while_a_publish_lost_its_race_is_a_storage_error_nami
     monkeypatch.setattr(pointer, "write_pointer", a_third_writer_deleted_it)
     with pytest.raises(StorageError) as raised:
         committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
-    assert str(raised.value) == f"{pointer.pointer_url(root)} disappeared while this save moved it; save again"
+    assert (
+        str(raised.value) == f"{pointer.pointer_url(root)} disappeared while this save moved it; save again"
+    )
 
 
-def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committed_ones(root: Location) -> None:
+def test_a_pointer_naming_an_uncommitted_folder_is_an_error_listing_the_committed_ones(
+    root: Location,
+) -> None:
     """require_committed, what load says when the pointer names a folder that is not committed:
     why, which iterations are (or that none is), and what to do."""
     _save(root, 3, 5)
@@ -448,25 +475,41 @@ def test_one_listing_finds_an_empty_iteration_folder_and_not_a_file_of_that_name
     assert (listed.read, listed.records, listed.finished) == ({3, 8, 9}, {3}, {(3, "model")})
     # What ls shows as an iteration's size: its files' bytes, not its folders' nor a bare file's.
     sizes = {i: listed.size(i) for i in listed.files}
-    assert sizes == {3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))), 8: 1, 9: 2}
+    assert sizes == {
+        3: sum(root.fs.info(f)["size"] for f in root.fs.find(root.join("iter_000000003"))),
+        8: 1,
+        9: 2,
+    }
     assert run_listing.committed_iterations(root) == [3]
-    assert run_listing.listed_inspection(root, listed, 4) == (None, "has no .commit.json (its save never finished)")
-    assert run_listing.listed_inspection(root, listed, 4, latest=5)[1] == run_listing.inspect_iteration(root, 4, latest=5)[1]
+    assert run_listing.listed_inspection(root, listed, 4) == (
+        None,
+        "has no .commit.json (its save never finished)",
+    )
+    assert (
+        run_listing.listed_inspection(root, listed, 4, latest=5)[1]
+        == run_listing.inspect_iteration(root, 4, latest=5)[1]
+    )
     record, _ = run_listing.listed_inspection(root, before, 3)  # a listing older than the save
     assert record is not None and record.iteration == 3
 
 
 @pytest.mark.parametrize("name", ["run 1 ", "runX"])
-def test_a_save_dirname_whose_name_ends_in_a_space_or_any_letter_still_lists_its_iterations(tmp_path: Any, name: str) -> None:
+def test_a_save_dirname_whose_name_ends_in_a_space_or_any_letter_still_lists_its_iterations(
+    tmp_path: Any, name: str
+) -> None:
     root = resolve(str(tmp_path / name))
     _save(root, 1, 2)
-    assert run_listing.committed_iterations(root) == [1, 2] and run_listing.list_save_dirname(root).folders == (1, 2)
+    assert run_listing.committed_iterations(root) == [1, 2] and run_listing.list_save_dirname(
+        root
+    ).folders == (1, 2)
 
 
 def test_a_key_whose_data_file_is_missing_is_not_committed_naming_the_file(root: Location) -> None:
     """The commit checks that every data file a key's .metadata names is there, and names the one that is not."""
     _written_key(root, 5, save_id="a" * 32)
-    (data, *_) = [f for f in root.fs.find(root.join("iter_000000005", "model")) if not f.endswith(".metadata")]
+    (data, *_) = [
+        f for f in root.fs.find(root.join("iter_000000005", "model")) if not f.endswith(".metadata")
+    ]
     root.fs.rm(data)
     with pytest.raises(CheckpointExistsError) as raised:
         committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
@@ -485,16 +528,31 @@ def test_the_commit_record_is_indented_json_with_its_format_and_the_saves_token(
     committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
     raw = root.fs.cat_file(_record_path(root, 5))
     doc = json.loads(raw)
-    expected = {"format": 1, "iteration": 5, "keys": ["model"], "world_size": 1, "saved_at": doc["saved_at"], "save_id": "a" * 32}
+    expected = {
+        "format": 1,
+        "iteration": 5,
+        "keys": ["model"],
+        "world_size": 1,
+        "saved_at": doc["saved_at"],
+        "save_id": "a" * 32,
+    }
     assert raw == json.dumps(expected, indent=1).encode()
     assert abs(doc["saved_at"] - time.time()) < 3600
     # A record of a save without a token (written before tokens existed) has no save_id field.
     legacy = CommitRecord(5, ("model",), 1, 1.5)
-    assert json.loads(legacy.to_json()) == {"format": 1, "iteration": 5, "keys": ["model"], "world_size": 1, "saved_at": 1.5}
+    assert json.loads(legacy.to_json()) == {
+        "format": 1,
+        "iteration": 5,
+        "keys": ["model"],
+        "world_size": 1,
+        "saved_at": 1.5,
+    }
 
 
 @pytest.mark.parametrize("fmt", [2, None, "1"])
-def test_a_commit_record_of_another_format_is_refused_naming_it_and_what_to_do(root: Location, fmt: object) -> None:
+def test_a_commit_record_of_another_format_is_refused_naming_it_and_what_to_do(
+    root: Location, fmt: object
+) -> None:
     """A record a newer version (or another program) wrote is not guessed at."""
     _save(root, 5)
     path = _record_path(root, 5)
@@ -518,11 +576,16 @@ def test_a_commit_record_of_another_format_is_refused_naming_it_and_what_to_do(r
     [
         (b"[1]", "(not an object)"),
         (b'{"format": 1, "keys": 5}', "(not an object with a list of keys)"),
-        (b'{"format": 1, "iteration": 5, "keys": [], "world_size": 1, "saved_at": 1, "save_id": 7}', "(its save_id is not a string)"),
+        (
+            b'{"format": 1, "iteration": 5, "keys": [], "world_size": 1, "saved_at": 1, "save_id": 7}',
+            "(its save_id is not a string)",
+        ),
         (b" " * (1024 * 1024 + 1), f"({1024 * 1024 + 1} bytes, more than a commit record's {1024 * 1024})"),
     ],
 )
-def test_a_malformed_commit_record_is_refused_saying_what_is_wrong_and_what_to_do(root: Location, raw: bytes, says: str) -> None:
+def test_a_malformed_commit_record_is_refused_saying_what_is_wrong_and_what_to_do(
+    root: Location, raw: bytes, says: str
+) -> None:
     _put(root, "iter_000000005", ".commit.json", data=raw)
     with pytest.raises(CorruptCheckpointError) as raised:
         read_commit_record(root, 5)
@@ -553,7 +616,9 @@ def test_a_record_naming_another_token_than_its_keys_carry_is_not_loaded(root: L
     with pytest.raises(CorruptCheckpointError) as raised:
         loadable.require_saved_together(root, record)
     metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
-    assert f"{metadata} was written by another save (save_id {theirs!r}, not {'f' * 32!r})" in str(raised.value)
+    assert f"{metadata} was written by another save (save_id {theirs!r}, not {'f' * 32!r})" in str(
+        raised.value
+    )
 
 
 def test_a_key_whose_metadata_carries_no_token_is_not_committed_by_a_save_with_one(root: Location) -> None:
@@ -565,11 +630,15 @@ def test_a_key_whose_metadata_carries_no_token_is_not_committed_by_a_save_with_o
     root.fs.pipe_file(path, pickle.dumps(metadata))
     with pytest.raises(CheckpointExistsError) as raised:
         committing.publish(root, 5, ("model",), 1, save_id="a" * 32)
-    assert f"{root.url_of(path)} was written by another save (save_id None, not {'a' * 32!r})" in str(raised.value)
+    assert f"{root.url_of(path)} was written by another save (save_id None, not {'a' * 32!r})" in str(
+        raised.value
+    )
     assert not _committed(root, 5)
 
 
-def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everything_but_the_mark(root: Location) -> None:
+def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everything_but_the_mark(
+    root: Location,
+) -> None:
     """A record whose keys are not all finished commits nothing: it is a leftover like any other
     file, taken over and deleted, whatever the names (even ones that extend the record's)."""
     _save(root, 5)
@@ -583,7 +652,9 @@ def test_taking_over_a_folder_whose_record_lists_an_unfinished_key_clears_everyt
     assert read_commit_record(root, 5) is None
 
 
-def test_a_committed_iteration_holds_its_claim_under_a_name_that_says_what_it_is_not_saving(root: Location) -> None:
+def test_a_committed_iteration_holds_its_claim_under_a_name_that_says_what_it_is_not_saving(
+    root: Location,
+) -> None:
     """The claim stays after the commit: named ``.saving`` it read as a save left unfinished."""
     _save(root, 5)
     folder = layout.iteration_path(root, 5)
@@ -593,7 +664,9 @@ def test_a_committed_iteration_holds_its_claim_under_a_name_that_says_what_it_is
     assert claimed_by == read_commit_record(root, 5).save_id
 
 
-def test_an_iteration_of_an_earlier_version_with_a_saving_claim_loads_and_is_pruned_whole(root: Location) -> None:
+def test_an_iteration_of_an_earlier_version_with_a_saving_claim_loads_and_is_pruned_whole(
+    root: Location,
+) -> None:
     _save(root, 5)
     path = root.join("iter_000000005", committing.CLAIM_NAME)
     _put(root, "iter_000000005", ".saving", data=root.fs.cat_file(path))
@@ -603,10 +676,14 @@ def test_an_iteration_of_an_earlier_version_with_a_saving_claim_loads_and_is_pru
         assert ckpt.load(model=target) == 5 and torch.equal(target["w"], torch.full((4,), 5.0))
         ckpt.save(6, model={"w": torch.full((4,), 6.0)})
         ckpt.wait()
-    assert run_listing.committed_iterations(root) == [6] and not root.fs.exists(layout.iteration_path(root, 5))
+    assert run_listing.committed_iterations(root) == [6] and not root.fs.exists(
+        layout.iteration_path(root, 5)
+    )
 
 
-def test_create_atomically_writes_once_and_says_whether_the_name_holds_this_callers_data(root: Location) -> None:
+def test_create_atomically_writes_once_and_says_whether_the_name_holds_this_callers_data(
+    root: Location,
+) -> None:
     """The claim's primitive: the first write wins; a repeat of the same bytes (a retry whose
     first answer was lost) counts as this caller's; other bytes lose and change nothing."""
     path = root.join("iter_000000005", committing.CLAIM_NAME)
@@ -675,7 +752,9 @@ def test_a_commit_whose_key_never_finished_is_refused_naming_the_key_and_what_to
     assert read_commit_record(root, 5) is None
 
 
-def test_a_commit_of_keys_another_save_wrote_or_after_another_commit_says_what_happened(root: Location) -> None:
+def test_a_commit_of_keys_another_save_wrote_or_after_another_commit_says_what_happened(
+    root: Location,
+) -> None:
     _written_key(root, 5, save_id="a" * 32)
     folder = root.url_of(layout.iteration_path(root, 5))
     metadata = root.url_of(root.join("iter_000000005", "model", ".metadata"))
@@ -762,7 +841,9 @@ def test_a_record_retired_false_is_still_a_commit_record(root: Location) -> None
     _save(root, 1)
     saved = read_commit_record(root, 1)
     assert saved is not None
-    root.fs.pipe_file(record.record_path(root, 1), json.dumps({**json.loads(saved.to_json()), "retired": False}).encode())
+    root.fs.pipe_file(
+        record.record_path(root, 1), json.dumps({**json.loads(saved.to_json()), "retired": False}).encode()
+    )
     assert read_commit_record(root, 1) == saved and record.referable(root, 1)
 
 

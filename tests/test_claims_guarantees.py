@@ -40,7 +40,12 @@ def test_an_overwrite_that_dies_before_its_commit_point_leaves_no_metadata_old_o
     seen_at_finish: list[list[str]] = []
 
     def die(self: FsspecStorageWriter, *args: Any, **kwargs: Any) -> None:
-        seen_at_finish.append(sorted(posixpath.basename(p) for p in backend.fs.find(resolve(backend.url, backend.storage_options).path)))
+        seen_at_finish.append(
+            sorted(
+                posixpath.basename(p)
+                for p in backend.fs.find(resolve(backend.url, backend.storage_options).path)
+            )
+        )
         raise _DiedBeforeCommitting()
 
     monkeypatch.setattr(FsspecStorageWriter, "finish", die)
@@ -84,7 +89,9 @@ def test_the_pointer_is_one_whole_write_on_stores_without_rename(
 
         monkeypatch.setattr(root.fs, "pipe_file", spy)
     monkeypatch.setattr(root.fs, "open", lambda *a, **k: pytest.fail("the pointer must not be streamed"))
-    monkeypatch.setattr(root.fs, "mv", lambda *a, **k: pytest.fail("no rename: the store has none that is atomic"))
+    monkeypatch.setattr(
+        root.fs, "mv", lambda *a, **k: pytest.fail("no rename: the store has none that is atomic")
+    )
     assert pointer.write_pointer(root, 7)
     assert writes == [(root.join(names.POINTER_NAME), b"iter_000000007\n")]
     assert pointer.read_pointer(root) == 7

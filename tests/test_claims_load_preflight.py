@@ -13,14 +13,25 @@ import torch
 
 from dcp_fsspec import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError
 from tests.conftest import Backend
-from tests.test_load_preflight import _assert_untouched, _checkpointer, _damage, _data_files, _live, _save_two_keys, _snapshot
+from tests.test_load_preflight import (
+    _assert_untouched,
+    _checkpointer,
+    _damage,
+    _data_files,
+    _live,
+    _save_two_keys,
+    _snapshot,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 FAILURES = {
     "a truncated data file": ("save_dirname", CorruptCheckpointError),
     "a deleted data file": ("load_path", CorruptCheckpointError),
-    "a damaged .metadata": ("load_path", CorruptCheckpointError),  # save_dirname: the commit record check sees it first
+    "a damaged .metadata": (
+        "load_path",
+        CorruptCheckpointError,
+    ),  # save_dirname: the commit record check sees it first
     "a state that does not fit": ("save_dirname", CheckpointMismatchError),
 }
 

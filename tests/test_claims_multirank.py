@@ -60,6 +60,8 @@ def _save_on_a_subgroup(rank: int, world_size: int, url: str) -> None:
     assert record is not None and record.world_size == 2
 
 
-def test_a_checkpointer_given_a_process_group_spans_only_its_ranks(local_backend: Backend, tmp_path: Path) -> None:
+def test_a_checkpointer_given_a_process_group_spans_only_its_ranks(
+    local_backend: Backend, tmp_path: Path
+) -> None:
     """Checkpointer(process_group=...): "the group the checkpoint spans"; a rank outside it is not waited for."""
     run_ranks(_save_on_a_subgroup, 3, tmp_path, local_backend.url)

@@ -74,7 +74,9 @@ def test_bad_credentials_fail_a_save_at_once_naming_the_url(faulty: tuple[Backen
     assert proxy.total_requests <= 4, proxy.log
 
 
-def test_faults_that_never_clear_fail_a_save_within_the_policy_deadline(faulty: tuple[Backend, FaultyProxy]) -> None:
+def test_faults_that_never_clear_fail_a_save_within_the_policy_deadline(
+    faulty: tuple[Backend, FaultyProxy],
+) -> None:
     """Guarantee row: 'a call that keeps failing ends in bounded time, naming the URL' (GCS, Azure)."""
     backend, proxy = faulty
     policy = RetryPolicy(attempts=1000, base_delay=0.05, max_delay=0.2, deadline=2.0)

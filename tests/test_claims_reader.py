@@ -18,9 +18,9 @@ import pytest
 import s3fs
 import torch
 
+from dcp_fsspec.storage.backends import RangeReader
 from dcp_fsspec.storage.read import fetch
 from dcp_fsspec.storage.read import reader as reader_module
-from dcp_fsspec.storage.backends import RangeReader
 from tests.conftest import Backend
 from tests.helpers import load, save
 
@@ -86,16 +86,22 @@ def test_ranges_closer_than_max_gap_bytes_are_one_request_and_farther_ones_are_n
         return real_read(self, path, size, offset)
 
     monkeypatch.setattr(RangeReader, "read", read)
-    every_other = {name: t for name, t in _state(-1.0).items() if int(name[1:]) % 2 == 0}  # gaps of one tensor
+    every_other = {
+        name: t for name, t in _state(-1.0).items() if int(name[1:]) % 2 == 0
+    }  # gaps of one tensor
     wanted = len(every_other) * ELEMENTS * 4
     load(every_other, memory_backend, max_gap_bytes=128 * KiB, max_request_bytes=16 * 1024 * KiB)
     assert len(requests) == 1 and wanted < requests[0] < 2 * wanted, requests  # the gaps came along
     requests.clear()
-    _assert_loaded(load(every_other, memory_backend, max_gap_bytes=1 * KiB, max_request_bytes=16 * 1024 * KiB))
+    _assert_loaded(
+        load(every_other, memory_backend, max_gap_bytes=1 * KiB, max_request_bytes=16 * 1024 * KiB)
+    )
     assert len(requests) == len(every_other) and wanted <= sum(requests) < wanted + 64 * KiB, requests
 
 
-def test_a_load_reads_on_exactly_threads_threads_at_once(memory_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_load_reads_on_exactly_threads_threads_at_once(
+    memory_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """README: ``threads``, "concurrent reads on filesystems without an async API".
 
     Above the small-load bound (README: a load of at most 16 MiB from local disk or memory:// reads
@@ -104,7 +110,9 @@ def test_a_load_reads_on_exactly_threads_threads_at_once(memory_backend: Backend
     monkeypatch.setattr(reader_module, "_ON_THIS_THREAD_MAX", 0)
     save(_state(), memory_backend)
     threads = 4
-    together = threading.Barrier(threads, timeout=60)  # a deadline, not a measure: broken if fewer run at once
+    together = threading.Barrier(
+        threads, timeout=60
+    )  # a deadline, not a measure: broken if fewer run at once
     readers: set[str] = set()
     first = iter(range(threads))
     lock = threading.Lock()
@@ -154,6 +162,9 @@ def test_a_load_of_ten_thousand_small_tensors_from_s3_is_ten_requests_downloadin
     monkeypatch.undo()
     assert all(torch.equal(target[name], t) for name, t in state.items())
     raw = sum(t.numel() * 4 for t in state.values())
-    assert 80 * 1024 * KiB < raw < 86 * 1024 * KiB, (raw, fs.du(fs._strip_protocol(s3_backend.url), total=False))
+    assert 80 * 1024 * KiB < raw < 86 * 1024 * KiB, (
+        raw,
+        fs.du(fs._strip_protocol(s3_backend.url), total=False),
+    )
     assert sum(counted.values()) <= 10, counted
     assert round(downloaded / stored, 2) == 1.00, (downloaded, stored)

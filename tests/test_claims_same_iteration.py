@@ -24,7 +24,10 @@ from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 from tests.security.test_concurrent_writers import ITERATION, ROUNDS, _empty_like, _equal, _race, _state
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(600),
+]
 
 LOSING = ("CheckpointExistsError", "CheckpointNotFoundError", "StorageError")
 
@@ -38,10 +41,15 @@ def _outcomes(results: Any) -> dict[int, dict[int, tuple[str, str]]]:
 
 
 def _summary(state: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {k: {n: (v.flatten()[:2].tolist() if hasattr(v, "flatten") else v) for n, v in d.items()} for k, d in state.items()}
+    return {
+        k: {n: (v.flatten()[:2].tolist() if hasattr(v, "flatten") else v) for n, v in d.items()}
+        for k, d in state.items()
+    }
 
 
-def _check_rounds(backend: Backend, outcomes: dict[int, dict[int, tuple[str, str]]], *, both_may_commit: bool) -> dict[str, int]:
+def _check_rounds(
+    backend: Backend, outcomes: dict[int, dict[int, tuple[str, str]]], *, both_may_commit: bool
+) -> dict[str, int]:
     """Each round's folder loads one writer's checkpoint, bit-exact, or nothing: never a mix.
 
     Returns how many rounds ended each way: "one" (a writer's checkpoint loaded), "refused"
@@ -88,7 +96,9 @@ def test_two_threads_saving_the_same_memory_iteration_commit_one_writers_checkpo
     Guarantee row: 'two processes saving the *same* iteration into one folder never commit a mix' (memory)
     """
     start, results = threading.Barrier(2), queue.Queue()  # type: ignore[var-annotated]
-    writers = [threading.Thread(target=_race, args=(memory_backend.url, {}, w, start, results)) for w in (0, 1)]
+    writers = [
+        threading.Thread(target=_race, args=(memory_backend.url, {}, w, start, results)) for w in (0, 1)
+    ]
     for thread in writers:
         thread.start()
     outcomes = _outcomes(results)
@@ -101,7 +111,9 @@ def test_two_threads_saving_the_same_memory_iteration_commit_one_writers_checkpo
 
 
 @pytest.mark.parametrize("backend_name", ["memory", "gcs", "azure", "sftp"])
-def test_a_folder_whose_key_another_save_replaced_is_never_loaded(backend_name: str, request: pytest.FixtureRequest) -> None:
+def test_a_folder_whose_key_another_save_replaced_is_never_loaded(
+    backend_name: str, request: pytest.FixtureRequest
+) -> None:
     """The load-time check itself, made to happen: one key of a committed iteration replaced by
     another save's files (what a racing save on a store without create-if-absent can leave)."""
     backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
@@ -117,7 +129,10 @@ def test_a_folder_whose_key_another_save_replaced_is_never_loaded(backend_name: 
         fs.cp_file(name, root.join(f"iter_{ITERATION:09d}", "model", name.rsplit("/", 1)[-1]))
     fs.invalidate_cache()
     target = _empty_like(_state(0, 0))
-    with Checkpointer(backend.url, backend.storage_options) as ckpt, pytest.raises(CorruptCheckpointError) as raised:
+    with (
+        Checkpointer(backend.url, backend.storage_options) as ckpt,
+        pytest.raises(CorruptCheckpointError) as raised,
+    ):
         ckpt.load(**target)
     assert backend.url in str(raised.value) and "another" in str(raised.value)
     assert _equal(target, _empty_like(_state(0, 0))), "a key was loaded from a folder that mixes two saves"
@@ -146,7 +161,9 @@ def test_a_folder_whose_data_file_another_save_overwrote_is_never_loaded(
     theirs = resolve(other, backend.storage_options).join(f"iter_{ITERATION:09d}", "model")
     copied = [name for name in fs.ls(theirs, detail=False) if name.endswith(".distcp")]
     ours = root.join(f"iter_{ITERATION:09d}", "model")
-    shared = {n.rsplit("/", 1)[-1] for n in copied} & {n.rsplit("/", 1)[-1] for n in fs.ls(ours, detail=False)}
+    shared = {n.rsplit("/", 1)[-1] for n in copied} & {
+        n.rsplit("/", 1)[-1] for n in fs.ls(ours, detail=False)
+    }
     assert copied and not shared, f"two saves wrote data files of the same names: {sorted(shared)}"
     for name in copied:
         fs.cp_file(name, posixpath.join(ours, name.rsplit("/", 1)[-1]))

@@ -22,13 +22,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import FsspecStorageWriter, StorageError
+from dcp_fsspec import FsspecStorageWriter, StorageError, WriterSettings
 from dcp_fsspec.storage.format import names
 from tests.conftest import Backend
 from tests.helpers import raises_through_dcp
-from dcp_fsspec import WriterSettings
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 MiB = 1024 * 1024
 # The smallest part the writer takes (5 MiB); the tensor spans three of them.
@@ -64,7 +66,11 @@ def _kill_at(target: str, nth: int) -> None:
 def _save_and_die(backend: Backend) -> None:
     torch.set_num_threads(1)  # a forked child must not reuse the parent's thread pool
     _kill_at(*KILL_AT[backend.name])
-    writer = FsspecStorageWriter(backend.url, storage_options=backend.storage_options, settings=WriterSettings(part_size=PART, files_per_rank=1))
+    writer = FsspecStorageWriter(
+        backend.url,
+        storage_options=backend.storage_options,
+        settings=WriterSettings(part_size=PART, files_per_rank=1),
+    )
     dcp.save({"w": torch.arange(ELEMENTS, dtype=torch.float32)}, storage_writer=writer, no_dist=True)
     os._exit(0)  # the kill point was never reached: the parent reports it
 
@@ -85,7 +91,9 @@ def test_a_save_killed_while_uploading_a_data_file_leaves_no_file_under_its_name
     child = multiprocessing.get_context("fork").Process(target=_save_and_die, args=(backend,))
     child.start()
     child.join(timeout=240)
-    assert child.exitcode == -signal.SIGKILL, f"the child was not killed mid-upload (exit code {child.exitcode})"
+    assert child.exitcode == -signal.SIGKILL, (
+        f"the child was not killed mid-upload (exit code {child.exitcode})"
+    )
     files = _files(backend)
     assert not [f for f in files if f.endswith(".distcp") or f == names.METADATA_NAME], files
     if backend_name == "sftp":  # the bytes went somewhere: under the temporary name only
@@ -115,7 +123,9 @@ def test_a_memory_save_that_fails_part_way_through_a_data_file_leaves_no_file_un
         return real_write(self, data)
 
     monkeypatch.setattr(MemoryFile, "write", write_then_fail)
-    writer = FsspecStorageWriter(memory_backend.url, settings=WriterSettings(part_size=PART, files_per_rank=1))
+    writer = FsspecStorageWriter(
+        memory_backend.url, settings=WriterSettings(part_size=PART, files_per_rank=1)
+    )
     with raises_through_dcp(StorageError) as raised:
         dcp.save({"w": torch.arange(ELEMENTS, dtype=torch.float32)}, storage_writer=writer, no_dist=True)
     monkeypatch.undo()

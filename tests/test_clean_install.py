@@ -49,8 +49,12 @@ def test_save_and_load_work_where_isal_is_not_installed(tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-c", _ROUND_TRIP, str(tmp_path / "ckpt")],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "round trip ok" in done.stdout
     # What zlib's CRC-32 wrote loads here (with ISA-L's, where installed), and the other way round.

@@ -19,13 +19,12 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, cli, verify
+from dcp_fsspec.storage.format import names
 from dcp_fsspec.storage.format.names import temporary_path
 from dcp_fsspec.tools.progress import Progress
-from dcp_fsspec.storage.format import names
+from tests.ckpt_helpers import Training, assert_equal
 from tests.conftest import Backend
 from tests.test_verify import _flip_tensor_byte, _run
-
-from .ckpt_helpers import Training, assert_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -69,8 +68,13 @@ def test_python_dash_m_runs_verify_and_prints_json(tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-m", "dcp_fsspec", "verify", backend.url, "--json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["ok"] and report["kind"] == "run" and len(report["checkpoints"]) == 4
@@ -107,7 +111,9 @@ def test_ls_shows_each_iteration_committed_or_not_and_which_is_latest(
 ) -> None:
     _run(memory_backend, [1, 2, 3])
     _uncommit(memory_backend, "iter_000000003")  # as if its save died before the commit record
-    memory_backend.fs.pipe_file(memory_backend.fs._strip_protocol(memory_backend.sub("latest_checkpoint.txt")), b"iter_000000002\n")
+    memory_backend.fs.pipe_file(
+        memory_backend.fs._strip_protocol(memory_backend.sub("latest_checkpoint.txt")), b"iter_000000002\n"
+    )
     code, out, _ = _cli(capsys, "ls", memory_backend.url)
     assert code == 0
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("iter_")}
@@ -117,9 +123,16 @@ def test_ls_shows_each_iteration_committed_or_not_and_which_is_latest(
     doc = _json(capsys, "ls", memory_backend.url)
     assert doc["latest"] == 2
     assert [(i["iteration"], i["committed"], i["latest"]) for i in doc["iterations"]] == [
-        (1, True, False), (2, True, True), (3, False, False),
-    ]  # fmt: skip
-    assert doc["iterations"][0]["size_bytes"] > 0 and doc["iterations"][0]["keys"] == ["model", "optim", "scheduler", "trainer"]
+        (1, True, False),
+        (2, True, True),
+        (3, False, False),
+    ]
+    assert doc["iterations"][0]["size_bytes"] > 0 and doc["iterations"][0]["keys"] == [
+        "model",
+        "optim",
+        "scheduler",
+        "trainer",
+    ]
 
 
 def test_inspect_shows_keys_tensors_dtypes_shapes_and_bytes(
@@ -134,7 +147,14 @@ def test_inspect_shows_keys_tensors_dtypes_shapes_and_bytes(
     doc = _json(capsys, "inspect", memory_backend.sub("iter_000000001", "model"))  # one checkpoint
     assert doc["kind"] == "checkpoint" and len(doc["keys"]) == 1
     entries = {e["fqn"]: e for e in doc["keys"][0]["entries"]}
-    assert entries["2.weight"] == {"fqn": "2.weight", "kind": "tensor", "dtype": "float32", "shape": [3, 12], "nbytes": 144, "chunks": 1}
+    assert entries["2.weight"] == {
+        "fqn": "2.weight",
+        "kind": "tensor",
+        "dtype": "float32",
+        "shape": [3, 12],
+        "nbytes": 144,
+        "chunks": 1,
+    }
     assert doc["keys"][0]["tensor_bytes"] == 4 * (12 * 6 + 12 + 3 * 12 + 3)
 
 
@@ -226,7 +246,9 @@ def test_prune_keeps_the_newest_n_and_never_the_latest_or_anything_newer(
 ) -> None:
     _run(memory_backend, [1, 2, 3, 4, 5])
     # The pointer names 4; 5 is newer (as if being written): neither may go.
-    memory_backend.fs.pipe_file(memory_backend.fs._strip_protocol(memory_backend.sub("latest_checkpoint.txt")), b"iter_000000004\n")
+    memory_backend.fs.pipe_file(
+        memory_backend.fs._strip_protocol(memory_backend.sub("latest_checkpoint.txt")), b"iter_000000004\n"
+    )
     _uncommit(memory_backend, "iter_000000002")
     code, out, _ = _cli(capsys, "prune", memory_backend.url, "--keep", "2", "--dry-run")
     assert code == 0 and "would delete iter_000000001" in out and "would delete iter_000000002" in out
@@ -239,7 +261,9 @@ def test_prune_keeps_the_newest_n_and_never_the_latest_or_anything_newer(
     assert _json(capsys, "prune", memory_backend.url, "--keep", "1")["deleted"] == [3]
 
 
-def test_prune_keep_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str], memory_backend: Backend) -> None:
+def test_prune_keep_below_one_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend
+) -> None:
     _run(memory_backend, [1])
     code, _, err = _cli(capsys, "prune", memory_backend.url, "--keep", "0")
     assert code == 2 and "--keep" in err
@@ -282,7 +306,10 @@ def test_to_safetensors_flattens_tensors_and_keeps_plain_values_as_metadata(
 
 
 def test_to_safetensors_without_the_package_exits_5_naming_it(
-    capsys: pytest.CaptureFixture[str], memory_backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str],
+    memory_backend: Backend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _run(memory_backend, [1])
     monkeypatch.setitem(sys.modules, "safetensors", None)
@@ -310,15 +337,20 @@ def test_progress_is_drawn_on_a_terminal_only() -> None:
             assert text.startswith("\rcopying [") and "100%" in text and text.endswith("\n")
 
 
-
 def test_ls_says_an_uncommitted_folder_older_than_the_pointer_may_be_a_deletion_retention_began(
     capsys: pytest.CaptureFixture[str], memory_backend: Backend
 ) -> None:
     _run(memory_backend, [1, 2, 3])
     _uncommit(memory_backend, "iter_000000001")  # retention removes the record first, then the files
     _uncommit(memory_backend, "iter_000000003")  # not yet published: its save never finished
-    memory_backend.fs.pipe_file(memory_backend.fs._strip_protocol(memory_backend.sub("latest_checkpoint.txt")), b"iter_000000002\n")
+    memory_backend.fs.pipe_file(
+        memory_backend.fs._strip_protocol(memory_backend.sub("latest_checkpoint.txt")), b"iter_000000002\n"
+    )
     code, out, _ = _cli(capsys, "ls", memory_backend.url)
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("iter_")}
-    assert code == 0 and "interrupted" in rows["iter_000000001"] and "retention deletes it" in rows["iter_000000001"]
+    assert (
+        code == 0
+        and "interrupted" in rows["iter_000000001"]
+        and "retention deletes it" in rows["iter_000000001"]
+    )
     assert "never finished" in rows["iter_000000003"] and "interrupted" not in rows["iter_000000003"]

@@ -90,7 +90,12 @@ def test_missing_credentials_are_one_line_saying_where_to_put_them_and_exit_4(
     code, _, err = _cli_run(capsys, "inspect", URL, "--storage-options", options)
     assert code == 4
     (line, *_) = _one_or_two_lines(err)
-    assert "no credentials" in line and URL in line and "AWS_ACCESS_KEY_ID" in line and "--storage-options" in line
+    assert (
+        "no credentials" in line
+        and URL in line
+        and "AWS_ACCESS_KEY_ID" in line
+        and "--storage-options" in line
+    )
 
 
 def test_a_storage_option_the_driver_does_not_know_is_a_usage_error_naming_it(
@@ -129,7 +134,9 @@ def test_with_json_an_error_is_a_json_object_on_stdout(
     assert URL in doc["error"] and "\n" not in doc["error"]
 
 
-def test_with_json_nothing_at_the_url_is_kind_not_found(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_with_json_nothing_at_the_url_is_kind_not_found(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     code, out, _ = _cli_run(capsys, "inspect", str(tmp_path / "nothing"), "--json")
     doc = json.loads(out)
     assert code == 3 and doc["kind"] == "not_found" and doc["url"] == str(tmp_path / "nothing")

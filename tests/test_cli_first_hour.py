@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import FsspecStorageWriter, StorageError, cli, verify
+from dcp_fsspec import FsspecStorageWriter, StorageError, WriterSettings, cli, verify
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record, record_path, retired_mark
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.transport.urls import resolve
@@ -26,7 +26,6 @@ from dcp_fsspec.tools.ls import list_run
 from tests.conftest import Backend
 from tests.test_cli_errors import no_credentials  # noqa: F401 - the fixture, shared
 from tests.test_verify import _run
-from dcp_fsspec import WriterSettings
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -48,9 +47,14 @@ def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
 
 # Each command, with what it needs after the URL.
 _COMMANDS = {
-    "ls": [], "inspect": [], "verify": [], "cp": ["{tmp}/copy"], "prune": ["--keep", "1", "--dry-run"],
-    "to-torch": ["{tmp}/out.pt"], "to-safetensors": ["{tmp}/out"],
-}  # fmt: skip
+    "ls": [],
+    "inspect": [],
+    "verify": [],
+    "cp": ["{tmp}/copy"],
+    "prune": ["--keep", "1", "--dry-run"],
+    "to-torch": ["{tmp}/out.pt"],
+    "to-safetensors": ["{tmp}/out"],
+}
 # A file of a run (under its save_dirname) → the folder the error names instead.
 _FILES = {
     "latest_checkpoint.txt": "",
@@ -109,7 +113,9 @@ def test_verify_notes_a_retired_iteration_as_retired_as_ls_shows_it(
     alone = verify(folder)
     assert alone.ok and alone.notes == report.notes
     code, out, _ = _cli_run(capsys, "ls", memory_backend.url)
-    assert code == 0 and any(line.startswith("iter_000000001") and "retired" in line for line in out.splitlines())
+    assert code == 0 and any(
+        line.startswith("iter_000000001") and "retired" in line for line in out.splitlines()
+    )
 
 
 # -- prune's help ---------------------------------------------------------------------------------
@@ -175,7 +181,11 @@ def test_verify_counts_tensors_saved_without_a_checksum_apart_from_non_tensor_en
     capsys: pytest.CaptureFixture[str], memory_backend: Backend
 ) -> None:
     state = {"w": torch.ones(3), "b": torch.ones(2), "step": 7}
-    dcp.save(state, storage_writer=FsspecStorageWriter(memory_backend.url, settings=WriterSettings(checksums=False)), no_dist=True)
+    dcp.save(
+        state,
+        storage_writer=FsspecStorageWriter(memory_backend.url, settings=WriterSettings(checksums=False)),
+        no_dist=True,
+    )
     code, out, err = _cli_run(capsys, "verify", memory_backend.url)
     assert code == 0, err
     assert (

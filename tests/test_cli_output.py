@@ -53,12 +53,20 @@ def test_inspect_summarizes_param_groups_in_one_line_instead_of_a_row_per_settin
     summary = next(line for line in out.splitlines() if line.startswith("param_groups:"))
     # AdamW over the 4 parameters of Training's model, flattened to parameter names.
     assert "the settings of 4 parameters" in summary and "lr" in summary and "betas" in summary
-    key = next(k for k in json.loads(_cli(capsys, "inspect", memory_backend.url, "--json")[1])["keys"] if k["key"] == "optim")
+    key = next(
+        k
+        for k in json.loads(_cli(capsys, "inspect", memory_backend.url, "--json")[1])["keys"]
+        if k["key"] == "optim"
+    )
     assert key["param_groups"]["count"] == 4 and "weight_decay" in key["param_groups"]["keys"]
-    assert key["param_groups"]["entries"] == len([e for e in key["entries"] if e["fqn"].startswith("param_groups.")])
+    assert key["param_groups"]["entries"] == len(
+        [e for e in key["entries"] if e["fqn"].startswith("param_groups.")]
+    )
 
 
-def test_inspect_prints_sizes_in_kib_mib_gib(capsys: pytest.CaptureFixture[str], memory_backend: Backend) -> None:
+def test_inspect_prints_sizes_in_kib_mib_gib(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend
+) -> None:
     save({"big": torch.zeros(512, 512), "small": torch.zeros(3)}, memory_backend)
     code, out, _ = _cli(capsys, "inspect", memory_backend.url)
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("big ", "small "))}
@@ -69,7 +77,9 @@ def test_inspect_prints_sizes_in_kib_mib_gib(capsys: pytest.CaptureFixture[str],
 # -- verify --------------------------------------------------------------------------------------
 
 
-def test_verify_counts_checkpoints_not_keys(capsys: pytest.CaptureFixture[str], memory_backend: Backend) -> None:
+def test_verify_counts_checkpoints_not_keys(
+    capsys: pytest.CaptureFixture[str], memory_backend: Backend
+) -> None:
     _run(memory_backend, [1, 2])
     code, out, _ = _cli(capsys, "verify", memory_backend.url)
     assert code == 0 and "OK " in out and "2 checkpoint(s) (8 keys)" in out
@@ -122,9 +132,12 @@ def test_progress_after_an_error_shows_how_far_it_got() -> None:
 
 @pytest.mark.parametrize("command", ["verify", "to-torch"])
 def test_long_commands_draw_a_bar_that_reaches_100_percent_on_a_terminal(
-    capsys: pytest.CaptureFixture[str], memory_backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    memory_backend: Backend,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     command: str,
-) -> None:  # fmt: skip
+) -> None:
     _run(memory_backend, [1])
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
@@ -137,7 +150,9 @@ def test_long_commands_draw_a_bar_that_reaches_100_percent_on_a_terminal(
 # -- help ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["demo", "ls", "inspect", "verify", "cp", "prune", "to-torch", "to-safetensors"])
+@pytest.mark.parametrize(
+    "command", ["demo", "ls", "inspect", "verify", "cp", "prune", "to-torch", "to-safetensors"]
+)
 def test_subcommand_help_is_plain_text(capsys: pytest.CaptureFixture[str], command: str) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main([command, "--help"])
@@ -148,5 +163,7 @@ def test_subcommand_help_is_plain_text(capsys: pytest.CaptureFixture[str], comma
 
 
 def test_demo_help_describes_the_demo() -> None:
-    text = cli.plain_text("starts ``LocalS3Server``, saves with :class:`Checkpointer` and :func:`~a.b.verify`")
+    text = cli.plain_text(
+        "starts ``LocalS3Server``, saves with :class:`Checkpointer` and :func:`~a.b.verify`"
+    )
     assert text == "starts LocalS3Server, saves with Checkpointer and verify"

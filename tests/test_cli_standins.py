@@ -54,7 +54,11 @@ def _as_plain(value: object) -> object:
     if isinstance(value, torch.layout) or type(value).__name__ == "_Named":
         return str(getattr(value, "name", value)).removeprefix("torch.")
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _as_plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "memory_format"}
+        return {
+            f.name: _as_plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.name != "memory_format"
+        }
     if isinstance(value, dict):
         return {repr(_as_plain(k)): _as_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -65,9 +69,17 @@ def _as_plain(value: object) -> object:
 def test_stand_ins_read_the_same_metadata_as_torch_for_every_saved_dtype(tmp_path: Path) -> None:
     state = {
         f"t_{dtype}".replace("torch.", ""): torch.zeros(3, 2, dtype=dtype)
-        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool,
-                      torch.complex64, torch.float8_e4m3fn)
-    }  # fmt: skip
+        for dtype in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+            torch.int64,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.float8_e4m3fn,
+        )
+    }
     state["step"] = 7  # type: ignore[assignment]
     dcp.save(state, storage_writer=FsspecStorageWriter(str(tmp_path / "ckpt")))
     location = resolve(tmp_path / "ckpt")

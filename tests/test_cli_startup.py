@@ -38,14 +38,20 @@ with open(report, "w") as f:
     json.dump({"code": code, "torch": "torch" in sys.modules}, f)
 """
 
+
 def _command(tmp_path: Path, *argv: str) -> dict[str, object]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     report = tmp_path / "report.json"
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(list(argv)), str(report)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert report.exists(), done.stderr
     result: dict[str, object] = json.loads(report.read_text())
     result["out"] = done.stdout
@@ -62,7 +68,9 @@ def test_importing_the_package_does_not_import_torch(tmp_path: Path) -> None:
     code = "import sys, dcp_fsspec; print('torch' in sys.modules, dcp_fsspec.__version__)"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     assert done.stdout.split() == ["False", dcp_fsspec.__version__]
 
 
@@ -94,8 +102,14 @@ def test_inspect_and_verify_do_not_import_torch(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", sorted(set(cli._COMMANDS) - {"demo"}))
-def test_a_bad_storage_options_json_is_a_usage_error_before_torch_is_imported(tmp_path: Path, command: str) -> None:
-    argv = [command, str(tmp_path / "run"), *([str(tmp_path / "out")] if command in ("cp", "to-torch", "to-safetensors") else [])]
+def test_a_bad_storage_options_json_is_a_usage_error_before_torch_is_imported(
+    tmp_path: Path, command: str
+) -> None:
+    argv = [
+        command,
+        str(tmp_path / "run"),
+        *([str(tmp_path / "out")] if command in ("cp", "to-torch", "to-safetensors") else []),
+    ]
     argv += ["--keep", "1"] if command == "prune" else []
     result = _command(tmp_path, *argv, "--storage-options", "{key: 1}")
     assert result["code"] == 2
@@ -130,7 +144,6 @@ def test_an_unknown_name_is_an_attribute_error_naming_it() -> None:
         dcp_fsspec.NoSuchName  # type: ignore[attr-defined]  # noqa: B018
 
 
-
 def test_neither_the_package_nor_the_cli_imports_a_training_framework() -> None:
     """The integrations' frameworks (seconds each to import, optional) load only with them."""
     code = (
@@ -143,5 +156,7 @@ def test_neither_the_package_nor_the_cli_imports_a_training_framework() -> None:
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     assert done.stdout.strip() == "[]"

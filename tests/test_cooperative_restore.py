@@ -43,7 +43,9 @@ SMALL_READS: dict[str, Any] = {"max_request_bytes": 256 * 1024, "window_bytes": 
 def replicated_state() -> dict[str, Any]:
     """What a DDP replica holds: a few tensors of 1 MiB or less, and a non-tensor entry."""
     gen = torch.Generator().manual_seed(11)
-    state: dict[str, Any] = {f"layer{i}.weight": torch.randn(512, 512 // (i + 1), generator=gen) for i in range(6)}
+    state: dict[str, Any] = {
+        f"layer{i}.weight": torch.randn(512, 512 // (i + 1), generator=gen) for i in range(6)
+    }
     state["step"] = torch.tensor(41)
     state["extra"] = {"epoch": 3, "name": "run-7"}
     return state
@@ -52,7 +54,11 @@ def replicated_state() -> dict[str, Any]:
 def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
     """Targets for ``state``: zeros, and ``None`` for each non-tensor leaf."""
     return {
-        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else zeros_like(v) if isinstance(v, dict) else None
+        k: torch.zeros_like(v)
+        if isinstance(v, torch.Tensor)
+        else zeros_like(v)
+        if isinstance(v, dict)
+        else None
         for k, v in state.items()
     }
 
@@ -81,14 +87,18 @@ def proxies(s3_server: LocalS3Server) -> Iterator[list[CountingProxy]]:
             proxy.stop()
 
 
-def _load_and_compare(rank: int, world_size: int, url: str, options: list[dict[str, Any]], direct: dict[str, Any]) -> None:
+def _load_and_compare(
+    rank: int, world_size: int, url: str, options: list[dict[str, Any]], direct: dict[str, Any]
+) -> None:
     """Load cooperatively through this rank's proxy; compare with a load without cooperation."""
     expected = replicated_state()
     alone = zeros_like(expected)
     dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
     dist.barrier()
     together = zeros_like(expected)
-    reader = FsspecStorageReader(url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True))
+    reader = FsspecStorageReader(
+        url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)
+    )
     dcp.load(together, storage_reader=reader)
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
@@ -129,7 +139,13 @@ def _load_expecting_failure(
 ) -> None:
     """Load cooperatively; every rank must fail with the same ``kind`` of error naming ``named``."""
     retry = RetryPolicy(attempts=2, base_delay=0.01, deadline=60)
-    reader = FsspecStorageReader(url, storage_options=options[rank], retry=retry, **SMALL_READS, settings=ReaderSettings(cooperative=True))
+    reader = FsspecStorageReader(
+        url,
+        storage_options=options[rank],
+        retry=retry,
+        **SMALL_READS,
+        settings=ReaderSettings(cooperative=True),
+    )
     with pytest.raises(CheckpointException) as raised:
         dcp.load(zeros_like(replicated_state()), storage_reader=reader)
     failures = {r: e for r, (e, _trace) in raised.value.failures.items()}
@@ -142,7 +158,10 @@ def test_a_connection_cut_on_a_reading_rank_fails_every_rank_with_its_error(
     s3_backend: Backend, s3_server: LocalS3Server, tmp_path: Path
 ) -> None:
     save(replicated_state(), s3_backend)
-    healthy, cut = CountingProxy(s3_server.endpoint_url).start(), CountingProxy(s3_server.endpoint_url, cut_after=64 * 1024).start()
+    healthy, cut = (
+        CountingProxy(s3_server.endpoint_url).start(),
+        CountingProxy(s3_server.endpoint_url, cut_after=64 * 1024).start(),
+    )
     try:
         options = [through(s3_backend, healthy), through(s3_backend, cut)]
         run_ranks(_load_expecting_failure, 2, tmp_path, s3_backend.url, options, StorageError, s3_backend.url)
@@ -176,7 +195,12 @@ def test_a_flipped_byte_fails_every_rank_with_a_checksum_mismatch_naming_the_fil
 
 
 def _checkpointer_round_trip(
-    rank: int, world_size: int, url: str, direct: dict[str, Any], options: list[dict[str, Any]], cooperative: bool | None
+    rank: int,
+    world_size: int,
+    url: str,
+    direct: dict[str, Any],
+    options: list[dict[str, Any]],
+    cooperative: bool | None,
 ) -> None:
     expected = replicated_state()
     with Checkpointer(url, storage_options=direct) as ckpt:
@@ -194,7 +218,15 @@ def test_checkpointer_load_on_two_ranks_reads_each_byte_once_unless_cooperation_
     s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path, cooperative: bool | None
 ) -> None:
     options = [through(s3_backend, p) for p in proxies[:2]]
-    run_ranks(_checkpointer_round_trip, 2, tmp_path, s3_backend.url, s3_backend.storage_options, options, cooperative)
+    run_ranks(
+        _checkpointer_round_trip,
+        2,
+        tmp_path,
+        s3_backend.url,
+        s3_backend.storage_options,
+        options,
+        cooperative,
+    )
     sent, unique = sum(p.sent for p in proxies), unique_bytes(s3_backend, "iter_000000001")
     if cooperative is None:
         assert sent <= 1.05 * unique, (sent, unique)
@@ -208,40 +240,71 @@ def test_a_plain_reader_does_not_cooperate_unless_asked() -> None:
 
 def full_tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(5)
-    return {"w1": torch.randn(512, 256, generator=gen), "w2": torch.randn(40_000, generator=gen), "b": torch.randn(64, 48, generator=gen)}
+    return {
+        "w1": torch.randn(512, 256, generator=gen),
+        "w2": torch.randn(40_000, generator=gen),
+        "b": torch.randn(64, 48, generator=gen),
+    }
 
 
 def _load_dtensors(
-    rank: int, world_size: int, url: str, options: list[dict[str, Any]], direct: dict[str, Any],
-    shape: tuple[int, ...], placements: dict[str, list[Any]],
-) -> None:  # fmt: skip
+    rank: int,
+    world_size: int,
+    url: str,
+    options: list[dict[str, Any]],
+    direct: dict[str, Any],
+    shape: tuple[int, ...],
+    placements: dict[str, list[Any]],
+) -> None:
     """Load ``full_tensors`` (saved by one process) into DTensors on ``shape``: with cooperation
     through this rank's proxy, and without; both must hold this rank's part of the saved tensors."""
     mesh = init_device_mesh("cpu", shape)
     full = full_tensors()
 
     def targets() -> dict[str, Any]:
-        state: dict[str, Any] = {k: distribute_tensor(torch.zeros_like(v), mesh, placements[k]) for k, v in full.items()}
+        state: dict[str, Any] = {
+            k: distribute_tensor(torch.zeros_like(v), mesh, placements[k]) for k, v in full.items()
+        }
         return {**state, "step": torch.tensor(0), "extra": {"epoch": None}}
 
     alone = targets()
     dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
     together = targets()
-    dcp.load(together, storage_reader=FsspecStorageReader(url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)))
+    dcp.load(
+        together,
+        storage_reader=FsspecStorageReader(
+            url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)
+        ),
+    )
     for key, value in full.items():
         mine = distribute_tensor(value, mesh, placements[key]).to_local()
-        assert isinstance(together[key], DTensor) and torch.equal(together[key].to_local(), alone[key].to_local()), key
+        assert isinstance(together[key], DTensor) and torch.equal(
+            together[key].to_local(), alone[key].to_local()
+        ), key
         assert torch.equal(together[key].to_local(), mine), key
     assert together["step"] == 41 and together["extra"] == {"epoch": 3}
 
 
 def _count_dtensor_load(
-    s3_backend: Backend, proxies: list[CountingProxy], tmp_path: Path, shape: tuple[int, ...], placements: dict[str, list[Any]]
+    s3_backend: Backend,
+    proxies: list[CountingProxy],
+    tmp_path: Path,
+    shape: tuple[int, ...],
+    placements: dict[str, list[Any]],
 ) -> tuple[int, int]:
     save({**full_tensors(), "step": torch.tensor(41), "extra": {"epoch": 3}}, s3_backend)
     ranks = len(torch.empty(shape).flatten()) if shape else 1
     options = [through(s3_backend, p) for p in proxies[:ranks]]
-    run_ranks(_load_dtensors, ranks, tmp_path, s3_backend.url, options, s3_backend.storage_options, shape, placements)
+    run_ranks(
+        _load_dtensors,
+        ranks,
+        tmp_path,
+        s3_backend.url,
+        options,
+        s3_backend.storage_options,
+        shape,
+        placements,
+    )
     return sum(p.sent for p in proxies), unique_bytes(s3_backend)
 
 
@@ -277,10 +340,17 @@ def _fsdp2_round_trip(rank: int, world_size: int, url: str, options: list[dict[s
         return net
 
     saved = model(1)
-    dcp.save(get_model_state_dict(saved), storage_writer=FsspecStorageWriter(url, storage_options=options[rank]))
+    dcp.save(
+        get_model_state_dict(saved), storage_writer=FsspecStorageWriter(url, storage_options=options[rank])
+    )
     loaded = model(2)
     state = get_model_state_dict(loaded)
-    dcp.load(state, storage_reader=FsspecStorageReader(url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)))
+    dcp.load(
+        state,
+        storage_reader=FsspecStorageReader(
+            url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)
+        ),
+    )
     set_model_state_dict(loaded, state)
     for (name, a), b in zip(saved.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a.to_local(), b.to_local()), name

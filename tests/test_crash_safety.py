@@ -26,14 +26,24 @@ import fsspec
 import pytest
 import torch
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageWriter, ResumeOptions, StorageError, WriterSettings
-from dcp_fsspec.checkpoint.commit import committing, run_listing, pointer
+from dcp_fsspec import (
+    Checkpointer,
+    CheckpointExistsError,
+    FsspecStorageWriter,
+    ResumeOptions,
+    StorageError,
+    WriterSettings,
+)
+from dcp_fsspec.checkpoint.commit import committing, pointer, run_listing
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.transport.urls import resolve
 from tests.ckpt_helpers import Training, assert_equal, assert_same_training
 from tests.conftest import Backend
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 KEEP_LAST_N = 2
 # Big enough for a multipart upload of two parts (the writer's parts are 16 MiB).
@@ -90,9 +100,15 @@ KILL_POINTS = {
         blob=True,
         backends=("local", "s3"),
     ),
-    "data files are written but not the key's .metadata": KillPoint("dcp_fsspec.storage.write.writer:FsspecStorageWriter.finish"),
-    "some keys are finished and others not": KillPoint("dcp_fsspec.storage.write.writer:FsspecStorageWriter.finish", nth=3),
-    "every key is finished but the commit record is not written": KillPoint("dcp_fsspec.checkpoint.commit.committing:commit_record"),
+    "data files are written but not the key's .metadata": KillPoint(
+        "dcp_fsspec.storage.write.writer:FsspecStorageWriter.finish"
+    ),
+    "some keys are finished and others not": KillPoint(
+        "dcp_fsspec.storage.write.writer:FsspecStorageWriter.finish", nth=3
+    ),
+    "every key is finished but the commit record is not written": KillPoint(
+        "dcp_fsspec.checkpoint.commit.committing:commit_record"
+    ),
     "the commit record is written but the pointer has not moved": KillPoint(
         "dcp_fsspec.checkpoint.commit.pointer:replace_pointer", backends=("local", "s3")
     ),
@@ -155,7 +171,9 @@ def _save_and_die(backend: Backend, point: KillPoint) -> None:
     training = _trained(3)
     # The blob (20 MiB) goes up in parts, not in one PUT, so that a kill can fall between them.
     multipart = WriterSettings(multipart_threshold=0)
-    with Checkpointer(backend.url, backend.storage_options, keep_last_n=KEEP_LAST_N, writer_settings=multipart) as ckpt:
+    with Checkpointer(
+        backend.url, backend.storage_options, keep_last_n=KEEP_LAST_N, writer_settings=multipart
+    ) as ckpt:
         ckpt.save(3, **_keys(training, point.blob))
     os._exit(0)  # the kill point was never reached: the parent reports it
 
@@ -175,7 +193,8 @@ def _pending_uploads(backend: Backend) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("backend_name", "moment"), [(backend, moment) for moment, point in KILL_POINTS.items() for backend in point.backends]
+    ("backend_name", "moment"),
+    [(backend, moment) for moment, point in KILL_POINTS.items() for backend in point.backends],
 )
 def test_a_save_killed_when_leaves_the_last_checkpoint_loadable_and_the_next_save_cleans_up(
     backend_name: str, moment: str, request: pytest.FixtureRequest
@@ -195,7 +214,9 @@ def test_a_save_killed_when_leaves_the_last_checkpoint_loadable_and_the_next_sav
     child = multiprocessing.get_context("fork").Process(target=_save_and_die, args=(crash_backend, point))
     child.start()
     child.join(timeout=240)
-    assert child.exitcode == -signal.SIGKILL, f"the child was not killed at {moment!r} (exit code {child.exitcode})"
+    assert child.exitcode == -signal.SIGKILL, (
+        f"the child was not killed at {moment!r} (exit code {child.exitcode})"
+    )
 
     # A restart: the pointer names a complete checkpoint, which loads bit-exact.
     resumed = Training(seed=9)
@@ -211,9 +232,9 @@ def test_a_save_killed_when_leaves_the_last_checkpoint_loadable_and_the_next_sav
         ckpt.save(following, **_keys(resumed, point.blob))
         assert ckpt.committed_iterations() == [following - 1, following]
     files = _files(crash_backend)
-    assert [f for f in files if not f.startswith(tuple(f"iter_{i:09d}/" for i in (following - 1, following)))] == [
-        POINTER_NAME
-    ], files
+    assert [
+        f for f in files if not f.startswith(tuple(f"iter_{i:09d}/" for i in (following - 1, following)))
+    ] == [POINTER_NAME], files
     assert not [f for f in files if ".tmp" in f], files
     assert _pending_uploads(crash_backend) == []
 
@@ -272,7 +293,9 @@ def _writer(backend: Backend, iterations: list[int], rounds: threading.Barrier) 
             for iteration in iterations:
                 rounds.wait(timeout=120)
                 try:
-                    ckpt.save(iteration, trainer={"w": torch.full((4096,), float(iteration)), "step": iteration})
+                    ckpt.save(
+                        iteration, trainer={"w": torch.full((4096,), float(iteration)), "step": iteration}
+                    )
                     outcome[iteration] = "saved"
                 except (CheckpointExistsError, StorageError) as e:
                     # The other run's pointer got ahead (refused before or at commit), or its
@@ -316,7 +339,9 @@ def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(
             stop.set()
         seen = watcher.result(timeout=60)
     assert seen == sorted(seen), "the pointer moved backwards"
-    assert "CheckpointExistsError" in {outcomes[i] for i in (1, 3, 5, 7, 9, 11)}, outcomes  # the race happened
+    assert "CheckpointExistsError" in {outcomes[i] for i in (1, 3, 5, 7, 9, 11)}, (
+        outcomes
+    )  # the race happened
     saved = sorted(i for i, how in outcomes.items() if how == "saved")
     with Checkpointer(any_backend.url, any_backend.storage_options) as ckpt:
         committed = ckpt.committed_iterations()
@@ -329,8 +354,10 @@ def test_two_checkpointers_saving_into_one_folder_never_corrupt_each_other(
         with Checkpointer(
             any_backend.sub("reader"),
             any_backend.storage_options,
-            resume=ResumeOptions(load_path=any_backend.sub(f"iter_{iteration:09d}"), load_training_state=True),
-            ) as reader:
+            resume=ResumeOptions(
+                load_path=any_backend.sub(f"iter_{iteration:09d}"), load_training_state=True
+            ),
+        ) as reader:
             assert reader.load(trainer=target) == iteration
         assert target["step"] == iteration and torch.equal(target["w"], torch.full((4096,), float(iteration)))
 
@@ -373,7 +400,10 @@ def test_several_processes_moving_one_local_pointer_leave_it_on_the_newest_and_n
 ) -> None:
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Event()
-    writers = [ctx.Process(target=_point_in_turn, args=(local_backend.url, list(range(k, 120, 4)), start)) for k in range(4)]
+    writers = [
+        ctx.Process(target=_point_in_turn, args=(local_backend.url, list(range(k, 120, 4)), start))
+        for k in range(4)
+    ]
     for writer in writers:
         writer.start()
     stop = threading.Event()

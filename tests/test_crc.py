@@ -32,7 +32,9 @@ def test_a_prefix_whose_crc_is_zero_still_counts_as_bytes_before() -> None:
 def test_the_crc_pass_in_use_gives_zlibs_values(implementation: str) -> None:
     """ISA-L's CRC-32, where installed, must give zlib's values: it writes the stored CRCs."""
     if implementation == "isal":
-        isal_zlib = pytest.importorskip("isal.isal_zlib", reason="isal is not installed (no wheel for this CPU)")
+        isal_zlib = pytest.importorskip(
+            "isal.isal_zlib", reason="isal is not installed (no wheel for this CPU)"
+        )
         function = isal_zlib.crc32
     else:
         function = crc32

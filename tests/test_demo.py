@@ -22,8 +22,13 @@ def _demo(*args: str) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, "-m", "dcp_fsspec", "demo", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_demo_on_embedded_s3_resumes_bit_identically_and_says_the_checkpoints_go_with_the_server() -> None:
@@ -35,14 +40,18 @@ def test_demo_on_embedded_s3_resumes_bit_identically_and_says_the_checkpoints_go
     assert "embedded S3 server (moto) at http://127.0.0.1:" in out
     assert "resumed from iteration 40" in out
     assert "bit-identical" in out and "MISMATCH" not in out
-    table = out[out.index("iteration "):]
-    for name, who, kept in [("iter_000000020", "first", "deleted"), ("iter_000000040", "first", "yes"), ("iter_000000060", "fresh", "yes")]:
+    table = out[out.index("iteration ") :]
+    for name, who, kept in [
+        ("iter_000000020", "first", "deleted"),
+        ("iter_000000040", "first", "yes"),
+        ("iter_000000060", "fresh", "yes"),
+    ]:
         row = next(line for line in table.splitlines() if line.startswith(name))
         assert who in row and row.endswith(kept)
         assert " KiB " in row, row  # a deleted iteration's size too: measured when it was saved
     # A tiny model's save is fixed cost: a MB/s column would read as the library's throughput.
     assert "MB/s" not in out and "`make bench` measures throughput" in out
-    closing = out[out.index("bit-identical"):]
+    closing = out[out.index("bit-identical") :]
     assert "embedded S3 server has stopped" in closing and "--url" in closing
 
 
@@ -55,7 +64,11 @@ def test_demo_checkpoints_to_any_url_given(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "bit-identical" in done.stdout and f"the checkpoints stay at {url}" in done.stdout
     assert (tmp_path / "ckpt" / "latest_checkpoint.txt").read_text() == "iter_000000060\n"
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["iter_000000040", "iter_000000060", "latest_checkpoint.txt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "iter_000000040",
+        "iter_000000060",
+        "latest_checkpoint.txt",
+    ]
 
 
 def test_demo_refuses_a_url_that_already_holds_checkpoints(tmp_path: Path) -> None:

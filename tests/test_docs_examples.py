@@ -19,11 +19,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,9 @@ def collect(path: Path, root: Path = ROOT) -> list[Block]:
         command = ""
         if script:
             later = (f["body"] for f in fences[i + 1 :] if f["lang"] in ("bash", "sh", "console"))
-            command = next((c for body in later for c in body.splitlines() if "torchrun" in c and script in c), "")
+            command = next(
+                (c for body in later for c in body.splitlines() if "torchrun" in c and script in c), ""
+            )
             mark = "slow" if mark == "run" else mark
         relative = str(path.relative_to(root))
         if mark == "run" and relative != "README.md":
@@ -107,9 +109,14 @@ def _missing_module(code: str) -> str | None:
 
 
 def _run(args: list[str], cwd: Path, timeout: int, block: Block) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     try:
-        done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.id}: did not finish in {timeout} s: {e.stdout!r} {e.stderr!r}")
     assert done.returncode == 0, f"{block.id} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
@@ -141,10 +148,17 @@ def test_the_code_block_runs_as_pasted(block: Block, tmp_path: Path) -> None:
         return
     assert block.command, f"{block.id}: no ```bash block after it runs `torchrun ... {block.script}`"
     (tmp_path / block.script).write_text(block.code)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *block.command.split("torchrun", 1)[1].split("#")[0].split()]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *block.command.split("torchrun", 1)[1].split("#")[0].split(),
+    ]
     first = _run(torchrun, tmp_path, timeout, block)
     again = _run(torchrun, tmp_path, timeout, block)
-    assert "resumed at 0" in first and "resumed at 0" not in again, f"{block.id}: the second run did not resume:\n{again}"
+    assert "resumed at 0" in first and "resumed at 0" not in again, (
+        f"{block.id}: the second run did not resume:\n{again}"
+    )
 
 
 def test_the_collector_finds_every_kind_of_block() -> None:
@@ -166,10 +180,11 @@ def test_a_block_marked_not_run_is_told_apart_from_one_that_runs(tmp_path: Path)
     )
     blocks = unique(collect(page, root=tmp_path))
     assert [(b.mark, b.why, b.script) for b in blocks] == [
-        ("not run", "needs a cluster", ""), ("slow", "a docs/ page", ""), ("slow", "", "job.py"),
-    ]  # fmt: skip
+        ("not run", "needs a cluster", ""),
+        ("slow", "a docs/ page", ""),
+        ("slow", "", "job.py"),
+    ]
     assert blocks[2].command == "torchrun --nproc-per-node 2 job.py"
-
 
 
 def extras_by_module(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, set[str]]:

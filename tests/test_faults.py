@@ -192,7 +192,9 @@ def test_save_and_load_are_bit_exact_through_a_proxy_failing_a_quarter_of_reques
     assert sum(proxy.faults.values()) >= 5, proxy.faults
 
 
-def test_our_retries_carry_a_save_and_load_when_the_driver_gives_up(faulty_s3: Backend, proxy: FaultyProxy) -> None:
+def test_our_retries_carry_a_save_and_load_when_the_driver_gives_up(
+    faulty_s3: Backend, proxy: FaultyProxy
+) -> None:
     # With one botocore attempt, a 500 reaches s3fs, which does not retry it: only our layer does.
     backend = _without_driver_retries(faulty_s3)
     state = sample_state()
@@ -210,7 +212,9 @@ def test_without_our_retries_the_same_faults_fail_the_save(faulty_s3: Backend, p
     assert faulty_s3.url in str(raised.value)
 
 
-def test_checkpointer_saves_commits_and_resumes_through_faults(faulty_s3: Backend, proxy: FaultyProxy) -> None:
+def test_checkpointer_saves_commits_and_resumes_through_faults(
+    faulty_s3: Backend, proxy: FaultyProxy
+) -> None:
     # Its default RetryPolicy covers what botocore would have retried (and sleeps less).
     backend = _without_driver_retries(faulty_s3)
     with proxy.faults_at(0.15):
@@ -232,7 +236,9 @@ def test_faults_that_never_clear_fail_a_save_within_the_policy_deadline(
     assert faulty_s3.url in str(raised.value) and "giving up" in str(raised.value)
 
 
-def test_faults_that_never_clear_fail_a_load_within_the_policy_deadline(faulty_s3: Backend, proxy: FaultyProxy) -> None:
+def test_faults_that_never_clear_fail_a_load_within_the_policy_deadline(
+    faulty_s3: Backend, proxy: FaultyProxy
+) -> None:
     state = sample_state()
     save(state, faulty_s3, **SMALL_IO)
     policy = RetryPolicy(attempts=100, base_delay=0.05, max_delay=0.2, deadline=DEADLINE)
@@ -251,13 +257,25 @@ def test_a_part_that_cannot_be_uploaded_stops_the_file_instead_of_sending_the_re
     policy = RetryPolicy(attempts=2, base_delay=0, deadline=1.0)
     state = {"w": torch.zeros(10 * 5 * MiB // 4)}  # ten 5 MiB parts in one file
     with proxy.faults_at(1.0, kinds=("503",)), raises_through_dcp(StorageError):
-        save(state, faulty_s3, retry=policy, part_size=5 * MiB, multipart_threshold=0, max_inflight_bytes=10 * MiB, files_per_rank=1)
-    parts = {path.split("partNumber=")[1].split("&")[0] for method, path, _ in proxy.log if "partNumber=" in path}
+        save(
+            state,
+            faulty_s3,
+            retry=policy,
+            part_size=5 * MiB,
+            multipart_threshold=0,
+            max_inflight_bytes=10 * MiB,
+            files_per_rank=1,
+        )
+    parts = {
+        path.split("partNumber=")[1].split("&")[0] for method, path, _ in proxy.log if "partNumber=" in path
+    }
     # Two parts fit the memory budget; one more may start as the first failure frees it.
     assert len(parts) <= 3, sorted(parts)
 
 
-def test_bad_credentials_fail_at_once_with_the_url_and_no_retries(faulty_s3: Backend, proxy: FaultyProxy) -> None:
+def test_bad_credentials_fail_at_once_with_the_url_and_no_retries(
+    faulty_s3: Backend, proxy: FaultyProxy
+) -> None:
     """Guarantee row: 'permanent errors (403, 404, bad credentials, missing bucket) fail at once, naming the URL' (S3)"""
     proxy.deny = True
     with raises_through_dcp(StorageError) as raised:

@@ -49,7 +49,7 @@ def _script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, check=False
-    )  # fmt: skip
+    )
 
 
 # -- starting from scratch ---------------------------------------------------------------------
@@ -63,7 +63,9 @@ def test_a_fresh_start_over_a_folder_with_uncommitted_iterations_is_a_warning_na
         assert ckpt.load(trainer=_state(0.0)) == 0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and local_backend.url in warnings[0].getMessage()
-    assert "iter_000000010" in warnings[0].getMessage() and "latest_checkpoint.txt" in warnings[0].getMessage()
+    assert (
+        "iter_000000010" in warnings[0].getMessage() and "latest_checkpoint.txt" in warnings[0].getMessage()
+    )
 
 
 def test_a_fresh_start_over_a_folder_of_other_files_is_a_warning(
@@ -92,9 +94,14 @@ def test_a_mistyped_s3_save_dirname_starts_fresh_with_a_warning_naming_it(
     s3_backend: Backend, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = s3_backend.sub("killrn")
-    with caplog.at_level(logging.WARNING, logger="dcp_fsspec"), Checkpointer(url, s3_backend.storage_options) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="dcp_fsspec"),
+        Checkpointer(url, s3_backend.storage_options) as ckpt,
+    ):
         assert ckpt.load(trainer=_state(0.0)) == 0
-    assert [r.getMessage() for r in caplog.records if url in r.getMessage() and "from scratch" in r.getMessage()]
+    assert [
+        r.getMessage() for r in caplog.records if url in r.getMessage() and "from scratch" in r.getMessage()
+    ]
 
 
 @pytest.mark.parametrize("where", ["missing", "empty"])
@@ -104,12 +111,17 @@ def test_a_new_run_that_expects_nothing_to_resume_starts_fresh_with_no_warning_b
     if where == "empty":
         Path(local_backend.url).mkdir(parents=True)
     new_run = ResumeOptions(missing_ok=True)
-    with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(local_backend.url, resume=new_run) as ckpt:
+    with (
+        caplog.at_level(logging.INFO, logger="dcp_fsspec"),
+        Checkpointer(local_backend.url, resume=new_run) as ckpt,
+    ):
         assert ckpt.load(trainer=_state(0.0)) == 0
         ckpt.save(5, trainer=_state(5.0))
         assert ckpt.load(trainer=_state(0.0)) == 5  # missing_ok never skips a checkpoint that is there
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert any(local_backend.url in r.getMessage() and "from scratch" in r.getMessage() for r in caplog.records)
+    assert any(
+        local_backend.url in r.getMessage() and "from scratch" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_a_new_run_over_a_folder_with_uncommitted_iterations_is_still_a_warning(
@@ -117,7 +129,10 @@ def test_a_new_run_over_a_folder_with_uncommitted_iterations_is_still_a_warning(
 ) -> None:
     (Path(local_backend.url) / "iter_000000010" / "model").mkdir(parents=True)
     new_run = ResumeOptions(missing_ok=True)
-    with caplog.at_level(logging.WARNING, logger="dcp_fsspec"), Checkpointer(local_backend.url, resume=new_run) as ckpt:
+    with (
+        caplog.at_level(logging.WARNING, logger="dcp_fsspec"),
+        Checkpointer(local_backend.url, resume=new_run) as ckpt,
+    ):
         assert ckpt.load(trainer=_state(0.0)) == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and local_backend.url in warnings[0] and "iter_000000010" in warnings[0]
@@ -140,7 +155,9 @@ def test_resume_required_refuses_a_fresh_start_naming_the_url(local_backend: Bac
 # -- an older iteration --------------------------------------------------------------------------
 
 
-def test_load_of_an_older_committed_iteration_restores_it_and_returns_its_number(local_backend: Backend) -> None:
+def test_load_of_an_older_committed_iteration_restores_it_and_returns_its_number(
+    local_backend: Backend,
+) -> None:
     with Checkpointer(local_backend.url) as ckpt:
         ckpt.save(10, trainer=_state(10.0))
         ckpt.save(20, trainer=_state(20.0))
@@ -162,7 +179,9 @@ def test_load_of_an_iteration_that_is_not_committed_names_the_url_and_the_commit
     assert "load(iteration=N)" in message and "rewrite" not in message
 
 
-def test_a_damaged_latest_checkpoint_says_which_older_iteration_to_load_instead(local_backend: Backend) -> None:
+def test_a_damaged_latest_checkpoint_says_which_older_iteration_to_load_instead(
+    local_backend: Backend,
+) -> None:
     with Checkpointer(local_backend.url) as ckpt:
         ckpt.save(10, trainer=_state(10.0))
         ckpt.save(20, trainer=_state(20.0))
@@ -204,7 +223,9 @@ def test_a_missing_bucket_is_named_as_such_on_save_and_on_load(s3_backend: Backe
 
 def test_an_async_save_in_flight_when_the_script_ends_is_committed_and_logged(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
-    done = _script(tmp_path, f"""
+    done = _script(
+        tmp_path,
+        f"""
         import logging
         import torch
         from dcp_fsspec import Checkpointer
@@ -214,7 +235,8 @@ def test_an_async_save_in_flight_when_the_script_ends_is_committed_and_logged(tm
             ckpt = Checkpointer({url!r}, async_mode="async_with_pinned_mem")
             ckpt.save(7, trainer={{"w": torch.arange(4_000_000, dtype=torch.float32)}})
             # no finalize(), no with block: the script simply ends
-    """)
+    """,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "iteration 7" in done.stderr and url in done.stderr
     from dcp_fsspec.storage.transport.urls import resolve
@@ -227,17 +249,22 @@ def test_an_async_checkpointer_in_a_script_without_a_main_guard_says_what_to_add
 ) -> None:
     """The background process re-runs the script and exits quietly: no nested spawn's
     RuntimeError, no EOFError, only the training process's one error naming the script."""
-    done = _script(tmp_path, f"""
+    done = _script(
+        tmp_path,
+        f"""
         import torch
         from dcp_fsspec import Checkpointer
 
         ckpt = Checkpointer({str(tmp_path / "run")!r}, async_mode="async_with_pinned_mem")
         ckpt.save(1, trainer={{"w": torch.ones(4)}})
         ckpt.finalize()
-    """)
+    """,
+    )
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert "BackgroundSaveError" in lines[-1] and 'if __name__ == "__main__":' in lines[-1], done.stderr[-3000:]
+    assert "BackgroundSaveError" in lines[-1] and 'if __name__ == "__main__":' in lines[-1], done.stderr[
+        -3000:
+    ]
     assert "train_" in lines[-1] and str(tmp_path / "run") in lines[-1]
     assert sum(line.startswith("Traceback") for line in lines) == 1, done.stderr[-3000:]
     assert "RuntimeError" not in done.stderr and "EOFError" not in done.stderr
@@ -260,7 +287,9 @@ def test_async_commits_and_retention_deletions_are_logged_in_the_training_proces
             ckpt.save(1, trainer=_state(1.0))
             ckpt.save(2, trainer=_state(2.0))
     messages = [r.getMessage() for r in caplog.records]
-    assert any("committed" in m and "iter_000000002" in m and "background save process" in m for m in messages)
+    assert any(
+        "committed" in m and "iter_000000002" in m and "background save process" in m for m in messages
+    )
     assert any("deleted" in m and "iter_000000001" in m and "background save process" in m for m in messages)
 
 
@@ -268,7 +297,9 @@ def test_async_commits_and_retention_deletions_are_logged_in_the_training_proces
 
 
 def test_a_single_process_save_and_load_print_no_torch_notice(tmp_path: Path) -> None:
-    done = _script(tmp_path, f"""
+    done = _script(
+        tmp_path,
+        f"""
         import torch
         import torch.distributed.checkpoint as dcp
         from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter
@@ -280,7 +311,8 @@ def test_a_single_process_save_and_load_print_no_torch_notice(tmp_path: Path) ->
         dcp.load({{"w": torch.zeros(4)}}, storage_reader=FsspecStorageReader({str(tmp_path / "plain")!r}))
         import warnings
         warnings.warn("other warnings still show")
-    """)
+    """,
+    )
     assert done.returncode == 0, done.stderr
     assert "torch.distributed is disabled" not in done.stderr
     assert "other warnings still show" in done.stderr

@@ -11,14 +11,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, ReaderSettings
+from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, ReaderSettings, WriterSettings
 from dcp_fsspec.errors import ChecksumMismatchError, CorruptCheckpointError
-from dcp_fsspec.storage.read import reader as reader_module
 from dcp_fsspec.storage.backends.s3 import S3Backend
+from dcp_fsspec.storage.read import reader as reader_module
 from dcp_fsspec.storage.read.fetch import fetch_in_order
 from tests.conftest import Backend
 from tests.helpers import raises_through_dcp
-from dcp_fsspec import WriterSettings
 
 MiB = 1 << 20
 GEN = torch.Generator().manual_seed(11)
@@ -40,7 +39,12 @@ def place(request: pytest.FixtureRequest) -> Backend:
 
 
 def _save(place: Backend, state: dict[str, torch.Tensor]) -> str:
-    dcp.save(state, storage_writer=FsspecStorageWriter(place.url, place.storage_options, settings=WriterSettings(files_per_rank=1)))
+    dcp.save(
+        state,
+        storage_writer=FsspecStorageWriter(
+            place.url, place.storage_options, settings=WriterSettings(files_per_rank=1)
+        ),
+    )
     return place.url
 
 

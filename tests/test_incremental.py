@@ -41,7 +41,10 @@ from tests.helpers import raises_through_dcp
 from tests.security.crafted import edit_metadata
 from tests.servers.counting import CountingProxy
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 BASE_DIM = 1024  # the frozen base: 4 MiB of float32
 RANK = 4  # the adapter's rank
@@ -92,7 +95,11 @@ def _assert_same(a: LoraTraining, b: LoraTraining) -> None:
 
 def _data_files(fs: fsspec.AbstractFileSystem, folder: str) -> dict[str, int]:
     fs.invalidate_cache()
-    return {posixpath.basename(p): int(info["size"]) for p, info in fs.find(folder, detail=True).items() if p.endswith(".distcp")}
+    return {
+        posixpath.basename(p): int(info["size"])
+        for p, info in fs.find(folder, detail=True).items()
+        if p.endswith(".distcp")
+    }
 
 
 def _relative_paths(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
@@ -150,20 +157,33 @@ def test_an_incremental_save_end_reports_the_bytes_it_wrote_and_those_it_referen
 
     ends: list[CheckpointEvent] = []
     training = LoraTraining()
-    with caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint"), Checkpointer(
-        local_backend.url, incremental=True, async_mode=async_mode,
-        on_event=lambda e: ends.append(e) if e.kind == "save_end" else None,
-    ) as ckpt:  # fmt: skip
+    with (
+        caplog.at_level(logging.INFO, logger="dcp_fsspec.checkpoint"),
+        Checkpointer(
+            local_backend.url,
+            incremental=True,
+            async_mode=async_mode,
+            on_event=lambda e: ends.append(e) if e.kind == "save_end" else None,
+        ) as ckpt,
+    ):
         for iteration in (1, 2):
             training.step()
             ckpt.save(iteration, **training.keys())
             ckpt.wait()
     base_bytes = sum(t.numel() * t.element_size() for t in training.model.base.state_dict().values())
     first, second = ends
-    assert first.written_bytes is not None and first.written_bytes > base_bytes and first.referenced_bytes == 0
+    assert (
+        first.written_bytes is not None and first.written_bytes > base_bytes and first.referenced_bytes == 0
+    )
     assert second.written_bytes is not None and second.written_bytes < 0.05 * base_bytes
-    assert second.referenced_bytes >= base_bytes and second.nbytes == first.nbytes  # the state's bytes, as before
-    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("saved ") and "iter_000000002" in r.getMessage())
+    assert (
+        second.referenced_bytes >= base_bytes and second.nbytes == first.nbytes
+    )  # the state's bytes, as before
+    line = next(
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("saved ") and "iter_000000002" in r.getMessage()
+    )
     assert " written, " in line and " referenced)" in line, line
 
 
@@ -179,7 +199,9 @@ def test_a_state_where_every_tensor_changes_writes_every_tensor_as_a_full_save_d
             for iteration in (1, 2):
                 training.step()
                 ckpt.save(iteration, **training.keys())
-        sizes[incremental] = {key: _data_files(fs, f"{url}/iter_000000002/{key}") for key in ("model", "optim")}
+        sizes[incremental] = {
+            key: _data_files(fs, f"{url}/iter_000000002/{key}") for key in ("model", "optim")
+        }
         hashes = fs.exists(f"{url}/iter_000000002/model/{CONTENT_HASHES_NAME}")
         assert hashes == incremental
         assert not any(p.startswith("../") for p in _relative_paths(f"{url}/iter_000000002/model").values())
@@ -238,7 +260,11 @@ def test_compressed_incremental_saves_refer_to_compressed_records_and_load(tmp_p
 
 def _plain_states() -> tuple[dict[str, Any], dict[str, Any]]:
     gen = torch.Generator().manual_seed(1)
-    first = {"frozen": torch.randn(256, 256, generator=gen), "adapter": torch.randn(64, generator=gen), "step": 1}
+    first = {
+        "frozen": torch.randn(256, 256, generator=gen),
+        "adapter": torch.randn(64, generator=gen),
+        "step": 1,
+    }
     second = {**first, "adapter": torch.randn(64, generator=gen), "step": 2}
     return first, second
 
@@ -247,7 +273,9 @@ def _zeros() -> dict[str, Any]:
     return {"frozen": torch.zeros(256, 256), "adapter": torch.zeros(64), "step": 0}
 
 
-def test_dcp_save_with_a_sibling_base_loads_with_references_true_and_with_torchs_own_reader(tmp_path: Path) -> None:
+def test_dcp_save_with_a_sibling_base_loads_with_references_true_and_with_torchs_own_reader(
+    tmp_path: Path,
+) -> None:
     first, second = _plain_states()
     dcp.save(first, storage_writer=FsspecStorageWriter(tmp_path / "step-1", incremental=True))
     dcp.save(second, storage_writer=FsspecStorageWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
@@ -286,7 +314,9 @@ def test_a_missing_base_is_said_naming_it(tmp_path: Path) -> None:
     assert str(tmp_path / "step-1") in str(info.value) and "no checkpoint" in str(info.value)
 
 
-def test_a_base_without_content_hashes_gets_a_full_save_and_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_base_without_content_hashes_gets_a_full_save_and_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     first, second = _plain_states()
     dcp.save(first, storage_writer=FsspecStorageWriter(tmp_path / "step-1"))
     with caplog.at_level(logging.WARNING):
@@ -295,7 +325,9 @@ def test_a_base_without_content_hashes_gets_a_full_save_and_a_warning(tmp_path: 
     assert any("no content hashes" in r.getMessage() and "step-1" in r.getMessage() for r in caplog.records)
 
 
-def test_content_hashes_left_by_another_save_are_not_trusted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_content_hashes_left_by_another_save_are_not_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A non-incremental save over a folder whose hashes describe other records: a later save
     must not refer to the new records on the strength of the old digests."""
     first, second = _plain_states()
@@ -326,7 +358,9 @@ def test_damaged_content_hashes_of_the_base_cost_a_full_save_and_a_warning_namin
     with caplog.at_level(logging.WARNING):
         dcp.save(second, storage_writer=FsspecStorageWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
     assert not any(p.startswith("../") for p in _relative_paths(str(tmp_path / "step-2")).values())
-    assert any(CONTENT_HASHES_NAME in r.getMessage() and "every record" in r.getMessage() for r in caplog.records)
+    assert any(
+        CONTENT_HASHES_NAME in r.getMessage() and "every record" in r.getMessage() for r in caplog.records
+    )
 
 
 # -- tampered references ---------------------------------------------------------------------------
@@ -351,7 +385,10 @@ def _point_base_at(path: str) -> Any:
 
 
 def _load_failure(backend: Backend) -> BaseException:
-    with Checkpointer(backend.url, backend.storage_options) as ckpt, pytest.raises(CorruptCheckpointError) as info:
+    with (
+        Checkpointer(backend.url, backend.storage_options) as ckpt,
+        pytest.raises(CorruptCheckpointError) as info,
+    ):
         ckpt.load(**LoraTraining(seed=4).keys(), iteration=2)
     return info.value
 
@@ -376,9 +413,16 @@ def test_a_reference_of_another_shape_is_refused_before_reading(local_backend: B
 def test_a_reference_into_an_uncommitted_iteration_is_refused_naming_both(local_backend: Backend) -> None:
     _incremental_run(local_backend)
     fs = fsspec.filesystem("file")
-    fs.copy(f"{local_backend.url}/iter_000000001/model", f"{local_backend.url}/iter_000000007/model", recursive=True)
-    edit_metadata(local_backend, f"{local_backend.url}/iter_000000002/model",
-                  _point_base_at("../../iter_000000007/model/__0_0.distcp"))  # fmt: skip
+    fs.copy(
+        f"{local_backend.url}/iter_000000001/model",
+        f"{local_backend.url}/iter_000000007/model",
+        recursive=True,
+    )
+    edit_metadata(
+        local_backend,
+        f"{local_backend.url}/iter_000000002/model",
+        _point_base_at("../../iter_000000007/model/__0_0.distcp"),
+    )
     message = str(_load_failure(local_backend))
     assert "iter_000000002" in message and "iteration 7" in message and "not committed" in message
 
@@ -386,9 +430,17 @@ def test_a_reference_into_an_uncommitted_iteration_is_refused_naming_both(local_
 def test_a_reference_to_a_missing_file_is_refused_naming_both(s3_backend: Backend) -> None:
     _incremental_run(s3_backend)
     fs = fsspec.core.url_to_fs(s3_backend.url, **s3_backend.storage_options)[0]
-    fs.rm(fsspec.core.url_to_fs(f"{s3_backend.url}/iter_000000001/model/__0_0.distcp", **s3_backend.storage_options)[1])
+    fs.rm(
+        fsspec.core.url_to_fs(
+            f"{s3_backend.url}/iter_000000001/model/__0_0.distcp", **s3_backend.storage_options
+        )[1]
+    )
     message = str(_load_failure(s3_backend))
-    assert "iter_000000001/model/__0_0.distcp" in message and "iter_000000002/model" in message and "missing" in message
+    assert (
+        "iter_000000001/model/__0_0.distcp" in message
+        and "iter_000000002/model" in message
+        and "missing" in message
+    )
 
 
 def test_a_reference_into_a_deleted_iteration_is_refused_naming_both(local_backend: Backend) -> None:
@@ -404,7 +456,9 @@ def test_a_reference_into_a_deleted_iteration_is_refused_naming_both(local_backe
 def _save_and_die(url: str, target: str) -> None:
     torch.set_num_threads(1)
     module, name = target.rsplit(".", 1)
-    owner: Any = FsspecStorageWriter if module.endswith("FsspecStorageWriter") else __import__(module, fromlist=["x"])
+    owner: Any = (
+        FsspecStorageWriter if module.endswith("FsspecStorageWriter") else __import__(module, fromlist=["x"])
+    )
 
     def die(*args: Any, **kwargs: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -452,7 +506,10 @@ def test_an_incremental_save_killed_half_way_leaves_the_last_one_loadable_and_th
     with Checkpointer(url) as ckpt:
         assert ckpt.load(**final.keys()) == 3
     _assert_same(final, resumed)
-    assert _relative_paths(f"{url}/iter_000000003/model")["base.weight"] == "../../iter_000000001/model/__0_0.distcp"
+    assert (
+        _relative_paths(f"{url}/iter_000000003/model")["base.weight"]
+        == "../../iter_000000001/model/__0_0.distcp"
+    )
 
 
 # -- FSDP2 on two ranks ----------------------------------------------------------------------------
@@ -467,18 +524,24 @@ def _fsdp_rank(rank: int, world_size: int, url: str, out: str) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     training = LoraTraining()
     fully_shard(training.model, mesh=mesh)
-    training.optimizer = torch.optim.AdamW([p for p in training.model.parameters() if p.requires_grad], lr=1e-2)
+    training.optimizer = torch.optim.AdamW(
+        [p for p in training.model.parameters() if p.requires_grad], lr=1e-2
+    )
     with Checkpointer(url, incremental=True) as ckpt:
         for iteration in (1, 2):
             training.step()
             ckpt.save(iteration, **training.keys())
-    full = get_model_state_dict(training.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        training.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     resumed = LoraTraining(seed=6)
     fully_shard(resumed.model, mesh=mesh)
     resumed.optimizer = torch.optim.AdamW([p for p in resumed.model.parameters() if p.requires_grad], lr=1e-2)
     with Checkpointer(url) as ckpt:
         assert ckpt.load(**resumed.keys()) == 2
-    again = get_model_state_dict(resumed.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    again = get_model_state_dict(
+        resumed.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         assert full.keys() == again.keys()
         for name in full:
@@ -492,7 +555,9 @@ def test_fsdp2_on_two_ranks_saves_incrementally_and_loads_bit_exact_on_two_and_o
     out = str(tmp_path / "full.pt")
     run_ranks(_fsdp_rank, 2, tmp_path, url, out)
     metadata = pickle.loads((tmp_path / "run" / "iter_000000002" / "model" / METADATA_NAME).read_bytes())
-    base = {info.relative_path for index, info in metadata.storage_data.items() if index.fqn.startswith("base.")}
+    base = {
+        info.relative_path for index, info in metadata.storage_data.items() if index.fqn.startswith("base.")
+    }
     # Each rank's shard of the frozen base is in that rank's file of iteration 1.
     assert base == {"../../iter_000000001/model/__0_0.distcp", "../../iter_000000001/model/__1_0.distcp"}
     full = torch.load(out)
@@ -507,5 +572,8 @@ def test_a_base_that_is_not_committed_is_refused_by_name(tmp_path: Path) -> None
     """The writer's base must hold a checkpoint: a folder without .metadata is not one."""
     (tmp_path / "step-1").mkdir()
     with raises_through_dcp(CheckpointNotFoundError) as info:
-        dcp.save(_plain_states()[0], storage_writer=FsspecStorageWriter(tmp_path / "step-2", base=tmp_path / "step-1"))
+        dcp.save(
+            _plain_states()[0],
+            storage_writer=FsspecStorageWriter(tmp_path / "step-2", base=tmp_path / "step-1"),
+        )
     assert str(tmp_path / "step-1") in str(info.value)

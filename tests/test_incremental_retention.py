@@ -32,7 +32,10 @@ from tests.test_cli import _cli, _json
 from tests.test_cli_startup import _command
 from tests.test_crash_safety import ITERATION_FOLDER, KillPoint, _arm
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 KEYS = ("model", "optim", "trainer", "ema")
 
@@ -81,8 +84,13 @@ def _assert_loads(backend: Backend, iteration: int) -> None:
     assert got["param_groups"] == want["param_groups"]
     for param, fields in want["state"].items():
         for field, value in fields.items():
-            assert torch.equal(torch.as_tensor(got["state"][param][field]), torch.as_tensor(value)), (iteration, field)
-    assert loaded["trainer"]["step"] == iteration and torch.equal(loaded["trainer"]["noise"], expected["trainer"]["noise"])
+            assert torch.equal(torch.as_tensor(got["state"][param][field]), torch.as_tensor(value)), (
+                iteration,
+                field,
+            )
+    assert loaded["trainer"]["step"] == iteration and torch.equal(
+        loaded["trainer"]["noise"], expected["trainer"]["noise"]
+    )
     assert torch.equal(loaded["ema"]["decay"], expected["ema"]["decay"])
 
 
@@ -98,15 +106,23 @@ def _referred(backend: Backend, iteration: int) -> set[str]:
     """The files of other iterations that ``iteration``'s keys refer to, relative to the run."""
     found = set()
     for key in KEYS:
-        metadata = FsspecStorageReader(backend.sub(f"iter_{iteration:09d}", key), backend.storage_options).read_metadata()
-        found |= {info.relative_path[len("../../") :] for info in metadata.storage_data.values() if info.relative_path.startswith("../")}
+        metadata = FsspecStorageReader(
+            backend.sub(f"iter_{iteration:09d}", key), backend.storage_options
+        ).read_metadata()
+        found |= {
+            info.relative_path[len("../../") :]
+            for info in metadata.storage_data.values()
+            if info.relative_path.startswith("../")
+        }
     return found
 
 
 def _record(backend: Backend, iteration: int) -> dict[str, Any]:
     fs = backend.fs
     fs.invalidate_cache()
-    return json.loads(fs.cat_file(fs._strip_protocol(backend.sub(f"iter_{iteration:09d}", COMMIT_RECORD_NAME))))
+    return json.loads(
+        fs.cat_file(fs._strip_protocol(backend.sub(f"iter_{iteration:09d}", COMMIT_RECORD_NAME)))
+    )
 
 
 def _assert_retired(backend: Backend, iteration: int, referred: set[str]) -> None:
@@ -116,9 +132,13 @@ def _assert_retired(backend: Backend, iteration: int, referred: set[str]) -> Non
     prefix = f"iter_{iteration:09d}/"
     kept = {f[len(prefix) :] for f in referred if f.startswith(prefix)}
     assert kept, referred  # it is referred to: that is why it is retired
-    expected = {COMMIT_RECORD_NAME} | {f"{k}/{n}" for k in KEYS for n in (METADATA_NAME, CONTENT_HASHES_NAME)} | kept
+    expected = (
+        {COMMIT_RECORD_NAME} | {f"{k}/{n}" for k in KEYS for n in (METADATA_NAME, CONTENT_HASHES_NAME)} | kept
+    )
     assert _files(backend, iteration) == expected
-    assert not {"trainer/__0_0.distcp", "ema/__0_0.distcp"} & kept  # changed at every save: nobody refers to them
+    assert (
+        not {"trainer/__0_0.distcp", "ema/__0_0.distcp"} & kept
+    )  # changed at every save: nobody refers to them
 
 
 # -- retention --------------------------------------------------------------------------------------
@@ -139,14 +159,20 @@ def test_keep_last_n_over_five_incremental_saves_retires_the_referred_iteration_
     assert not shared_backend.fs.exists(shared_backend.sub("iter_000000003"))
 
 
-def test_a_retired_iteration_that_no_kept_iteration_refers_to_any_longer_is_deleted_whole(local_backend: Backend) -> None:
+def test_a_retired_iteration_that_no_kept_iteration_refers_to_any_longer_is_deleted_whole(
+    local_backend: Backend,
+) -> None:
     _save(local_backend, range(1, 4), keep_last_n=2)
     assert _record(local_backend, 1).get("retired") is True
     # Full saves from here on: once the incremental ones leave the kept window, nothing refers to 1.
     with Checkpointer(local_backend.url, keep_last_n=2) as ckpt:
         for iteration in (4, 5):
             ckpt.save(iteration, **_state(iteration))
-    assert sorted(os.listdir(local_backend.url)) == ["iter_000000004", "iter_000000005", "latest_checkpoint.txt"]
+    assert sorted(os.listdir(local_backend.url)) == [
+        "iter_000000004",
+        "iter_000000005",
+        "latest_checkpoint.txt",
+    ]
     _assert_loads(local_backend, 5)
 
 
@@ -161,7 +187,9 @@ def test_retention_deletes_nothing_while_a_kept_iterations_metadata_is_unreadabl
     with caplog.at_level(logging.WARNING, logger="dcp_fsspec"):
         assert retention.apply_retention(resolve(local_backend.url), 2) == []
     assert _files(local_backend, 1) == before and _record(local_backend, 1).get("retired") is None
-    assert any("retention skipped" in r.getMessage() and damaged in r.getMessage() for r in caplog.records), caplog.text
+    assert any("retention skipped" in r.getMessage() and damaged in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )
 
 
 # -- killed during retention ------------------------------------------------------------------------
@@ -171,7 +199,9 @@ def _thinning(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """A backend's ``remove_files`` call for files of a retired iteration."""
     backend, paths = args[:2]
     parts = paths[0].split("/")
-    folder = "/".join(parts[: next(n for n, part in enumerate(parts) if ITERATION_FOLDER.fullmatch(part)) + 1])
+    folder = "/".join(
+        parts[: next(n for n, part in enumerate(parts) if ITERATION_FOLDER.fullmatch(part)) + 1]
+    )
     record = backend.read_versioned(posixpath.join(folder, COMMIT_RECORD_NAME)).data
     return record is not None and json.loads(record).get("retired") is True
 
@@ -187,8 +217,12 @@ REMOVE_FILES = {
     "s3": "dcp_fsspec.storage.backends.s3:S3Backend.remove_files",
 }
 KILLED_DURING_RETENTION = {
-    "it read what kept iterations refer to but retired nothing": KillPoint("dcp_fsspec.checkpoint.commit.deletion:retire_iterations"),
-    "it retired the iteration but deleted none of its files": KillPoint(REMOVE_FILES, when=_thinning, backends=("local", "s3")),
+    "it read what kept iterations refer to but retired nothing": KillPoint(
+        "dcp_fsspec.checkpoint.commit.deletion:retire_iterations"
+    ),
+    "it retired the iteration but deleted none of its files": KillPoint(
+        REMOVE_FILES, when=_thinning, backends=("local", "s3")
+    ),
     "it deleted part of the retired iteration's files": KillPoint(
         REMOVE_FILES, when=_thinning, first=_delete_half_first, backends=("local", "s3")
     ),
@@ -211,10 +245,14 @@ def test_a_save_killed_during_retention_leaves_kept_iterations_loading_and_the_n
 ) -> None:
     backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
     _save(backend, range(1, 3), keep_last_n=2)
-    child = multiprocessing.get_context("fork").Process(target=_save_third_and_die, args=(backend, KILLED_DURING_RETENTION[moment]))
+    child = multiprocessing.get_context("fork").Process(
+        target=_save_third_and_die, args=(backend, KILLED_DURING_RETENTION[moment])
+    )
     child.start()
     child.join(timeout=240)
-    assert child.exitcode == -signal.SIGKILL, f"the child was not killed when {moment} (exit code {child.exitcode})"
+    assert child.exitcode == -signal.SIGKILL, (
+        f"the child was not killed when {moment} (exit code {child.exitcode})"
+    )
 
     for iteration in (2, 3):
         _assert_loads(backend, iteration)
@@ -261,11 +299,16 @@ def test_ls_shows_a_retired_iteration_and_with_referenced_splits_own_bytes_from_
     assert by_iteration[1]["referenced_bytes"] == 0  # the first save refers to nothing
     for iteration in (4, 5):
         info = by_iteration[iteration]
-        own = sum(os.path.getsize(os.path.join(local_backend.url, f"iter_{iteration:09d}", f)) for f in _files(local_backend, iteration))
+        own = sum(
+            os.path.getsize(os.path.join(local_backend.url, f"iter_{iteration:09d}", f))
+            for f in _files(local_backend, iteration)
+        )
         refers = 0
         for key in KEYS:
             metadata = FsspecStorageReader(local_backend.sub(f"iter_{iteration:09d}", key)).read_metadata()
-            refers += sum(i.length for i in metadata.storage_data.values() if i.relative_path.startswith("../"))
+            refers += sum(
+                i.length for i in metadata.storage_data.values() if i.relative_path.startswith("../")
+            )
         assert (info["size_bytes"], info["referenced_bytes"], info["retired"]) == (own, refers, False)
         assert refers > own  # the frozen base is most of the state, and written once
 

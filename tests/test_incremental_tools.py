@@ -26,14 +26,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageWriter, LocalTier, cli, verify
 from dcp_fsspec.checkpoint.commit import layout
-from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record, retired_mark
+from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME
 from dcp_fsspec.storage.transport.urls import resolve
 from dcp_fsspec.tools.transfer import copy_checkpoint
 from tests.conftest import Backend
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 BASE_DIM = 512  # the frozen base: 1 MiB of float32
 
@@ -56,7 +59,9 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _run(root: str | Path, saves: int = 3, storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+def _run(
+    root: str | Path, saves: int = 3, storage_options: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     """``saves`` incremental saves of key ``model`` under ``root``; the last state saved."""
     model = Frozen()
     with Checkpointer(str(root), storage_options, incremental=True) as ckpt:
@@ -131,8 +136,10 @@ def _plain(tmp_path: Path) -> dict[str, torch.Tensor]:
     model.step(0)
     dcp.save(
         model.state_dict(),
-        storage_writer=FsspecStorageWriter(tmp_path / "step-20", incremental=True, base=str(tmp_path / "step-10")),
-    )  # fmt: skip
+        storage_writer=FsspecStorageWriter(
+            tmp_path / "step-20", incremental=True, base=str(tmp_path / "step-10")
+        ),
+    )
     return _state(model)
 
 
@@ -192,7 +199,9 @@ def test_cp_of_a_plain_layouts_incremental_save_copies_its_sibling_base_in_only_
     _assert_equal(_torch_load(tmp_path / "copy", expected), expected)
 
 
-def test_cp_of_a_whole_run_copies_in_the_records_of_a_retired_iteration_it_does_not_copy(tmp_path: Path) -> None:
+def test_cp_of_a_whole_run_copies_in_the_records_of_a_retired_iteration_it_does_not_copy(
+    tmp_path: Path,
+) -> None:
     expected = _run(tmp_path / "run")
     root = resolve(tmp_path / "run")
     record = read_commit_record(root, 0)
@@ -220,7 +229,9 @@ def test_cp_of_a_whole_run_keeps_the_references_to_the_iterations_it_copies(tmp_
 # --- to-torch, to-safetensors, inspect --------------------------------------------------------------
 
 
-def test_to_torch_of_an_incremental_key_equals_the_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_to_torch_of_an_incremental_key_equals_the_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     expected = _run(tmp_path / "run")
 
     code, out = _cli(capsys, "to-torch", _key(tmp_path / "run", 2), str(tmp_path / "model.pt"))
@@ -269,7 +280,11 @@ def _tiered_saves(
     """Incremental saves with a local tier (which keeps every iteration); the drain_end events."""
     drains: list[CheckpointEvent] = []
     tier = LocalTier(str(local), keep_last_n=10)
-    on_event = lambda event: drains.append(event) if event.kind == "drain_end" else None
+
+    def on_event(event: CheckpointEvent) -> None:
+        if event.kind == "drain_end":
+            drains.append(event)
+
     with Checkpointer(str(durable), incremental=True, local_tier=tier, on_event=on_event) as ckpt:
         for iteration in iterations:
             model.step(iteration)
@@ -299,8 +314,12 @@ def test_the_drains_of_an_incremental_run_upload_only_new_bytes_and_every_durabl
 ) -> None:
     model, states = Frozen(), {}
     drains = _tiered_saves(
-        tmp_path / "durable", tmp_path / "local", range(3), model, between=lambda i: states.setdefault(i, _state(model))
-    )  # fmt: skip
+        tmp_path / "durable",
+        tmp_path / "local",
+        range(3),
+        model,
+        between=lambda i: states.setdefault(i, _state(model)),
+    )
     shutil.rmtree(tmp_path / "local")  # the durable copies alone
 
     assert [event.iteration for event in drains] == [0, 1, 2]
@@ -323,9 +342,13 @@ def test_a_drain_copies_the_referenced_records_in_where_save_dirname_lacks_the_i
     def lose_the_durable_base(iteration: int) -> None:
         states[iteration] = _state(model)
         if iteration == 0:  # save_dirname loses iteration 0, which the next saves refer to
-            fsspec.filesystem("file").rm(str(tmp_path / "durable" / layout.format_iteration(0)), recursive=True)
+            fsspec.filesystem("file").rm(
+                str(tmp_path / "durable" / layout.format_iteration(0)), recursive=True
+            )
 
-    drains = _tiered_saves(tmp_path / "durable", tmp_path / "local", range(3), model, between=lose_the_durable_base)
+    drains = _tiered_saves(
+        tmp_path / "durable", tmp_path / "local", range(3), model, between=lose_the_durable_base
+    )
     shutil.rmtree(tmp_path / "local")
 
     # Iteration 1 brings the base in; iteration 2 refers to iteration 0 too, which is still missing.

@@ -83,7 +83,9 @@ def test_inspect_refuses_a_metadata_of_more_entries_than_max_entries_naming_it(
     assert url in str(info.value)
 
 
-def test_max_entries_stops_the_parse_before_it_holds_the_rest_of_the_metadata(memory_backend: Backend) -> None:
+def test_max_entries_stops_the_parse_before_it_holds_the_rest_of_the_metadata(
+    memory_backend: Backend,
+) -> None:
     url = _write_metadata(memory_backend, 20_000)
     fs, path = fsspec.core.url_to_fs(url)
     raw = fs.cat_file(path)

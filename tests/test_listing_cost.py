@@ -24,7 +24,10 @@ from dcp_fsspec.tools.ls import list_run
 from dcp_fsspec.tools.prune import prune
 from tests.conftest import Backend
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 JUNK_FOLDERS = 2000
 
@@ -94,7 +97,9 @@ def test_retention_decides_over_thousands_of_junk_folders_below_the_pointer_with
     # Deleting costs requests per folder, once (the next save finds nothing left); what must not
     # grow with the number of folders is deciding what to keep. So deletions are only recorded.
     doomed: list[int] = []
-    monkeypatch.setattr(retention, "discard", lambda root, iterations, recorded: doomed.extend(iterations) or {})
+    monkeypatch.setattr(
+        retention, "discard", lambda root, iterations, recorded: doomed.extend(iterations) or {}
+    )
     root = resolve(s3_backend.url, s3_backend.storage_options)
     requests.clear()
     assert retention.apply_retention(root, 2) == list(range(1, 1 + JUNK_FOLDERS))

@@ -20,12 +20,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointError, FsspecStorageReader, ResumeOptions
-
-from .conftest import Backend
-from .distributed import run_ranks
-from .helpers import raises_through_dcp, save
-from dcp_fsspec import ReaderSettings
+from dcp_fsspec import (
+    Checkpointer,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    FsspecStorageReader,
+    ReaderSettings,
+    ResumeOptions,
+)
+from tests.conftest import Backend
+from tests.distributed import run_ranks
+from tests.helpers import raises_through_dcp, save
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -83,14 +88,20 @@ def _checkpointer(backend: Backend, via: str) -> Checkpointer:
         return Checkpointer(backend.url, backend.storage_options)
     # A new run starting from that iteration folder, whose commit record is not looked at.
     return Checkpointer(
-        backend.sub("new-run"), backend.storage_options, resume=ResumeOptions(load_path=backend.sub("iter_000000001"), load_training_state=True)
+        backend.sub("new-run"),
+        backend.storage_options,
+        resume=ResumeOptions(load_path=backend.sub("iter_000000001"), load_training_state=True),
     )
 
 
 # A file deleted under save_dirname is caught by the commit record's check already (it names
 # the files of every key); through load_path, nothing but the preflight sees it.
-@pytest.mark.parametrize(("damage", "via"), [("truncate", "save_dirname"), ("truncate", "load_path"), ("delete", "load_path")])
-def test_a_damaged_data_file_of_the_second_key_leaves_the_first_key_untouched(store: Backend, damage: str, via: str) -> None:
+@pytest.mark.parametrize(
+    ("damage", "via"), [("truncate", "save_dirname"), ("truncate", "load_path"), ("delete", "load_path")]
+)
+def test_a_damaged_data_file_of_the_second_key_leaves_the_first_key_untouched(
+    store: Backend, damage: str, via: str
+) -> None:
     _save_two_keys(store)
     fs, files = _data_files(store, "iter_000000001", "trainer")
     _damage(fs, files[0], damage)
@@ -109,7 +120,10 @@ def test_a_shape_that_does_not_fit_the_second_key_leaves_the_first_key_untouched
     model, trainer = _live(7.0)
     trainer["table"] = torch.full((33,), 7.0)
     before = _snapshot(model, trainer)
-    with Checkpointer(store.url, store.storage_options) as ckpt, pytest.raises(CheckpointMismatchError) as raised:
+    with (
+        Checkpointer(store.url, store.storage_options) as ckpt,
+        pytest.raises(CheckpointMismatchError) as raised,
+    ):
         ckpt.load(model=model, trainer=trainer)
     _assert_untouched(model, trainer, before)
     assert "table" in str(raised.value) and store.url in str(raised.value)
@@ -168,7 +182,11 @@ def test_dcp_load_of_a_damaged_data_file_fails_before_any_target_changes(store: 
     fs, files = _data_files(store)
     _damage(fs, files[0], damage)
     target = _two_big_tensors(0.0)
-    reader = FsspecStorageReader(store.url, storage_options=store.storage_options, settings=ReaderSettings(max_request_bytes=1024 * 1024))
+    reader = FsspecStorageReader(
+        store.url,
+        storage_options=store.storage_options,
+        settings=ReaderSettings(max_request_bytes=1024 * 1024),
+    )
     with raises_through_dcp(CorruptCheckpointError) as raised:
         dcp.load(target, storage_reader=reader, no_dist=True)
     assert not target["a"].any() and not target["b"].any(), "a target changed before the error"
@@ -193,8 +211,9 @@ def test_a_tensor_saved_in_another_dtype_is_converted_into_the_target(local_back
     save({"w": torch.arange(6, dtype=torch.float32)}, local_backend)
     target = {"w": torch.zeros(6, dtype=torch.float64)}
     dcp.load(target, storage_reader=FsspecStorageReader(local_backend.url), no_dist=True)
-    assert target["w"].dtype == torch.float64 and torch.equal(target["w"], torch.arange(6, dtype=torch.float64))
-
+    assert target["w"].dtype == torch.float64 and torch.equal(
+        target["w"], torch.arange(6, dtype=torch.float64)
+    )
 
 
 # -- several ranks: one rank's failed check fails every rank before any applies a key -------------

@@ -7,21 +7,29 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 MAKE = shutil.which("make")
 pytestmark = pytest.mark.skipif(MAKE is None, reason="needs GNU make: apt-get install make")
 
 
-def _make(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 60) -> subprocess.CompletedProcess[str]:
+def _make(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(MAKE), "--no-print-directory", "-f", str(ROOT / "Makefile"), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_make_docs_installs_the_docs_extra_without_torch_or_the_packages_dependencies() -> None:
@@ -31,11 +39,16 @@ def test_make_docs_installs_the_docs_extra_without_torch_or_the_packages_depende
     installs = [line for line in done.stdout.splitlines() if "pip install" in line]
     assert installs, done.stdout
     for line in installs:
-        assert "torch" not in line and "-e ." not in line and ".[" not in line, f"make docs installs too much: {line}"
+        assert "torch" not in line and "-e ." not in line and ".[" not in line, (
+            f"make docs installs too much: {line}"
+        )
     listed = subprocess.run(
         [sys.executable, str(ROOT / ".ci" / "extra_requirements.py"), "docs"],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout.split()  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
     docs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]
     assert listed == docs and not any(name.startswith("torch") for name in listed)
 

@@ -30,7 +30,9 @@ def test_normalising_a_url_is_idempotent_and_keeps_its_segments(parts: list[str]
 
 
 @given(paths, st.integers(min_value=1, max_value=len(["x"]) + 3))
-def test_a_url_with_an_empty_segment_is_refused_with_a_fix_that_normalises(parts: list[str], extra: int) -> None:
+def test_a_url_with_an_empty_segment_is_refused_with_a_fix_that_normalises(
+    parts: list[str], extra: int
+) -> None:
     url = "s3://" + parts[0] + "/" * (1 + extra) + "/".join(parts[1:] or ["k"])
     try:
         normalize_url(url)
@@ -75,7 +77,9 @@ def test_retention_keeps_the_newest_n_committed_the_pointer_and_everything_newer
     committed = data.draw(st.sets(st.sampled_from(sorted(iterations)))) if iterations else set()
     latest = data.draw(st.sampled_from(sorted(committed))) if committed else None
     protected = data.draw(st.sets(st.integers(min_value=0, max_value=70), max_size=3))
-    plan = set(retention.plan_deletions(iterations, committed, keep_last_n=keep, latest=latest, protected=protected))
+    plan = set(
+        retention.plan_deletions(iterations, committed, keep_last_n=keep, latest=latest, protected=protected)
+    )
     assert plan <= iterations
     if latest is None:
         assert not plan  # nothing is deleted before a pointer exists
@@ -106,7 +110,9 @@ def test_coalesced_spans_cover_every_requested_byte_within_the_limits(
     assert all(0 < s.size <= max_span for s in spans)
     assert spans == sorted(spans, key=lambda s: (s.path, s.start))
     for path, start, end in requested:
-        covered = sorted((s.start, s.end) for s in spans if s.path == path and s.start < end and s.end > start)
+        covered = sorted(
+            (s.start, s.end) for s in spans if s.path == path and s.start < end and s.end > start
+        )
         position = start
         for lo, hi in covered:
             assert lo <= position

@@ -29,9 +29,9 @@ import torch.multiprocessing as mp
 
 from dcp_fsspec import Checkpointer, StorageError
 from dcp_fsspec.checkpoint.commit import committing as commit
-from dcp_fsspec.storage.write import writer as writer_module
 from dcp_fsspec.storage.backends.local import LocalBackend
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME
+from dcp_fsspec.storage.write import writer as writer_module
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 
@@ -126,7 +126,9 @@ def test_one_rank_failing_at_any_step_fails_the_save_on_every_rank_and_the_point
 def _save_while_rank1_dies(rank: int, store: str, url: str, how: str, timeout: float, report: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     group_timeout = timedelta(seconds=timeout)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=group_timeout)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=group_timeout
+    )
     ckpt = Checkpointer(url)
     ckpt.save(1, state=_state(rank, 1))
     if rank == 1:
@@ -145,7 +147,9 @@ def _save_while_rank1_dies(rank: int, store: str, url: str, how: str, timeout: f
         # gloo's error for a peer that reset its connection or did not answer in time.
         outcome, from_the_group = f"{type(e).__name__}: {e}", isinstance(e, RuntimeError)
     with open(report, "w") as f:
-        json.dump({"outcome": outcome, "from_the_group": from_the_group, "seconds": time.monotonic() - start}, f)
+        json.dump(
+            {"outcome": outcome, "from_the_group": from_the_group, "seconds": time.monotonic() - start}, f
+        )
     os._exit(0)  # no destroy_process_group: its peer is gone
 
 
@@ -161,7 +165,9 @@ def test_when_a_rank_is_killed_or_hangs_mid_save_the_other_rank_fails_in_bounded
     store, report = str(tmp_path / "store"), str(tmp_path / "rank0.json")
     ctx = mp.get_context("spawn")
     ranks = [
-        ctx.Process(target=_save_while_rank1_dies, args=(rank, store, local_backend.url, how, timeout, report))
+        ctx.Process(
+            target=_save_while_rank1_dies, args=(rank, store, local_backend.url, how, timeout, report)
+        )
         for rank in range(2)
     ]
     for process in ranks:

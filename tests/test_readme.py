@@ -12,10 +12,10 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 from dcp_fsspec import cli
@@ -42,10 +42,17 @@ def install_text(page: str) -> str:
 def listed_dependencies(page: str) -> set[str]:
     """The package names of the bullets after "Without extras it installs:"."""
     text = install_text(page)
-    assert "Without extras it installs:\n" in text, "the install text no longer introduces its list the same way"
+    assert "Without extras it installs:\n" in text, (
+        "the install text no longer introduces its list the same way"
+    )
     after = text.split("Without extras it installs:\n", 1)[1].lstrip("\n")
     bullets = after.split("\n\n", 1)[0].splitlines()
-    return {name for line in bullets if line.startswith("* ") for name in re.findall(r"`([\w.-]+)`", line.split(":", 1)[0])}
+    return {
+        name
+        for line in bullets
+        if line.startswith("* ")
+        for name in re.findall(r"`([\w.-]+)`", line.split(":", 1)[0])
+    }
 
 
 def tabled_extras(page: str) -> set[str]:
@@ -58,7 +65,9 @@ def test_the_readme_and_getting_started_list_exactly_the_dependencies_of_pyproje
     dependencies = {Requirement(line).name for line in _project()["dependencies"]}
     for page in (README, GETTING_STARTED):
         listed = listed_dependencies(page.read_text())
-        assert listed == dependencies, f"{page}: lists {sorted(listed)}, pyproject.toml has {sorted(dependencies)}"
+        assert listed == dependencies, (
+            f"{page}: lists {sorted(listed)}, pyproject.toml has {sorted(dependencies)}"
+        )
 
 
 def test_the_extras_table_names_every_extra_of_pyproject_and_no_other() -> None:
@@ -97,11 +106,23 @@ def test_the_readmes_command_line_block_shows_every_command() -> None:
 @pytest.mark.slow
 def test_the_readmes_command_line_block_runs_as_pasted(tmp_path: Path) -> None:
     """Each line in turn, in an empty folder, through ``python -m dcp_fsspec``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     for args in _cli_block():
         done = subprocess.run(
             [sys.executable, "-m", "dcp_fsspec", *args],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        assert done.returncode == 0, f"dcp-fsspec {shlex.join(args)} (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
-    assert (tmp_path / "model.pt").is_file() and (tmp_path / "hf-model" / "model.safetensors.index.json").is_file()
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+        assert done.returncode == 0, (
+            f"dcp-fsspec {shlex.join(args)} (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+        )
+    assert (tmp_path / "model.pt").is_file() and (
+        tmp_path / "hf-model" / "model.safetensors.index.json"
+    ).is_file()

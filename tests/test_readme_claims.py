@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_fsspec import Checkpointer, FsspecStorageReader, FsspecStorageWriter, ResumeOptions, StorageError
 from dcp_fsspec.storage.format import names
-from tests.conftest import Backend
 from dcp_fsspec.storage.write.file_plan import WriteContext
+from tests.conftest import Backend
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -79,12 +79,16 @@ def test_every_promise_of_the_guarantees_table_is_named_by_a_test() -> None:
     promised = guarantee_cells(GUARANTEES.read_text())
     assert len(promised) > 40  # the parser found the table
     named = named_guarantees(ROOT / "tests")
-    assert not named - promised, f"docstrings name rows or backends the table does not have: {sorted(named - promised)}"
+    assert not named - promised, (
+        f"docstrings name rows or backends the table does not have: {sorted(named - promised)}"
+    )
     missing = promised - named
     assert missing <= KNOWN_UNTESTED, "no test docstring names these guarantee cells:\n" + "\n".join(
         f"  {r!r} ({b})" for r, b in sorted(missing - KNOWN_UNTESTED)
     )
-    assert not KNOWN_UNTESTED - missing, f"tested now, take them off KNOWN_UNTESTED: {sorted(KNOWN_UNTESTED - missing)}"
+    assert not KNOWN_UNTESTED - missing, (
+        f"tested now, take them off KNOWN_UNTESTED: {sorted(KNOWN_UNTESTED - missing)}"
+    )
 
 
 def test_a_docstring_naming_a_row_the_table_does_not_have_is_caught() -> None:
@@ -93,7 +97,9 @@ def test_a_docstring_naming_a_row_the_table_does_not_have_is_caught() -> None:
     row = "bit flips in tensor data detected on load"
     assert (row, "SFTP") in guarantee_cells(page)
     assert ("ranged reads of the data files", "Azure") in guarantee_cells(page)
-    broken = page.replace("| bit flips in tensor data detected on load | CRC-32 per tensor |", "| bit flips | – |")
+    broken = page.replace(
+        "| bit flips in tensor data detected on load | CRC-32 per tensor |", "| bit flips | – |"
+    )
     assert (row, "local") not in guarantee_cells(broken)
 
 
@@ -101,10 +107,14 @@ def test_a_ready_filesystem_can_be_passed_as_fs_instead_of_storage_options() -> 
     """README, the storage layer: "a ready filesystem can be passed as `fs=` instead"."""
     fs = fsspec.filesystem("memory", skip_instance_cache=True)  # a store of its own
     state = {"w": torch.arange(10.0)}
-    dcp.save(state, storage_writer=FsspecStorageWriter('memory://given/ckpt', _context=WriteContext(fs=fs)), no_dist=True)
+    dcp.save(
+        state,
+        storage_writer=FsspecStorageWriter("memory://given/ckpt", _context=WriteContext(fs=fs)),
+        no_dist=True,
+    )
     assert fs.exists("/given/ckpt/.metadata")
     back = {"w": torch.zeros(10)}
-    dcp.load(back, storage_reader=FsspecStorageReader('memory://given/ckpt', _fs=fs), no_dist=True)
+    dcp.load(back, storage_reader=FsspecStorageReader("memory://given/ckpt", _fs=fs), no_dist=True)
     assert torch.equal(back["w"], state["w"])
 
 
@@ -142,13 +152,19 @@ def test_local_saves_fsync_every_file_before_its_rename_and_then_the_folder(
 ) -> None:
     """Guarantees, local disk: "temp name + fsync + rename, folder fsynced" (sync_files=True)."""
     events = _record_fsyncs_and_renames(monkeypatch)
-    dcp.save({"w": torch.ones(64), "b": torch.zeros(3)}, storage_writer=FsspecStorageWriter(local_backend.url), no_dist=True)
+    dcp.save(
+        {"w": torch.ones(64), "b": torch.zeros(3)},
+        storage_writer=FsspecStorageWriter(local_backend.url),
+        no_dist=True,
+    )
     monkeypatch.undo()
     renames = _renames(events)
     assert {os.path.basename(target) for _, _, target in renames} >= {"__0_0.distcp", names.METADATA_NAME}
     for i, temp, target in renames:
         assert ("fsync", temp) in events[:i], f"{temp} renamed to {target} before it was fsynced"
-        assert ("fsync", os.path.dirname(target)) in events[i + 1 :], f"the folder of {target} was not fsynced after"
+        assert ("fsync", os.path.dirname(target)) in events[i + 1 :], (
+            f"the folder of {target} was not fsynced after"
+        )
     # .metadata commits a standalone checkpoint: the data file's name is durable before it is written.
     data_rename = next(i for i, _, target in renames if target.endswith(".distcp"))
     metadata_rename = next(i for i, _, target in renames if target.endswith(names.METADATA_NAME))
@@ -177,7 +193,10 @@ def test_a_checkpointer_save_is_durable_before_its_commit_record_with_one_fsync_
     record = next(i for i, _, target in renames if target == os.path.join(folder, names.COMMIT_RECORD_NAME))
     pointer = next(i for i, _, target in renames if target == os.path.join(root, "latest_checkpoint.txt"))
     for i, temp, target in renames:
-        if target in (os.path.join(folder, names.COMMIT_RECORD_NAME), os.path.join(root, "latest_checkpoint.txt")):
+        if target in (
+            os.path.join(folder, names.COMMIT_RECORD_NAME),
+            os.path.join(root, "latest_checkpoint.txt"),
+        ):
             assert ("fsync", temp) in events[:i], f"{temp} renamed to {target} before it was fsynced"
     for key in keys:
         key_folder = os.path.join(folder, key)
@@ -185,10 +204,14 @@ def test_a_checkpointer_save_is_durable_before_its_commit_record_with_one_fsync_
         assert len(key_renames) >= 2, f"{key}: its data file and .metadata"
         syncs = [i for i, event in enumerate(events) if event == ("fsync", key_folder)]
         assert len(syncs) == 1, f"{key_folder} fsynced {len(syncs)} times in one save"
-        assert max(i for i, _ in key_renames) < syncs[0] < record, f"{key_folder} not fsynced between its renames and the commit record"
+        assert max(i for i, _ in key_renames) < syncs[0] < record, (
+            f"{key_folder} not fsynced between its renames and the commit record"
+        )
         for i, target in key_renames:
             assert ("fsync", target) in events[i + 1 : syncs[0]], f"{target} not fsynced before its folder"
-    assert ("fsync", folder) in events[record + 1 : pointer], "the commit record's rename not made durable before the pointer moved"
+    assert ("fsync", folder) in events[record + 1 : pointer], (
+        "the commit record's rename not made durable before the pointer moved"
+    )
     assert ("fsync", root) in events[pointer + 1 :], "the pointer's rename not made durable"
 
 
@@ -243,8 +266,10 @@ def test_load_path_is_read_with_load_storage_options(s3_backend: Backend, tmp_pa
     target = {"w": torch.zeros(8)}
     with Checkpointer(
         str(tmp_path / "new-run"),  # local: storage_options would not reach S3
-        resume=ResumeOptions(load_path=s3_backend.sub("iter_000000004"), load_storage_options=s3_backend.storage_options),
-        ) as ckpt:
+        resume=ResumeOptions(
+            load_path=s3_backend.sub("iter_000000004"), load_storage_options=s3_backend.storage_options
+        ),
+    ) as ckpt:
         assert ckpt.load(model=target) == 0
     assert torch.equal(target["w"], torch.full((8,), 4.0))
 

@@ -11,16 +11,24 @@ import torch
 from dcp_fsspec.errors import RecordFormatError
 from dcp_fsspec.storage.format import tensor_records
 from dcp_fsspec.storage.format.archive import ArchiveFormat
-from dcp_fsspec.storage.format.tensor_spec import TensorSpec
-from dcp_fsspec.storage.format.tensor_records import EncodedRecord, encode_framed, frame_tensor, storage_ready, tensor_bytes, tensor_from_record
 from dcp_fsspec.storage.format.record_layout import descriptor_crc, parse_layout
-from tests.states import DTYPES, random_tensor
+from dcp_fsspec.storage.format.tensor_records import (
+    EncodedRecord,
+    encode_framed,
+    frame_tensor,
+    storage_ready,
+    tensor_bytes,
+    tensor_from_record,
+)
+from dcp_fsspec.storage.format.tensor_spec import TensorSpec
 from tests.helpers import differences_outside_the_serialization_id
+from tests.states import DTYPES, random_tensor
 
 
 def encode_tensor(tensor: torch.Tensor) -> EncodedRecord:
     """A tensor's whole record, as the writer encodes it where a transform follows."""
     return encode_framed(frame_tensor(tensor))
+
 
 GEN = torch.Generator().manual_seed(3)
 CASES = {
@@ -48,7 +56,9 @@ def test_encoded_record_is_a_torch_save_archive_with_the_data_crc(name: str) -> 
     layout = parse_layout(blob)
     assert layout is not None
     if tensor.numel():
-        assert descriptor_crc(blob[layout.data_end :]) == zlib.crc32(bytes(tensor_bytes(storage_ready(tensor))))
+        assert descriptor_crc(blob[layout.data_end :]) == zlib.crc32(
+            bytes(tensor_bytes(storage_ready(tensor)))
+        )
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -113,7 +123,9 @@ def test_this_torch_archive_is_written_directly_for_every_dtype(dtype: torch.dty
     assert ArchiveFormat.learn(dtype) is not None
 
 
-def test_an_archive_this_module_cannot_reproduce_is_left_to_torch_save(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_archive_this_module_cannot_reproduce_is_left_to_torch_save(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     real_save = torch.save
 
     def save_differently(obj: object, f: io.BytesIO, **kwargs: object) -> None:
@@ -129,7 +141,9 @@ def test_an_archive_this_module_cannot_reproduce_is_left_to_torch_save(monkeypat
 
 
 @pytest.mark.parametrize("size", [(), (0,), (3, 0, 2), (0, 4), (2, 1, 5), (1, 0), (7,), (4, 3, 2, 1)])
-def test_a_spec_is_dense_exactly_when_its_strides_are_the_ones_torch_gives_a_new_tensor(size: tuple[int, ...]) -> None:
+def test_a_spec_is_dense_exactly_when_its_strides_are_the_ones_torch_gives_a_new_tensor(
+    size: tuple[int, ...],
+) -> None:
     t = torch.empty(size)
     numel = t.numel()
     dense = TensorSpec(torch.float32, numel, 0, size, tuple(t.stride()))

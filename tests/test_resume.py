@@ -10,7 +10,16 @@ import logging
 import pytest
 
 from dcp_fsspec import CheckpointNotFoundError
-from dcp_fsspec.checkpoint.load.resume import CHECKPOINT, FOLDER, POINTER, Found, KeyToLoad, ResumeFacts, ResumeOptions, plan_resume
+from dcp_fsspec.checkpoint.load.resume import (
+    CHECKPOINT,
+    FOLDER,
+    POINTER,
+    Found,
+    KeyToLoad,
+    ResumeFacts,
+    ResumeOptions,
+    plan_resume,
+)
 
 RUN = "s3://bucket/run"
 OLD = "s3://bucket/old"
@@ -56,7 +65,9 @@ def test_a_wanted_key_the_pointed_iteration_lacks_is_an_error_naming_it_and_the_
 
 
 def test_without_strict_resume_a_missing_key_is_skipped_with_a_note() -> None:
-    plan = plan_resume(ResumeFacts(_pointer(RUN, 7, ("model",))), ["model", "ema"], ResumeOptions(strict=False))
+    plan = plan_resume(
+        ResumeFacts(_pointer(RUN, 7, ("model",))), ["model", "ema"], ResumeOptions(strict=False)
+    )
     assert plan is not None and list(plan.keys) == ["model"]
     assert [level for level, _ in plan.notes] == [logging.INFO] and "'ema'" in plan.notes[0][1]
 
@@ -82,7 +93,9 @@ def test_only_load_scheduler_state_adds_the_scheduler_and_keeps_iteration_zero()
 
 
 def test_a_folder_not_named_iter_resumes_at_zero_with_a_warning() -> None:
-    plan = plan_resume(ResumeFacts(None, _folder(f"{OLD}/final", None)), WANTED, ResumeOptions(load_training_state=True))
+    plan = plan_resume(
+        ResumeFacts(None, _folder(f"{OLD}/final", None)), WANTED, ResumeOptions(load_training_state=True)
+    )
     assert plan is not None and plan.iteration == 0
     assert [level for level, _ in plan.notes] == [logging.WARNING] and f"{OLD}/final" in plan.notes[0][1]
 
@@ -121,4 +134,6 @@ def test_a_single_checkpoint_asked_for_more_than_the_model_is_an_error_naming_th
 ) -> None:
     with pytest.raises(CheckpointNotFoundError) as info:
         plan_resume(ResumeFacts(None, _checkpoint(f"{OLD}/weights", ("model.w",))), WANTED, options)
-    assert f"{OLD}/weights" in str(info.value) and named in str(info.value) and "'scheduler'" in str(info.value)
+    assert (
+        f"{OLD}/weights" in str(info.value) and named in str(info.value) and "'scheduler'" in str(info.value)
+    )

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 
 from dcp_fsspec import Checkpointer, LocalTier
-
-from .ckpt_helpers import Training, assert_same_training
-from .conftest import Backend
+from tests.ckpt_helpers import Training, assert_same_training
+from tests.conftest import Backend
 
 RECIPES = {
     "plain": lambda tmp: {},

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer
-from dcp_fsspec.storage.transport.urls import resolve
 from dcp_fsspec.checkpoint.commit import layout
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 from tests.test_listing_cost import _add_junk, requests  # noqa: F401 - the request counter fixture
 

@@ -23,12 +23,12 @@ import torch
 from dcp_fsspec.storage.backends.base import Versioned
 from dcp_fsspec.storage.backends.s3 import S3Backend
 from dcp_fsspec.storage.backends.s3_uploads import CHECKSUM_ALGORITHM, checksum_header
-from dcp_fsspec.storage.transport.retry import NO_RETRY
 from dcp_fsspec.storage.backends.uploads import ByteBudget, publish_whole
+from dcp_fsspec.storage.transport.retry import NO_RETRY
 from tests.conftest import Backend
+from tests.helpers import load, save
 from tests.servers.s3gateway import S3Gateway
 from tests.servers.tls import TlsFront
-from tests.helpers import load, save
 
 MiB = 1024 * 1024
 CHECKSUM_HEADER = f"x-amz-checksum-{CHECKSUM_ALGORITHM.lower()}"
@@ -70,7 +70,9 @@ def _fs(backend: Backend, *, through: TlsFront | None = None, **config: Any) -> 
     return fsspec.filesystem("s3", **options)
 
 
-def _upload(fs: Any, url: str, pieces: list[bytes] | list[memoryview], *, part_size: int, threshold: int) -> None:
+def _upload(
+    fs: Any, url: str, pieces: list[bytes] | list[memoryview], *, part_size: int, threshold: int
+) -> None:
     path = fs._strip_protocol(url)
     upload = S3Backend(fs, NO_RETRY).new_upload(
         path, part_size=part_size, budget=ByteBudget(64 * MiB), multipart_threshold=threshold
@@ -84,7 +86,11 @@ def _upload(fs: Any, url: str, pieces: list[bytes] | list[memoryview], *, part_s
         ([1, 2], 8, ["PutObject"]),  # under the threshold: one request
         ([7], 8, ["PutObject"]),  # over a part, under the threshold: still one
         ([4], 0, ["PutObject"]),  # not even one full part: one request whatever the threshold
-        ([6, 6], 8, ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart", "CompleteMultipartUpload"]),
+        (
+            [6, 6],
+            8,
+            ["CreateMultipartUpload", "UploadPart", "UploadPart", "UploadPart", "CompleteMultipartUpload"],
+        ),
         ([7], 0, ["CreateMultipartUpload", "UploadPart", "UploadPart", "CompleteMultipartUpload"]),
     ],
 )
@@ -149,7 +155,9 @@ def test_checksums_only_when_required_by_the_user_leave_the_bodies_without_ours(
     assert all(CHECKSUM_HEADER not in headers for headers in seen.bodies())
 
 
-def test_over_https_bodies_go_as_they_are_with_our_checksum_not_botocores_chunked_trailer(s3_backend: Backend) -> None:
+def test_over_https_bodies_go_as_they_are_with_our_checksum_not_botocores_chunked_trailer(
+    s3_backend: Backend,
+) -> None:
     """Left to itself, botocore sends an https body ``aws-chunked``: re-framed as it is read,
     with a CRC-32 trailer it computes on the way. Ours carry the CRC-32 the records' pass
     computed, as a header, and go unsigned and unframed: no byte is read twice."""
@@ -158,7 +166,9 @@ def test_over_https_bodies_go_as_they_are_with_our_checksum_not_botocores_chunke
         seen = Requests(fs)
         small, large = os.urandom(3 * MiB), os.urandom(11 * MiB)
         _upload(fs, s3_backend.sub("small"), [small], part_size=5 * MiB, threshold=8 * MiB)
-        _upload(fs, s3_backend.sub("large"), [large[: 4 * MiB], large[4 * MiB :]], part_size=5 * MiB, threshold=0)
+        _upload(
+            fs, s3_backend.sub("large"), [large[: 4 * MiB], large[4 * MiB :]], part_size=5 * MiB, threshold=0
+        )
         assert fs.cat_file(s3_backend.sub("small")) == small
         assert fs.cat_file(s3_backend.sub("large")) == large
     bodies = seen.bodies()
@@ -195,7 +205,14 @@ def test_a_request_body_is_read_as_views_of_its_buffers_not_copies() -> None:
         assert len(whole) == sum(map(len, buffers))
     chunks = list(iter(lambda: body.read(256 * 1024), b""))
     # Views of the buffers themselves, one buffer at most per read.
-    assert [next(i for i, b in enumerate(buffers) if memoryview(c).obj is b) for c in chunks] == [0, 0, 1, 2, 2, 2]
+    assert [next(i for i, b in enumerate(buffers) if memoryview(c).obj is b) for c in chunks] == [
+        0,
+        0,
+        1,
+        2,
+        2,
+        2,
+    ]
     assert [len(c) for c in chunks] == [256 * 1024, 44 * 1024, 5, 256 * 1024, 256 * 1024, 88 * 1024]
     assert b"".join(chunks) == b"".join(buffers) and len(body.read(10)) == 0  # at the end: nothing more
     body.seek(0)  # a retried attempt reads it from the start again
@@ -239,7 +256,10 @@ def test_a_records_crc_comes_from_the_same_pass_as_each_parts_checksum(
     seen = Requests(fs)
     head, data, tail = os.urandom(before), bytearray(os.urandom(size)), os.urandom(300)
     upload = S3Backend(fs, NO_RETRY).new_upload(
-        fs._strip_protocol(s3_backend.sub("f")), part_size=5 * MiB, budget=ByteBudget(64 * MiB), multipart_threshold=0
+        fs._strip_protocol(s3_backend.sub("f")),
+        part_size=5 * MiB,
+        budget=ByteBudget(64 * MiB),
+        multipart_threshold=0,
     )
     upload.write([head])
     crc = upload.write_checksummed(memoryview(data))
@@ -255,8 +275,8 @@ def test_a_records_crc_comes_from_the_same_pass_as_each_parts_checksum(
 def test_a_tensor_saved_to_s3_in_parts_stores_the_crc_of_its_bytes(s3_backend: Backend) -> None:
     """The record's CRC is combined from the pieces the parts cut it into; torch's reader and
     ours check it."""
-    from dcp_fsspec.storage.format.tensor_records import tensor_bytes
     from dcp_fsspec.storage.format.record_layout import descriptor_crc, parse_layout
+    from dcp_fsspec.storage.format.tensor_records import tensor_bytes
 
     tensor = torch.randn(3 * MiB + 11)  # 12 MiB and a bit: three 5 MiB parts cut through it
     url = s3_backend.sub("ckpt")
@@ -292,7 +312,14 @@ def test_request_bytes_in_flight_stay_within_max_inflight_bytes(s3_backend: Back
     client.meta.events.register("needs-retry.s3", answered, unique_id="test-in-flight-answered")
     try:
         state = {"w": torch.randn(10 * MiB)}  # 40 MiB: eight 5 MiB parts, two allowed at once
-        save(state, s3_backend, s3_backend.sub("ckpt"), part_size=5 * MiB, multipart_threshold=0, max_inflight_bytes=10 * MiB)
+        save(
+            state,
+            s3_backend,
+            s3_backend.sub("ckpt"),
+            part_size=5 * MiB,
+            multipart_threshold=0,
+            max_inflight_bytes=10 * MiB,
+        )
     finally:
         client.meta.events.unregister("before-send.s3", unique_id="test-in-flight-sent")
         client.meta.events.unregister("needs-retry.s3", unique_id="test-in-flight-answered")
@@ -343,8 +370,12 @@ def test_a_body_damaged_on_the_way_is_rejected_by_the_server(seaweedfs_server: S
     _upload(fs, f"s3://{bucket}/parts", [parts], part_size=5 * MiB, threshold=0)
     assert fs.cat_file(f"s3://{bucket}/parts") == parts
     # The bytes the server receives differ from those the checksum was computed on.
-    upload = S3Backend(fs, NO_RETRY).new_upload(f"{bucket}/damaged", part_size=5 * MiB, budget=ByteBudget(MiB))
+    upload = S3Backend(fs, NO_RETRY).new_upload(
+        f"{bucket}/damaged", part_size=5 * MiB, budget=ByteBudget(MiB)
+    )
     damaged = bytes([data[0] ^ 1]) + data[1:]
     with pytest.raises(OSError, match="BadDigest|did not match|checksum"):
-        fsspec.asyn.sync(fs.loop, upload._send, "put_object", [memoryview(damaged)], checksum_header(zlib.crc32(data)))
+        fsspec.asyn.sync(
+            fs.loop, upload._send, "put_object", [memoryview(damaged)], checksum_header(zlib.crc32(data))
+        )
     assert not fs.exists(f"s3://{bucket}/damaged")

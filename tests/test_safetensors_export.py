@@ -20,8 +20,8 @@ from dcp_fsspec.errors import (
     CorruptCheckpointError,
     UsageError,
 )
-from dcp_fsspec.storage.read.safetensors_reader import SafetensorsStorageReader
 from dcp_fsspec.storage.read.reader import FsspecStorageReader
+from dcp_fsspec.storage.read.safetensors_reader import SafetensorsStorageReader
 from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 from dcp_fsspec.tools.safetensors.export import INDEX_NAME, export_safetensors
 from tests.conftest import Backend
@@ -51,7 +51,10 @@ def _save(url: str, state: dict[str, torch.Tensor], storage_options: dict[str, A
 def _read_export(backend: Backend, out: str) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     fs = backend.fs
     index = json.loads(fs.cat_file(f"{out}/{INDEX_NAME}"))
-    shards = {name: safetensors_torch.load(fs.cat_file(f"{out}/{name}")) for name in sorted(set(index["weight_map"].values()))}
+    shards = {
+        name: safetensors_torch.load(fs.cat_file(f"{out}/{name}"))
+        for name in sorted(set(index["weight_map"].values()))
+    }
     return index, shards
 
 
@@ -62,10 +65,14 @@ def test_an_export_to_s3_loads_back_equal_with_every_key_once_and_shards_under_t
     src = _save(str(tmp_path / "ckpt"), state)
     out = s3_backend.sub("hf")
     max_shard = 9000
-    result = export_safetensors(src, out, out_storage_options=s3_backend.storage_options, max_shard_size=max_shard, buffer_bytes=4096)
+    result = export_safetensors(
+        src, out, out_storage_options=s3_backend.storage_options, max_shard_size=max_shard, buffer_bytes=4096
+    )
     index, shards = _read_export(s3_backend, out)
     assert sorted(index["weight_map"]) == sorted(state) and len(shards) == len(result.shards) > 2
-    assert list(shards) == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    assert list(shards) == [
+        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
     loaded = {k: v for shard in shards.values() for k, v in shard.items()}
     assert len(loaded) == sum(len(s) for s in shards.values()) == len(state)
     for name, tensor in state.items():
@@ -85,8 +92,15 @@ def test_an_export_from_s3_to_s3_casts_floats_to_bf16_renames_keys_and_copies_th
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "tiny"}')
     out = s3_backend.sub("hf")
-    export_safetensors(src, out, opts, opts, dtype=torch.bfloat16, config=config,
-                       key_map=lambda n: None if n == "steps" else f"model.{n}")  # fmt: skip
+    export_safetensors(
+        src,
+        out,
+        opts,
+        opts,
+        dtype=torch.bfloat16,
+        config=config,
+        key_map=lambda n: None if n == "steps" else f"model.{n}",
+    )
     _, shards = _read_export(s3_backend, out)
     loaded = {k: v for shard in shards.values() for k, v in shard.items()}
     assert sorted(loaded) == sorted(f"model.{n}" for n in state if n != "steps")
@@ -197,7 +211,9 @@ def test_a_256_mib_export_with_a_tensor_five_times_the_buffer_holds_a_fixed_buff
     src = _save(str(tmp_path / "ckpt"), state)
     del state
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-c", _MEASURE, src, str(out)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, src, str(out)], capture_output=True, text=True, check=True
+    )
     grew = int(done.stdout.split()[-1])
     assert grew < 96 * 2**20, f"the export of {src} grew the peak RSS by {grew / 2**20:.0f} MiB"
     index = json.loads((out / INDEX_NAME).read_text())
@@ -214,14 +230,25 @@ def test_a_tiny_gpt2_exported_with_a_key_map_and_its_config_loads_with_from_pret
     config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
-    trained = {f"decoder.{k}": v.clone() for k, v in model.state_dict().items()}  # a training framework's names
+    trained = {
+        f"decoder.{k}": v.clone() for k, v in model.state_dict().items()
+    }  # a training framework's names
     src = _save(str(tmp_path / "ckpt"), trained)
     key_map = tmp_path / "keys.json"
     key_map.write_text(json.dumps({name: name.removeprefix("decoder.") for name in trained}))
     config.to_json_file(str(tmp_path / "config.json"))
     out = tmp_path / "hf"
-    argv = ["to-safetensors", src, str(out), "--key-map", str(key_map), "--config", str(tmp_path / "config.json"),
-            "--max-shard-size", "20KB"]  # fmt: skip
+    argv = [
+        "to-safetensors",
+        src,
+        str(out),
+        "--key-map",
+        str(key_map),
+        "--config",
+        str(tmp_path / "config.json"),
+        "--max-shard-size",
+        "20KB",
+    ]
     assert cli.main(argv) == 0, capsys.readouterr().err
     assert len(list(out.glob("model-*.safetensors"))) > 1
     loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
@@ -250,7 +277,9 @@ def test_an_iteration_that_is_not_committed_exits_3_naming_it_and_writes_nothing
 def test_dcp_load_reads_an_exported_folder_on_s3_back_bit_exact(tmp_path: Path, s3_backend: Backend) -> None:
     state = _state()
     out = s3_backend.sub("hf")
-    export_safetensors(_save(str(tmp_path / "ckpt"), state), out, None, s3_backend.storage_options, max_shard_size=9000)
+    export_safetensors(
+        _save(str(tmp_path / "ckpt"), state), out, None, s3_backend.storage_options, max_shard_size=9000
+    )
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, storage_reader=SafetensorsStorageReader(out, s3_backend.storage_options))
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
@@ -335,7 +364,9 @@ def test_chunks_that_do_not_tile_their_tensor_are_refused_naming_it_and_nothing_
     path = tmp_path / "ckpt" / ".metadata"
     metadata = pickle.loads(path.read_bytes())
     chunk = metadata.state_dict_metadata["w"].chunks[0]
-    metadata.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(offsets=chunk.offsets, sizes=torch.Size(sizes))
+    metadata.state_dict_metadata["w"].chunks[0] = ChunkStorageMetadata(
+        offsets=chunk.offsets, sizes=torch.Size(sizes)
+    )
     path.write_bytes(pickle.dumps(metadata))
     with pytest.raises(CorruptCheckpointError) as info:
         export_safetensors(source, tmp_path / "hf")

@@ -24,7 +24,9 @@ def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
     return loaded
 
 
-def test_every_second_committed_iteration_of_an_async_run_is_exported_equal_to_the_model(tmp_path: Path) -> None:
+def test_every_second_committed_iteration_of_an_async_run_is_exported_equal_to_the_model(
+    tmp_path: Path,
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
     export = SafetensorsExport(str(tmp_path / "hf" / "step-{iteration}"), every=2, max_shard_size=1000)

@@ -54,7 +54,9 @@ def _save_and_export(rank: int, world_size: int, url: str, opts: dict[str, Any],
     if rank == 0:
         torch.save(full, dump)
     # A 100 KB shard and a 16 KB buffer: several shards for each rank, the 256 KB weight in pieces.
-    result = export_safetensors(url, out, opts, opts, max_shard_size=100_000, buffer_bytes=16_384, process_group=dist.group.WORLD)
+    result = export_safetensors(
+        url, out, opts, opts, max_shard_size=100_000, buffer_bytes=16_384, process_group=dist.group.WORLD
+    )
     assert len(result.shards) == 3 and result.tensors == 6, result  # every rank reports the whole export
 
 
@@ -104,9 +106,14 @@ def _export_failing_on_rank_1(rank: int, world_size: int, src: str, out: str) ->
     assert "'b'" in str(raised.value)
 
 
-def test_a_failure_on_one_rank_raises_on_every_rank_and_removes_the_shards_every_rank_wrote(tmp_path: Path) -> None:
+def test_a_failure_on_one_rank_raises_on_every_rank_and_removes_the_shards_every_rank_wrote(
+    tmp_path: Path,
+) -> None:
     src = str(tmp_path / "ckpt")
-    dcp.save({"a": torch.ones(8), "b": torch.full((8,), 1e6), "c": torch.zeros(8)}, storage_writer=FsspecStorageWriter(src))
+    dcp.save(
+        {"a": torch.ones(8), "b": torch.full((8,), 1e6), "c": torch.zeros(8)},
+        storage_writer=FsspecStorageWriter(src),
+    )
     out = tmp_path / "hf"
     run_ranks(_export_failing_on_rank_1, 2, tmp_path, src, str(out))
     assert not out.exists()
@@ -117,11 +124,16 @@ def _save_columns(rank: int, world_size: int, src: str, expected: dict[str, torc
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
-    state = {"cols": distribute_tensor(expected["cols"], mesh, [Shard(1)]), "rows": distribute_tensor(expected["rows"], mesh, [Shard(0)])}
+    state = {
+        "cols": distribute_tensor(expected["cols"], mesh, [Shard(1)]),
+        "rows": distribute_tensor(expected["rows"], mesh, [Shard(0)]),
+    }
     dcp.save(state, storage_writer=FsspecStorageWriter(src))
 
 
-def test_a_column_sharded_tensor_bigger_than_the_buffer_is_exported_in_pieces_equal_to_the_whole(tmp_path: Path) -> None:
+def test_a_column_sharded_tensor_bigger_than_the_buffer_is_exported_in_pieces_equal_to_the_whole(
+    tmp_path: Path,
+) -> None:
     torch.manual_seed(0)
     expected = {"cols": torch.randn(96, 40), "rows": torch.randn(50, 3, 7).to(torch.bfloat16)}
     src = str(tmp_path / "ckpt")

@@ -53,8 +53,12 @@ def test_folder_exports_and_their_reader_work_where_safetensors_is_not_installed
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [sys.executable, "-c", _FOLDER_EXPORTS, str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "folder exports ok" in done.stdout
 

@@ -19,11 +19,10 @@ from dcp_fsspec import (
     FsspecStorageWriter,
     verify,
 )
+from tests.ckpt_helpers import Training, assert_same_training
 from tests.conftest import Backend
 from tests.helpers import load, save
 from tests.states import assert_state_equal, empty_like_state, sample_state
-
-from .ckpt_helpers import Training, assert_same_training
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -98,7 +97,9 @@ def test_an_sftp_pointer_update_that_fails_before_its_rename_leaves_the_old_poin
     assert os.listdir(_local_path(sftp_backend)) == [POINTER_NAME]  # no temporary file left
 
 
-def test_an_sshfs_filesystem_unpickled_in_another_process_still_gets_the_sftp_backend(sftp_backend: Backend) -> None:
+def test_an_sshfs_filesystem_unpickled_in_another_process_still_gets_the_sftp_backend(
+    sftp_backend: Backend,
+) -> None:
     # sshfs leaves protocol = "abstract" on its class until fsspec's registry sets it; a class
     # imported by unpickling (DCP's process executor) never had it set.
     import sshfs

@@ -21,7 +21,10 @@ import torch
 from dcp_fsspec import Checkpointer
 from tests.conftest import Backend
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 KEYS = ("model", "optim", "scheduler", "trainer")
 # Seconds a gate waits for requests sent together; only a save that sends them one by one waits.
@@ -156,7 +159,9 @@ def _show(what: str, log: list[str]) -> None:
         print("  " + line)
 
 
-def test_a_small_save_and_load_cost_a_bounded_number_of_requests(s3_backend: Backend, request_log: RequestLog) -> None:
+def test_a_small_save_and_load_cost_a_bounded_number_of_requests(
+    s3_backend: Backend, request_log: RequestLog
+) -> None:
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
         ckpt.save(1, **_small_state(1))
         request_log.clear()
@@ -196,7 +201,9 @@ def test_a_small_save_and_load_are_a_bounded_number_of_round_trips_one_after_ano
     assert max(r for r, _ in loaded) <= LOAD_ROUNDS, loaded
 
 
-def test_retention_after_a_small_save_is_a_bounded_number_of_round_trips(s3_backend: Backend, request_log: RequestLog) -> None:
+def test_retention_after_a_small_save_is_a_bounded_number_of_round_trips(
+    s3_backend: Backend, request_log: RequestLog
+) -> None:
     with Checkpointer(s3_backend.url, s3_backend.storage_options, keep_last_n=2) as ckpt:
         ckpt.save(1, **_small_state(1))
         ckpt.save(2, **_small_state(2))
@@ -212,9 +219,13 @@ def test_retention_after_a_small_save_is_a_bounded_number_of_round_trips(s3_back
     assert max(r for r, _ in saved) <= SAVE_ROUNDS + RETENTION_ROUNDS, saved
 
 
-def test_a_small_save_on_one_rank_writes_its_keys_at_once(s3_backend: Backend, request_log: RequestLog) -> None:
+def test_a_small_save_on_one_rank_writes_its_keys_at_once(
+    s3_backend: Backend, request_log: RequestLog
+) -> None:
     data_files = Gate(len(KEYS))
-    request_log.gates.append((lambda line: line.startswith("put_object") and line.endswith(".distcp"), data_files))
+    request_log.gates.append(
+        (lambda line: line.startswith("put_object") and line.endswith(".distcp"), data_files)
+    )
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
         ckpt.save(1, **_small_state(1))
         state = _small_state(0)
@@ -227,12 +238,19 @@ def test_a_commit_reads_every_keys_metadata_at_once(s3_backend: Backend, request
     commit_reads = Gate(len(KEYS))
 
     def every_key_written() -> bool:
-        return sum(line.startswith("put_object") and line.endswith("/.metadata") for line in request_log.lines) == len(KEYS)
+        return sum(
+            line.startswith("put_object") and line.endswith("/.metadata") for line in request_log.lines
+        ) == len(KEYS)
 
     # Each key's .metadata, read at the commit to check the save's token (after every key was
     # written: the writer's look for an old one is a GET of the same name).
     request_log.gates.append(
-        (lambda line: line.startswith("get_object") and line.endswith("/.metadata") and every_key_written(), commit_reads)
+        (
+            lambda line: (
+                line.startswith("get_object") and line.endswith("/.metadata") and every_key_written()
+            ),
+            commit_reads,
+        )
     )
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
         ckpt.save(1, **_small_state(1))
@@ -272,7 +290,9 @@ def test_a_put_waits_for_the_servers_go_ahead_only_when_its_body_is_large(
     assert len(big) == 1 and big[0][0].startswith("big/") and big[0][2] == b"100-continue", big
 
 
-def _count_threads_and_hand_offs(monkeypatch: pytest.MonkeyPatch, roles: tuple[str, ...]) -> tuple[list[str], list[str]]:
+def _count_threads_and_hand_offs(
+    monkeypatch: pytest.MonkeyPatch, roles: tuple[str, ...]
+) -> tuple[list[str], list[str]]:
     """From now on: the names of the threads of ``roles`` started, and of every call handed to a
     thread pool (ours or any other)."""
     import threading
@@ -296,7 +316,9 @@ def _count_threads_and_hand_offs(monkeypatch: pytest.MonkeyPatch, roles: tuple[s
     return started, handed
 
 
-def test_small_loads_on_local_disk_run_on_the_calling_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_loads_on_local_disk_run_on_the_calling_thread(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A small local load is a few milliseconds, and no round trip to hide: handing its reads,
     checks and keys to other threads (and the GIL back and forth) took half of it. It starts no
     thread and hands nothing to one."""
@@ -347,7 +369,9 @@ def test_a_load_parses_each_keys_metadata_once(tmp_path: Any, monkeypatch: pytes
 
     with Checkpointer(str(tmp_path), {}) as ckpt:
         ckpt.save(1, **_small_state(1))
-        monkeypatch.setattr(metadata_file, "parse_metadata", counting)  # the token check's, imported when called
+        monkeypatch.setattr(
+            metadata_file, "parse_metadata", counting
+        )  # the token check's, imported when called
         monkeypatch.setattr(preflight, "parse_metadata", counting)  # the readers'
         state = _small_state(0)
         assert ckpt.load(**state) == 1
@@ -355,7 +379,9 @@ def test_a_load_parses_each_keys_metadata_once(tmp_path: Any, monkeypatch: pytes
     assert sorted(parsed) == sorted(str(tmp_path / "iter_000000001" / key / ".metadata") for key in KEYS)
 
 
-def test_a_load_plans_each_key_once_and_restores_its_top_level_values(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_load_plans_each_key_once_and_restores_its_top_level_values(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The preflight's plan of a key is the plan ``dcp.load`` runs: DCP's planning (flattening
     the state dict, matching it against ``.metadata``) happens once a key, not twice. Values at
     a key's top level (``step``, ``last_epoch``) still come back: ``dcp.load`` hands its planner
@@ -377,4 +403,6 @@ def test_a_load_plans_each_key_once_and_restores_its_top_level_values(tmp_path: 
     assert len(planned) == len(KEYS)
     saved = _small_state(7)
     assert state["optim"]["step"] == state["scheduler"]["last_epoch"] == state["trainer"]["step"] == 7
-    assert torch.equal(state["optim"]["m"], saved["optim"]["m"]) and torch.equal(state["trainer"]["rng"], saved["trainer"]["rng"])
+    assert torch.equal(state["optim"]["m"], saved["optim"]["m"]) and torch.equal(
+        state["trainer"]["rng"], saved["trainer"]["rng"]
+    )

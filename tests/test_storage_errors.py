@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from dcp_fsspec import (
-    CheckpointMismatchError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
@@ -116,7 +115,9 @@ def test_one_flipped_byte_in_tensor_data_fails_the_checksum(backend: Backend, wh
     blob = bytearray(backend.fs.cat_file(path))
     # The tensor's bytes are the run of the file that equals the tensor; flip one inside it.
     start = bytes(blob).find(tensor.numpy().tobytes())
-    at = {"start": start, "middle": start + len(tensor.numpy().tobytes()) // 2, "end": start + 4 * 4096 - 1}[where]
+    at = {"start": start, "middle": start + len(tensor.numpy().tobytes()) // 2, "end": start + 4 * 4096 - 1}[
+        where
+    ]
     blob[at] ^= 0x01
     backend.fs.pipe_file(path, bytes(blob))
     with raises_through_dcp(ChecksumMismatchError) as raised:
@@ -164,10 +165,20 @@ def test_every_error_class_has_the_bases_the_tree_in_errors_py_draws() -> None:
     tree = errors.__doc__ or ""
     drawn = re.findall(r"[├└]── (\w+)(?:\s+\((\w+)\))?", tree)
     assert len(drawn) >= 9, tree
-    classes = {name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, Exception)}
+    classes = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, Exception)
+    }
     assert {name for name, _ in drawn} == classes - {"DcpFsspecError"}, "a class is missing from the tree"
-    builtins = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError, "ValueError": ValueError,
-                "ImportError": ImportError, "OSError": OSError, "RuntimeError": RuntimeError}  # fmt: skip
+    builtins = {
+        "FileNotFoundError": FileNotFoundError,
+        "FileExistsError": FileExistsError,
+        "ValueError": ValueError,
+        "ImportError": ImportError,
+        "OSError": OSError,
+        "RuntimeError": RuntimeError,
+    }
     for name, builtin in drawn:
         cls = getattr(errors, name)
         assert issubclass(cls, errors.DcpFsspecError), name

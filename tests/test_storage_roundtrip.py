@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_fsspec import CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter, ReaderSettings
 from dcp_fsspec.storage.read import reader as reader_module
@@ -31,7 +30,9 @@ def test_round_trip_restores_every_entry_bitwise(backend: Backend) -> None:
 
 def test_checkpoint_is_data_files_plus_metadata(backend: Backend) -> None:
     save(sample_state(), backend, files_per_rank=4)
-    names = sorted(p.rsplit("/", 1)[-1] for p in backend.fs.ls(backend.fs._strip_protocol(backend.url), detail=False))
+    names = sorted(
+        p.rsplit("/", 1)[-1] for p in backend.fs.ls(backend.fs._strip_protocol(backend.url), detail=False)
+    )
     assert names[0] == ".metadata"
     assert names[1:] and all(n.startswith("__0_") and n.endswith(".distcp") for n in names[1:])
 
@@ -40,9 +41,15 @@ def test_large_state_is_spread_over_several_files_that_all_load(backend: Backend
     gen = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randn(9 * 1024 * 1024, generator=gen) for i in range(4)}  # 4 × 36 MiB
     save(state, backend, files_per_rank=4, part_size=5 * 1024 * 1024, max_inflight_bytes=16 * 1024 * 1024)
-    data_files = [p for p in backend.fs.ls(backend.fs._strip_protocol(backend.url), detail=False) if p.endswith(".distcp")]
+    data_files = [
+        p
+        for p in backend.fs.ls(backend.fs._strip_protocol(backend.url), detail=False)
+        if p.endswith(".distcp")
+    ]
     assert len(data_files) == 4
-    loaded = load(empty_like_state(state), backend, window_bytes=8 * 1024 * 1024, max_request_bytes=3 * 1024 * 1024)
+    loaded = load(
+        empty_like_state(state), backend, window_bytes=8 * 1024 * 1024, max_request_bytes=3 * 1024 * 1024
+    )
     assert_state_equal(loaded, state)
 
 
@@ -90,7 +97,9 @@ def test_load_of_a_subset_and_of_resized_chunks_reads_what_is_needed(
     loaded = load(subset, backend)
     assert torch.equal(loaded["matrix"], state["matrix"])
     assert torch.equal(loaded["small"]["t4"], state["small"]["t4"])
-    storage = FsspecStorageReader(backend.url, storage_options=backend.storage_options).read_metadata().storage_data
+    storage = (
+        FsspecStorageReader(backend.url, storage_options=backend.storage_options).read_metadata().storage_data
+    )
     needed = sum(info.length for index, info in storage.items() if index.fqn in ("matrix", "small.t4"))
     everything = sum(info.length for info in storage.values())
     gap = ReaderSettings().max_gap_bytes
@@ -138,7 +147,11 @@ def test_the_backend_lists_and_reads_small_files_as_its_fsspec_filesystem_does(b
     from dcp_fsspec.storage.transport.urls import resolve
 
     where = resolve(backend.url, backend.storage_options)
-    files = {"iter_1/.commit.json": b"{}", "iter_1/model/.metadata": b"m" * 7, "iter_1/model/__0_0.distcp": b"d" * 1000}
+    files = {
+        "iter_1/.commit.json": b"{}",
+        "iter_1/model/.metadata": b"m" * 7,
+        "iter_1/model/__0_0.distcp": b"d" * 1000,
+    }
     for name, data in files.items():
         path = where.join(*name.split("/"))
         where.backend.make_folder(posixpath.dirname(path))
@@ -174,7 +187,9 @@ def test_local_listing_shows_links_without_following_them_and_raises_on_an_unrea
     (tmp_path / "run" / "iter_1" / "elsewhere").symlink_to(tmp_path / "outside")
     (tmp_path / "run" / "iter_1" / "loop").symlink_to(tmp_path / "run")
     (tmp_path / "run" / "iter_1" / "model" / "data").write_bytes(b"d" * 3)
-    (tmp_path / "run" / "iter_1" / "model" / "linked").symlink_to(tmp_path / "run" / "iter_1" / "model" / "data")
+    (tmp_path / "run" / "iter_1" / "model" / "linked").symlink_to(
+        tmp_path / "run" / "iter_1" / "model" / "data"
+    )
     where = resolve(str(tmp_path / "run"))
     found = where.backend.find(where.path)
     assert not any("secret" in path for path in found)
@@ -203,7 +218,9 @@ def test_local_listing_shows_links_without_following_them_and_raises_on_an_unrea
         where.backend.find(where.path)
 
 
-def test_local_listing_leaves_out_only_what_disappears_during_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_listing_leaves_out_only_what_disappears_during_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Retention's thread deletes old iterations while a save lists ``save_dirname``: an entry
     gone between the folder's read and its stat is left out, and nothing else with it."""
     import os
@@ -237,4 +254,7 @@ def test_local_listing_leaves_out_only_what_disappears_during_it(tmp_path: Path,
     found = where.backend.find(where.path, withdirs=True)
     kept = sorted({"iter_1", "iter_2", "iter_3"} - set(gone))
     assert len(kept) == 2
-    assert sorted(p.rsplit("/run", 1)[1] for p in found) == ["", *(f"/{i}{end}" for i in kept for end in ("", "/.commit.json"))]
+    assert sorted(p.rsplit("/run", 1)[1] for p in found) == [
+        "",
+        *(f"/{i}{end}" for i in kept for end in ("", "/.commit.json")),
+    ]

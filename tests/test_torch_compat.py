@@ -37,7 +37,9 @@ def test_torch_fsspec_reader_loads_our_checkpoint(name: str, request: pytest.Fix
 @pytest.mark.parametrize("thread_count", [1, 3])
 def test_we_load_what_torch_filesystem_writer_wrote(local_backend: Backend, thread_count: int) -> None:
     state = sample_state()
-    dcp.save(state, storage_writer=FileSystemWriter(local_backend.url, thread_count=thread_count), no_dist=True)
+    dcp.save(
+        state, storage_writer=FileSystemWriter(local_backend.url, thread_count=thread_count), no_dist=True
+    )
     assert_state_equal(load(empty_like_state(state), local_backend), state)
 
 
@@ -49,7 +51,9 @@ def test_we_load_what_torch_fsspec_writer_wrote(name: str, request: pytest.Fixtu
     assert_state_equal(load(empty_like_state(state), backend), state)
 
 
-def test_our_records_are_byte_identical_to_torch_save_but_for_the_serialization_id(local_backend: Backend) -> None:
+def test_our_records_are_byte_identical_to_torch_save_but_for_the_serialization_id(
+    local_backend: Backend,
+) -> None:
     # One tensor per file, so each file is exactly one record.
     tensor = torch.randn(33, 17)
     save({"t": tensor}, local_backend)

@@ -37,25 +37,31 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dcp_fsspec import Checkpointer, CheckpointNotFoundError, DrainError, FsspecStorageReader, LocalTier, RetryPolicy
-from dcp_fsspec.checkpoint.commit import committing, deletion, run_listing, pointer, retention
-from dcp_fsspec.checkpoint.tiers import drain
-from dcp_fsspec.checkpoint.tiers.metadata_merge import merge_metadata, rank_file_name
-from dcp_fsspec.checkpoint.tiers.drain_thread import Drainer
-from dcp_fsspec.checkpoint.options import DRAIN_LATEST
+from dcp_fsspec import (
+    Checkpointer,
+    CheckpointNotFoundError,
+    DrainError,
+    FsspecStorageReader,
+    LocalTier,
+    RetryPolicy,
+)
+from dcp_fsspec.checkpoint.commit import committing, deletion, pointer, retention, run_listing
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
+from dcp_fsspec.checkpoint.options import DRAIN_LATEST
+from dcp_fsspec.checkpoint.tiers import drain
+from dcp_fsspec.checkpoint.tiers.drain_thread import Drainer
+from dcp_fsspec.checkpoint.tiers.metadata_merge import merge_metadata, rank_file_name
 from dcp_fsspec.checkpoint.tiers.tiered import DURABLE, LOCAL, choose_tier, one_save_everywhere
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.transport.urls import resolve
 from dcp_fsspec.tools import targets
-
-from .ckpt_fsdp import FsdpTraining, assert_same_full_state
-from .ckpt_helpers import Training, assert_same_training
-from .conftest import Backend
-from .distributed import run_ranks
-from .faults import FaultyProxy
-from .servers.counting import CountingProxy
+from tests.ckpt_fsdp import FsdpTraining, assert_same_full_state
+from tests.ckpt_helpers import Training, assert_same_training
+from tests.conftest import Backend
+from tests.distributed import run_ranks
+from tests.faults import FaultyProxy
+from tests.servers.counting import CountingProxy
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,7 +79,9 @@ def _trained(steps: int) -> Training:
     return training
 
 
-def _resume(url: str, options: dict[str, Any], local: Path, *, keep_last_n_local: int = 1) -> tuple[int, Training]:
+def _resume(
+    url: str, options: dict[str, Any], local: Path, *, keep_last_n_local: int = 1
+) -> tuple[int, Training]:
     fresh = Training(seed=7)
     with Checkpointer(url, options, local_tier=LocalTier(local, keep_last_n=keep_last_n_local)) as ckpt:
         iteration = ckpt.load(**fresh.keys())
@@ -87,14 +95,19 @@ def test_a_save_commits_locally_and_the_durable_pointer_moves_once_the_drain_is_
     events: list[Any] = []
     training = _trained(2)
     with Checkpointer(
-        s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(tmp_path / "local"),
+        s3_backend.url,
+        s3_backend.storage_options,
+        local_tier=LocalTier(tmp_path / "local"),
         on_event=lambda e: events.append(e) if e.kind in ("save_end", "drain_end") else None,
-    ) as ckpt:  # fmt: skip
+    ) as ckpt:
         ckpt.save(2, **training.keys())
         assert _pointer(str(tmp_path / "local"), {}) == 2  # save() returned: committed locally
         ckpt.wait()
         assert ckpt.latest_checkpoint() == "iter_000000002" and ckpt.committed_iterations() == [2]
-    assert [(e.kind, e.tier, e.iteration) for e in events] == [("save_end", LOCAL, 2), ("drain_end", DURABLE, 2)]
+    assert [(e.kind, e.tier, e.iteration) for e in events] == [
+        ("save_end", LOCAL, 2),
+        ("drain_end", DURABLE, 2),
+    ]
     assert events[1].error is None and events[1].nbytes > 0 and events[1].url.startswith(s3_backend.url)
     iteration, resumed = _resume(s3_backend.url, s3_backend.storage_options, tmp_path / "fresh-machine")
     assert iteration == 2
@@ -139,10 +152,17 @@ def test_a_drain_killed_part_way_leaves_the_durable_pointer_and_the_next_run_res
 ) -> None:
     local, marker = tmp_path / "local", tmp_path / "stopped-before-the-durable-commit"
     child = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_CHILD, s3_backend.url, json.dumps(s3_backend.storage_options), str(local),
-         str(marker)],
+        [
+            sys.executable,
+            "-c",
+            _KILLED_CHILD,
+            s3_backend.url,
+            json.dumps(s3_backend.storage_options),
+            str(local),
+            str(marker),
+        ],
         cwd=Path(__file__).resolve().parents[1],
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 180
         while not marker.exists():
@@ -219,7 +239,9 @@ def test_a_fresh_machine_resumes_from_the_durable_tier_bit_exact(
     s3_backend: Backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     training = Training()
-    with Checkpointer(s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(tmp_path / "node-a")) as ckpt:
+    with Checkpointer(
+        s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(tmp_path / "node-a")
+    ) as ckpt:
         for it in (1, 2):
             training.run(1)
             ckpt.save(it, **training.keys())
@@ -268,7 +290,9 @@ def test_a_local_iteration_counts_only_where_every_rank_holds_the_same_save_of_i
     assert choose_tier(None, one_save_everywhere([{4: "a", 6: "b"}, {4: "a", 6: "c"}])) == (4, LOCAL)
 
 
-def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any], local: str, out: str) -> None:
+def _two_ranks_save(
+    rank: int, world_size: int, url: str, options: dict[str, Any], local: str, out: str
+) -> None:
     """Save iterations 1 (drained) and 2 (local only: its drain is undone, as if killed), each
     rank into its own ``local`` folder (``{rank}`` filled in)."""
     torch.manual_seed(0)
@@ -285,7 +309,9 @@ def _two_ranks_save(rank: int, world_size: int, url: str, options: dict[str, Any
     torch.save(state, f"{out}.{rank}")
 
 
-def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str) -> None:
+def _two_ranks_load(
+    rank: int, world_size: int, url: str, options: dict[str, Any], locals_: list[str], out: str
+) -> None:
     """Resume, each rank with its own ``local_dirname``, and save the next iteration again (rank
     0's local tier had an older copy of it)."""
     target = {"w": torch.zeros(64)}
@@ -299,14 +325,28 @@ def _two_ranks_load(rank: int, world_size: int, url: str, options: dict[str, Any
 def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_from_the_durable_tier(
     s3_backend: Backend, tmp_path: Path
 ) -> None:
-    node0, node1, rank0_tier = str(tmp_path / "node-0"), str(tmp_path / "node-1"), str(tmp_path / "node-0" / "rank0")
+    node0, node1, rank0_tier = (
+        str(tmp_path / "node-0"),
+        str(tmp_path / "node-1"),
+        str(tmp_path / "node-0" / "rank0"),
+    )
     saved = str(tmp_path / "saved")
-    run_ranks(_two_ranks_save, 2, tmp_path, s3_backend.url, s3_backend.storage_options, str(tmp_path / "node-{rank}"), saved)
+    run_ranks(
+        _two_ranks_save,
+        2,
+        tmp_path,
+        s3_backend.url,
+        s3_backend.storage_options,
+        str(tmp_path / "node-{rank}"),
+        saved,
+    )
     assert _pointer(s3_backend.url, s3_backend.storage_options) == 1 and _pointer(rank0_tier, {}) == 2
     shutil.rmtree(node1)
     loaded = str(tmp_path / "loaded")
     # Rank 0 still has iterations 1 and 2 locally; rank 1's local folder is empty.
-    run_ranks(_two_ranks_load, 2, tmp_path, s3_backend.url, s3_backend.storage_options, [node0, node1], loaded)
+    run_ranks(
+        _two_ranks_load, 2, tmp_path, s3_backend.url, s3_backend.storage_options, [node0, node1], loaded
+    )
     for rank in (0, 1):
         result = torch.load(f"{loaded}.{rank}")
         assert result["iteration"] == 1, f"rank {rank} resumed {result['iteration']}"
@@ -318,8 +358,11 @@ def test_two_ranks_with_one_local_folder_wiped_both_resume_the_same_iteration_fr
 def test_async_saves_drain_after_their_local_commit(s3_backend: Backend, tmp_path: Path) -> None:
     training = Training()
     with Checkpointer(
-        s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(tmp_path / "local"), async_mode="async_with_pinned_mem"
-    ) as ckpt:  # fmt: skip
+        s3_backend.url,
+        s3_backend.storage_options,
+        local_tier=LocalTier(tmp_path / "local"),
+        async_mode="async_with_pinned_mem",
+    ) as ckpt:
         for it in (1, 2):
             training.run(1)
             ckpt.save(it, **training.keys())
@@ -354,12 +397,17 @@ def test_drain_every_holds_the_next_save_until_the_drain_in_flight_is_done_and_e
     drain_log = logging.getLogger("dcp_fsspec.checkpoint.tiers.drain")
     drain_log.addHandler(hold)
     try:
-        with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
-            s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(local, keep_last_n=1)
-        ) as ckpt:  # fmt: skip
+        with (
+            caplog.at_level(logging.INFO, logger="dcp_fsspec"),
+            Checkpointer(
+                s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(local, keep_last_n=1)
+            ) as ckpt,
+        ):
             ckpt.save(1, trainer={"w": torch.ones(4)})
             assert hold.reached.wait(60)
-            second = threading.Thread(target=ckpt.save, args=(2,), kwargs={"trainer": {"w": torch.ones(4) * 2}})
+            second = threading.Thread(
+                target=ckpt.save, args=(2,), kwargs={"trainer": {"w": torch.ones(4) * 2}}
+            )
             second.start()
             second.join(1.0)
             assert second.is_alive()  # save(2) waits for the drain of 1 ...
@@ -385,9 +433,14 @@ def test_drain_latest_replaces_a_waiting_iteration_and_local_retention_keeps_the
     drain_log = logging.getLogger("dcp_fsspec.checkpoint.tiers.drain")
     drain_log.addHandler(hold)
     try:
-        with caplog.at_level(logging.INFO, logger="dcp_fsspec"), Checkpointer(
-            s3_backend.url, s3_backend.storage_options, local_tier=LocalTier(local, drain="latest", keep_last_n=1)
-        ) as ckpt:  # fmt: skip
+        with (
+            caplog.at_level(logging.INFO, logger="dcp_fsspec"),
+            Checkpointer(
+                s3_backend.url,
+                s3_backend.storage_options,
+                local_tier=LocalTier(local, drain="latest", keep_last_n=1),
+            ) as ckpt,
+        ):
             ckpt.save(1, trainer={"w": torch.ones(4)})
             assert hold.reached.wait(60)
             ckpt.save(2, trainer={"w": torch.ones(4) * 2})  # waits behind the drain of 1
@@ -419,11 +472,15 @@ def test_rank0_commits_the_durable_copy_only_once_every_other_rank_marked_its_fi
     local_root = resolve(str(local), {})
 
     def drain_as_rank0_of_two() -> None:
-        drain.drain_iteration(local_root, durable, job, rank=0, world_size=2, keep_last_n=None, marker_wait=0.5)
+        drain.drain_iteration(
+            local_root, durable, job, rank=0, world_size=2, keep_last_n=None, marker_wait=0.5
+        )
 
     with pytest.raises(DrainError) as raised:  # rank 1 never copied its files
         drain_as_rank0_of_two()
-    assert "rank(s) [1]" in str(raised.value) and str(tmp_path / "durable" / "iter_000000003") in str(raised.value)
+    assert "rank(s) [1]" in str(raised.value) and str(tmp_path / "durable" / "iter_000000003") in str(
+        raised.value
+    )
     marker = tmp_path / "durable" / "iter_000000003" / drain.marker_name(1)
     marker.write_bytes(b"another-save")  # a marker left by a drain of another save of iteration 3
     with pytest.raises(DrainError):
@@ -441,11 +498,17 @@ def test_the_drain_copies_neither_claim_of_a_local_iteration_its_name_nor_an_ear
     _committed_locally(local, 3)
     local_root = resolve(str(local), {})
     token = read_commit_record(local_root, 3).save_id  # type: ignore[union-attr]
-    (local / "iter_000000003" / committing.LEGACY_CLAIM_NAME).write_text(token)  # as an earlier version named it
+    (local / "iter_000000003" / committing.LEGACY_CLAIM_NAME).write_text(
+        token
+    )  # as an earlier version named it
     drain.drain_iteration(local_root, durable, drain.DrainJob(3, token), keep_last_n=None)
     assert pointer.read_pointer(durable) == 3
     names = {p.name for p in (tmp_path / "durable" / "iter_000000003").iterdir()}
-    assert committing.CLAIM_NAME not in names and committing.LEGACY_CLAIM_NAME not in names and COMMIT_RECORD_NAME in names
+    assert (
+        committing.CLAIM_NAME not in names
+        and committing.LEGACY_CLAIM_NAME not in names
+        and COMMIT_RECORD_NAME in names
+    )
 
 
 def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(tmp_path: Path) -> None:
@@ -456,14 +519,31 @@ def test_a_durable_copy_is_made_only_of_a_committed_local_copy_of_the_same_save(
     folder, copy = str(local / "iter_000000003"), str(tmp_path / "durable" / "iter_000000003")
     # Per node, every rank's copy must be the save rank 0 drains (its token).
     with pytest.raises(DrainError, match="is another save's") as raised:
-        drain.drain_iteration(local_root, durable, drain.DrainJob(3, "another-save"), rank=1, world_size=2,
-                              keep_last_n=None, per_node=True)  # fmt: skip
+        drain.drain_iteration(
+            local_root,
+            durable,
+            drain.DrainJob(3, "another-save"),
+            rank=1,
+            world_size=2,
+            keep_last_n=None,
+            per_node=True,
+        )
     assert folder in str(raised.value) and copy in str(raised.value)
-    (local / "iter_000000003" / COMMIT_RECORD_NAME).unlink()  # as a save that died before its commit leaves it
+    (
+        local / "iter_000000003" / COMMIT_RECORD_NAME
+    ).unlink()  # as a save that died before its commit leaves it
     for rank in (0, 1):
         with pytest.raises(DrainError, match="a durable copy is only made of a committed one") as raised:
-            drain.drain_iteration(local_root, durable, drain.DrainJob(3, token), rank=rank, world_size=2,
-                                  keep_last_n=None, marker_wait=0.5, per_node=True)  # fmt: skip
+            drain.drain_iteration(
+                local_root,
+                durable,
+                drain.DrainJob(3, token),
+                rank=rank,
+                world_size=2,
+                keep_last_n=None,
+                marker_wait=0.5,
+                per_node=True,
+            )
         assert folder in str(raised.value) and copy in str(raised.value)
     assert pointer.read_pointer(durable) is None and not (tmp_path / "durable" / "iter_000000003").exists()
 
@@ -476,8 +556,14 @@ def test_per_node_a_ranks_data_files_and_content_hashes_take_its_rank_in_their_d
 
 
 def test_each_rank_copies_the_data_files_it_wrote_and_rank0_the_rest() -> None:
-    names = ["model/__0_0.distcp", "model/__1_0.distcp", "model/__1_ab12_3.distcp", "model/.metadata",
-             "optim/__2_0.distcp", "extra.txt"]  # fmt: skip
+    names = [
+        "model/__0_0.distcp",
+        "model/__1_0.distcp",
+        "model/__1_ab12_3.distcp",
+        "model/.metadata",
+        "optim/__2_0.distcp",
+        "extra.txt",
+    ]
     assert [drain.owner_of(n, world_size=2) for n in names] == [0, 1, 1, 0, 0, 0]  # rank 2 is no rank here
     assert [drain.owner_of(n, world_size=3) for n in names] == [0, 1, 1, 0, 2, 0]
 
@@ -488,8 +574,14 @@ def _own_metadata(first_row: int) -> Metadata:
     props = TensorProperties(dtype=torch.float32)
     return Metadata(
         {
-            "w": TensorStorageMetadata(props, torch.Size([4, 2]), [ChunkStorageMetadata(torch.Size([first_row, 0]), torch.Size([2, 2]))]),
-            "r": TensorStorageMetadata(props, torch.Size([3]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([3]))]),
+            "w": TensorStorageMetadata(
+                props,
+                torch.Size([4, 2]),
+                [ChunkStorageMetadata(torch.Size([first_row, 0]), torch.Size([2, 2]))],
+            ),
+            "r": TensorStorageMetadata(
+                props, torch.Size([3]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([3]))]
+            ),
             "s": BytesStorageMetadata(),
         },
         storage_data={
@@ -501,23 +593,41 @@ def _own_metadata(first_row: int) -> Metadata:
 
 
 def test_the_ranks_own_metadata_merge_into_one_with_each_chunk_once_in_its_ranks_file() -> None:
-    merged = merge_metadata([(1, _own_metadata(2)), (0, _own_metadata(0))], rename=rank_file_name, save_id="t", checkpoint_id="x")
+    merged = merge_metadata(
+        [(1, _own_metadata(2)), (0, _own_metadata(0))], rename=rank_file_name, save_id="t", checkpoint_id="x"
+    )
     w, r = merged.state_dict_metadata["w"], merged.state_dict_metadata["r"]
     assert isinstance(w, TensorStorageMetadata) and isinstance(r, TensorStorageMetadata)
     assert [list(c.offsets) for c in w.chunks] == [[0, 0], [2, 0]] and len(r.chunks) == 1
-    files = {(index.fqn, tuple(index.offset or ())): info.relative_path for index, info in merged.storage_data.items()}
-    assert files == {("w", (0, 0)): "__0_0.distcp", ("w", (2, 0)): "__1_0.distcp", ("r", (0,)): "__0_0.distcp",
-                     ("s", ()): "__0_0.distcp"}  # fmt: skip
+    files = {
+        (index.fqn, tuple(index.offset or ())): info.relative_path
+        for index, info in merged.storage_data.items()
+    }
+    assert files == {
+        ("w", (0, 0)): "__0_0.distcp",
+        ("w", (2, 0)): "__1_0.distcp",
+        ("r", (0,)): "__0_0.distcp",
+        ("s", ()): "__0_0.distcp",
+    }
     assert merged.storage_meta is not None and merged.storage_meta.save_id == "t"
     clash = _own_metadata(0)
-    clash.state_dict_metadata["r"] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3]),
-                                                          [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))])  # fmt: skip
+    clash.state_dict_metadata["r"] = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([3]),
+        [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))],
+    )
     with pytest.raises(ValueError, match="'r': rank 1"):
-        merge_metadata([(0, _own_metadata(0)), (1, clash)], rename=rank_file_name, save_id="t", checkpoint_id="x")
+        merge_metadata(
+            [(0, _own_metadata(0)), (1, clash)], rename=rank_file_name, save_id="t", checkpoint_id="x"
+        )
     not_a_tensor = _own_metadata(2)
-    not_a_tensor.state_dict_metadata["s"] = not_a_tensor.state_dict_metadata["r"]  # a tensor where rank 0 has bytes
+    not_a_tensor.state_dict_metadata["s"] = not_a_tensor.state_dict_metadata[
+        "r"
+    ]  # a tensor where rank 0 has bytes
     with pytest.raises(ValueError, match="'s': rank 1 wrote a tensor, a lower rank something else"):
-        merge_metadata([(0, _own_metadata(0)), (1, not_a_tensor)], rename=rank_file_name, save_id="t", checkpoint_id="x")
+        merge_metadata(
+            [(0, _own_metadata(0)), (1, not_a_tensor)], rename=rank_file_name, save_id="t", checkpoint_id="x"
+        )
 
 
 def _own_folders_save(rank: int, world_size: int, url: str, base: str, out: str, scale: float = 1.0) -> None:
@@ -537,7 +647,11 @@ def _load_whole(rank: int, world_size: int, url: str, base: str, out: str) -> No
     """Load ``w`` whole on every rank (no sharding now): more than a rank's own local copy holds."""
     target = {"w": torch.zeros(8, 8), "r": torch.zeros(3), "step": 0}
     tiers: list[str | None] = []
-    with Checkpointer(url, local_tier=LocalTier(f"{base}/node-{rank}"), on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None) as ckpt:
+    with Checkpointer(
+        url,
+        local_tier=LocalTier(f"{base}/node-{rank}"),
+        on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None,
+    ) as ckpt:
         iteration = ckpt.load(trainer=target)
     torch.save({"iteration": iteration, "tiers": tiers, **target}, f"{out}.{rank}")
 
@@ -553,13 +667,17 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
         tier = tmp_path / f"node-{rank}" / f"rank{rank}"
         assert _pointer(str(tier), {}) == 3 and run_listing.committed_iterations(resolve(str(tier))) == [3]
         assert not (tmp_path / f"node-{rank}" / f"rank{1 - rank}").exists()
-        with pytest.raises(CheckpointNotFoundError, match=f"per-node local_dirname .*give one of them, e.g. .*rank{rank}$"):
+        with pytest.raises(
+            CheckpointNotFoundError, match=f"per-node local_dirname .*give one of them, e.g. .*rank{rank}$"
+        ):
             targets.classify(resolve(str(tmp_path / f"node-{rank}")))  # what every tool is given
         assert targets.classify(resolve(str(tier))).kind == "run"
     assert run_listing.committed_iterations(resolve(url)) == [1, 2, 3]
     # The durable copy: one plain checkpoint, each rank's shard in its own file, no drain leftovers.
     assert sorted(p.name for p in (tmp_path / "durable" / "iter_000000003" / "trainer").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
     ]
     # Every rank now holds w whole; its local copy has only its half: both read the durable tier.
     loaded = str(tmp_path / "loaded")
@@ -567,7 +685,9 @@ def test_each_rank_with_a_local_dirname_of_its_own_keeps_its_own_copy_and_a_copy
     for rank in (0, 1):
         result = torch.load(f"{loaded}.{rank}")
         assert result["iteration"] == 3 and result["tiers"] == [DURABLE], result
-        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and torch.equal(result["r"], torch.full((3,), 5.0))
+        assert torch.equal(result["w"], torch.arange(64.0).reshape(8, 8) * 3) and torch.equal(
+            result["r"], torch.full((3,), 5.0)
+        )
         assert result["step"] == 3
 
 
@@ -578,14 +698,23 @@ def _load_sharded(rank: int, world_size: int, url: str, base: str, out: str) -> 
     mesh = init_device_mesh("cpu", (world_size,))
     target = {"w": distribute_tensor(torch.zeros(8, 8), mesh, [Shard(0)]), "r": torch.zeros(3), "step": 0}
     tiers: list[str | None] = []
-    with Checkpointer(url, local_tier=LocalTier(f"{base}/node-{rank}"), on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None) as ckpt:
+    with Checkpointer(
+        url,
+        local_tier=LocalTier(f"{base}/node-{rank}"),
+        on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None,
+    ) as ckpt:
         iteration = ckpt.load(trainer=target)
     whole = target["w"].full_tensor()  # a collective
-    torch.save({"iteration": iteration, "tiers": tiers, "w": whole, "r": target["r"], "step": target["step"]}, f"{out}.{rank}")
+    torch.save(
+        {"iteration": iteration, "tiers": tiers, "w": whole, "r": target["r"], "step": target["step"]},
+        f"{out}.{rank}",
+    )
 
 
 @pytest.mark.slow
-def test_a_damaged_local_copy_on_one_node_sends_every_rank_to_the_durable_tier_with_a_warning(tmp_path: Path) -> None:
+def test_a_damaged_local_copy_on_one_node_sends_every_rank_to_the_durable_tier_with_a_warning(
+    tmp_path: Path,
+) -> None:
     url, out = str(tmp_path / "durable"), str(tmp_path / "out")
     run_ranks(_own_folders_save, 2, tmp_path, url, str(tmp_path), out)
     shard = next((tmp_path / "node-1" / "rank1" / "iter_000000003" / "trainer").glob("*.distcp"))
@@ -662,7 +791,10 @@ def _fsdp_resume(
     local = None if locals_ is None else locals_[rank]
     local_tier = None if local is None else LocalTier(local)
     with Checkpointer(
-        url, options, local_tier=local_tier, on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None
+        url,
+        options,
+        local_tier=local_tier,
+        on_event=lambda e: tiers.append(e.tier) if e.kind == "load_end" else None,
     ) as ckpt:
         iteration = ckpt.load(**training.keys())
     training.after_load()
@@ -677,7 +809,10 @@ def _resumed(out: str, saved: str, iteration: int, tier: str | None) -> None:
     position are bitwise those saved."""
     for rank in (0, 1):
         assert json.loads(Path(f"{out}.{rank}").read_text()) == [iteration, [tier]], f"rank {rank}"
-    resumed, reference = torch.load(f"{out}.state", weights_only=False), torch.load(f"{saved}.{iteration}", weights_only=False)
+    resumed, reference = (
+        torch.load(f"{out}.state", weights_only=False),
+        torch.load(f"{saved}.{iteration}", weights_only=False),
+    )
     assert_same_full_state(resumed, reference)
 
 
@@ -723,8 +858,13 @@ def test_a_paused_drainer_starts_no_waiting_iteration_so_the_ranks_can_agree_whi
     drain_log.addHandler(first)
     drain_log.addHandler(second)
     ended = threading.Event()
-    drainer = Drainer(local_root, durable, policy=DRAIN_LATEST, keep_last_n=None,
-                            on_end=lambda event: ended.set() if event.iteration == 1 else None)  # fmt: skip
+    drainer = Drainer(
+        local_root,
+        durable,
+        policy=DRAIN_LATEST,
+        keep_last_n=None,
+        on_end=lambda event: ended.set() if event.iteration == 1 else None,
+    )
     try:
         caplog.set_level(logging.INFO, logger="dcp_fsspec")  # the holds read the drain's INFO lines
         drainer.submit(job(1))
@@ -751,7 +891,9 @@ def test_two_fsdp2_ranks_each_with_its_own_local_disk_resume_locally_or_durably_
     url, options = s3_backend.url, s3_backend.storage_options
     nodes, saved = [str(tmp_path / "node-0"), str(tmp_path / "node-1")], str(tmp_path / "saved")
     run_ranks(_fsdp_save, 2, tmp_path, url, options, str(tmp_path / "node-{rank}"), saved)
-    assert _pointer(url, options) == 4 and [_pointer(f"{node}/rank{r}", {}) for r, node in enumerate(nodes)] == [6, 6]
+    assert _pointer(url, options) == 4 and [
+        _pointer(f"{node}/rank{r}", {}) for r, node in enumerate(nodes)
+    ] == [6, 6]
 
     # 6 is only on the nodes' disks: both ranks read their own copy (model and optimizer shards,
     # replicated entries included), and drain it again on the way.
@@ -769,7 +911,9 @@ def test_two_fsdp2_ranks_each_with_its_own_local_disk_resume_locally_or_durably_
     assert model_files == {".metadata", "__0_0.distcp", "__1_0.distcp"}, model_files  # no parts, no markers
     reference = torch.load(f"{saved}.6", weights_only=False)["model"]
     whole = {name: torch.zeros_like(t) for name, t in reference.items()}
-    dcp.load(whole, storage_reader=FsspecStorageReader(f"{url}/iter_000000006/model", storage_options=options))
+    dcp.load(
+        whole, storage_reader=FsspecStorageReader(f"{url}/iter_000000006/model", storage_options=options)
+    )
     assert all(torch.equal(whole[name], reference[name]) for name in reference)
 
     # Node 1 lost its disk: both ranks resume 6 from the durable tier.
@@ -783,7 +927,9 @@ def _own_folders_async_save(rank: int, world_size: int, url: str, base: str, out
     """Per-node local folders with async saves: stage, return, commit locally and drain behind."""
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = distribute_tensor(torch.arange(64.0).reshape(8, 8), mesh, [Shard(0)])
-    with Checkpointer(url, local_tier=LocalTier(f"{base}/node-{rank}"), async_mode="async_with_pinned_mem") as ckpt:
+    with Checkpointer(
+        url, local_tier=LocalTier(f"{base}/node-{rank}"), async_mode="async_with_pinned_mem"
+    ) as ckpt:
         for step in (1, 2):
             ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
         ckpt.wait()
@@ -815,7 +961,9 @@ def _own_folders_incremental_save(
 ) -> None:
     """Per-node local folders, incremental: a frozen sharded tensor and a small one that changes."""
     mesh = init_device_mesh("cpu", (world_size,))
-    frozen = distribute_tensor(torch.arange(_FROZEN_ROWS * 1024.0).reshape(_FROZEN_ROWS, 1024), mesh, [Shard(0)])
+    frozen = distribute_tensor(
+        torch.arange(_FROZEN_ROWS * 1024.0).reshape(_FROZEN_ROWS, 1024), mesh, [Shard(0)]
+    )
     tier = LocalTier(f"{base}/node-{rank}", keep_last_n=2)
     with Checkpointer(url, options, incremental=True, local_tier=tier) as ckpt:
         ckpt.save(iteration, trainer={"frozen": frozen, "head": torch.full((4,), float(iteration))})
@@ -849,5 +997,7 @@ def test_per_node_incremental_drains_upload_only_what_changed_on_every_rank(
     durable = resolve(s3_backend.url, s3_backend.storage_options)
     retention.apply_retention(durable, 1, latest=2)
     durable.fs.invalidate_cache()
-    kept = {p.rsplit("/", 1)[-1] for p in durable.fs.ls(durable.join("iter_000000001", "trainer"), detail=False)}
+    kept = {
+        p.rsplit("/", 1)[-1] for p in durable.fs.ls(durable.join("iter_000000001", "trainer"), detail=False)
+    }
     assert {".metadata", ".content_hashes.json", "__1.content_hashes.json"} <= kept, kept

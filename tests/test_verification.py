@@ -17,8 +17,8 @@ from torch.distributed.checkpoint._extension import ZStandard
 
 from dcp_fsspec import Checkpointer, ChecksumMismatchError, CorruptCheckpointError, WriterSettings
 from dcp_fsspec.storage.checkpoint_files import integrity
-from dcp_fsspec.storage.format.record_layout import parse_layout
 from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
+from dcp_fsspec.storage.format.record_layout import parse_layout
 from tests.conftest import Backend
 from tests.helpers import flip_a_byte_of_each_data_file_once_written, load, raises_through_dcp, save
 from tests.test_verify import _flip_tensor_byte, _record
@@ -83,7 +83,9 @@ def test_the_storage_level_verification_of_a_flipped_byte_names_the_file_and_the
     assert report.tensors_checked == 1
 
 
-def test_the_storage_level_verification_reports_a_missing_metadata_rather_than_raising(memory_backend: Backend) -> None:
+def test_the_storage_level_verification_reports_a_missing_metadata_rather_than_raising(
+    memory_backend: Backend,
+) -> None:
     report = verify_checkpoint(memory_backend.url)
     assert [(p.url, p.error) for p in report.problems] == [
         (memory_backend.sub(".metadata"), "CheckpointNotFoundError")
@@ -142,7 +144,9 @@ def test_a_flipped_byte_in_a_compressed_record_fails_the_verification_and_the_lo
     data[offset + length // 2] ^= 0x01  # in the middle of randn's bytes: zstd stores them as literals
     memory_backend.fs.pipe_file(path, bytes(data))
     report = verify_checkpoint(memory_backend.url)
-    assert [(p.url.endswith(path), p.item, p.error) for p in report.problems] == [(True, "weight", error.__name__)]
+    assert [(p.url.endswith(path), p.item, p.error) for p in report.problems] == [
+        (True, "weight", error.__name__)
+    ]
     with raises_through_dcp(CorruptCheckpointError) as raised:
         load({k: torch.zeros_like(v) for k, v in _state().items()}, memory_backend)
     assert type(raised.value) is error and "'weight'" in str(raised.value)
@@ -191,7 +195,9 @@ def test_a_zstd_bomb_fails_the_verification_without_expanding(memory_backend: Ba
     path = _plant_bomb(memory_backend, bomb)
     with _peak_python_memory() as peak:
         report = verify_checkpoint(memory_backend.url)
-    assert [(p.url.endswith(path), p.item, p.error) for p in report.problems] == [(True, "weight", "CorruptCheckpointError")]
+    assert [(p.url.endswith(path), p.item, p.error) for p in report.problems] == [
+        (True, "weight", "CorruptCheckpointError")
+    ]
     assert peak[0] < 32 * MiB, peak
 
 
@@ -210,7 +216,9 @@ def test_verify_before_commit_refuses_a_compressed_iteration_whose_record_change
     local_backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     weights = torch.randn(4096, generator=torch.Generator().manual_seed(3))
-    with Checkpointer(local_backend.url, verify_before_commit=True, writer_settings=WriterSettings(compression="zstd")) as ckpt:
+    with Checkpointer(
+        local_backend.url, verify_before_commit=True, writer_settings=WriterSettings(compression="zstd")
+    ) as ckpt:
         ckpt.save(1, trainer={"w": weights})
         flip_a_byte_of_each_data_file_once_written(monkeypatch)
         with pytest.raises(CorruptCheckpointError) as info:

@@ -20,12 +20,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from dcp_fsspec import Checkpointer, CheckpointNotFoundError, VerifyReport, verify
 from dcp_fsspec.storage.format.record_layout import parse_layout
+from tests.ckpt_helpers import Training
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.helpers import save
 from tests.test_storage_distributed import _save_sharded_rows
-
-from .ckpt_helpers import Training
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -138,7 +137,9 @@ def test_a_record_that_contradicts_metadata_is_reported(memory_backend: Backend)
     meta = metadata.state_dict_metadata["weight"]
     assert isinstance(meta, TensorStorageMetadata)
     meta.properties.dtype = torch.float64
-    memory_backend.fs.pipe_file(memory_backend.fs._strip_protocol(memory_backend.url + "/.metadata"), pickle.dumps(metadata))
+    memory_backend.fs.pipe_file(
+        memory_backend.fs._strip_protocol(memory_backend.url + "/.metadata"), pickle.dumps(metadata)
+    )
     report = verify(memory_backend.url)
     assert [p.item for p in report.problems] == ["weight"]
     assert "torch.float32" in report.problems[0].what and "torch.float64" in report.problems[0].what
@@ -156,7 +157,9 @@ def test_tensors_saved_without_checksums_are_counted_not_failed(memory_backend: 
     assert report.ok and report.tensors_checked == 0 and report.unchecked == 5
 
 
-def test_a_checkpoint_written_by_torchs_own_writer_is_checked_and_its_damage_found(local_backend: Backend) -> None:
+def test_a_checkpoint_written_by_torchs_own_writer_is_checked_and_its_damage_found(
+    local_backend: Backend,
+) -> None:
     dcp.save(_state(), storage_writer=FileSystemWriter(local_backend.url), no_dist=True)
     report = verify(local_backend.url)
     assert report.ok and report.tensors_checked == 3, report.problems
@@ -174,7 +177,9 @@ def _run(backend: Backend, iterations: list[int]) -> Training:
     return training
 
 
-def test_an_iteration_folder_verifies_every_key_and_reports_one_that_lost_its_metadata(memory_backend: Backend) -> None:
+def test_an_iteration_folder_verifies_every_key_and_reports_one_that_lost_its_metadata(
+    memory_backend: Backend,
+) -> None:
     _run(memory_backend, [3])
     folder = memory_backend.sub("iter_000000003")
     report = verify(folder)
@@ -186,25 +191,35 @@ def test_an_iteration_folder_verifies_every_key_and_reports_one_that_lost_its_me
     assert "'optim'" in report.problems[0].what
 
 
-def test_a_save_dirname_verifies_every_committed_iteration_and_notes_uncommitted_ones(memory_backend: Backend) -> None:
+def test_a_save_dirname_verifies_every_committed_iteration_and_notes_uncommitted_ones(
+    memory_backend: Backend,
+) -> None:
     _run(memory_backend, [1, 2])
-    memory_backend.fs.pipe_file(memory_backend.fs._strip_protocol(memory_backend.sub("iter_000000009", "model", "x")), b"")
+    memory_backend.fs.pipe_file(
+        memory_backend.fs._strip_protocol(memory_backend.sub("iter_000000009", "model", "x")), b""
+    )
     report = verify(memory_backend.url)
     assert report.ok and report.kind == "run" and len(report.checkpoints) == 8
     assert any("iter_000000009" in note for note in report.notes)
     _flip_tensor_byte(memory_backend, "0.weight", memory_backend.sub("iter_000000001", "model"))
-    assert [(p.item, "iter_000000001" in p.url) for p in verify(memory_backend.url).problems] == [("0.weight", True)]
+    assert [(p.item, "iter_000000001" in p.url) for p in verify(memory_backend.url).problems] == [
+        ("0.weight", True)
+    ]
 
 
 def test_a_pointer_naming_an_uncommitted_iteration_is_a_problem(memory_backend: Backend) -> None:
     _run(memory_backend, [1, 2])
-    memory_backend.fs.rm_file(memory_backend.fs._strip_protocol(memory_backend.sub("iter_000000002", ".commit.json")))
+    memory_backend.fs.rm_file(
+        memory_backend.fs._strip_protocol(memory_backend.sub("iter_000000002", ".commit.json"))
+    )
     report = verify(memory_backend.url)
     _assert_only_problem_names(report, memory_backend.sub("latest_checkpoint.txt"), None)
     assert "iter_000000002" in report.problems[0].what
 
 
-def test_a_tensor_sharded_by_two_ranks_has_every_chunk_checked(local_backend: Backend, tmp_path: Path) -> None:
+def test_a_tensor_sharded_by_two_ranks_has_every_chunk_checked(
+    local_backend: Backend, tmp_path: Path
+) -> None:
     run_ranks(_save_sharded_rows, 2, tmp_path, local_backend.url, local_backend.storage_options)
     report = verify(local_backend.url)
     # Two row shards of "sharded", plus "replicated" and "plain", each written once.

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from dcp_fsspec.storage.transport.gc_pause import collector_paused
 from dcp_fsspec.storage.backends.local import LocalUpload
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
 
 
 def test_local_upload_survives_short_writev_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +75,7 @@ def test_saves_and_loads_run_with_the_collector_paused_and_switch_it_back_on(
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageReader, FsspecStorageWriter
+    from dcp_fsspec import Checkpointer, CheckpointExistsError, FsspecStorageReader, FsspecStorageWriter
     from dcp_fsspec.storage.write import writer as writer_module
 
     seen: dict[str, list[bool]] = {}
@@ -98,8 +98,12 @@ def test_saves_and_loads_run_with_the_collector_paused_and_switch_it_back_on(
     dcp.save(state, storage_writer=FsspecStorageWriter(str(tmp_path / "plain")))
     dcp.load(state, storage_reader=FsspecStorageReader(str(tmp_path / "plain")))
     assert gc.isenabled()
-    assert seen == {"writer planning": [True], "inside write_data": [False],
-                    "reader planning": [True], "inside read_data": [False]}  # fmt: skip
+    assert seen == {
+        "writer planning": [True],
+        "inside write_data": [False],
+        "reader planning": [True],
+        "inside read_data": [False],
+    }
 
     seen.clear()
     with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
@@ -139,5 +143,7 @@ def test_an_integration_s_blocking_dcp_call_pauses_the_collector_through_plannin
     blocking(lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url)), f"saving {url}")
     assert seen == [False] and gc.isenabled()
     with pytest.raises(CheckpointExistsError):
-        blocking(lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url, overwrite=False)), f"saving {url}")
+        blocking(
+            lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url, overwrite=False)), f"saving {url}"
+        )
     assert gc.isenabled()

@@ -21,22 +21,22 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_fsspec.storage.transport.gc_pause import collector_paused
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
-from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
-from dcp_fsspec.storage.transport.urls import resolve
-from dcp_fsspec.checkpoint.commit import layout, run_listing, pointer
 from dcp_fsspec.checkpoint import state as state_mod
-from dcp_fsspec.checkpoint.collectives import Collectives
-from dcp_fsspec.checkpoint.save.async_saves import AsyncSaves, InFlight
 from dcp_fsspec.checkpoint.at_exit import EXIT_HOOK
-from dcp_fsspec.checkpoint.save.background import leave_if_reimported_main
+from dcp_fsspec.checkpoint.collectives import Collectives
+from dcp_fsspec.checkpoint.commit import layout, pointer, run_listing
 from dcp_fsspec.checkpoint.events import Callback, CheckpointEvent, report, tensor_nbytes
 from dcp_fsspec.checkpoint.load.pipeline import LoadPipeline
-from dcp_fsspec.checkpoint.options import LocalTier, ResumeOptions
-from dcp_fsspec.checkpoint.save.pipeline import Saved, SavePipeline, SaveSettings
 from dcp_fsspec.checkpoint.load.resume import MODEL_KEY
+from dcp_fsspec.checkpoint.options import LocalTier, ResumeOptions
+from dcp_fsspec.checkpoint.save.async_saves import AsyncSaves, InFlight
+from dcp_fsspec.checkpoint.save.background import leave_if_reimported_main
+from dcp_fsspec.checkpoint.save.pipeline import Saved, SavePipeline, SaveSettings
 from dcp_fsspec.checkpoint.tiers.tiered import LOCAL, TwoTiers
+from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
+from dcp_fsspec.storage.transport.urls import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ class Checkpointer:
         InvalidURLError, MissingDriverError: see :func:`dcp_fsspec.storage.transport.urls.resolve`.
     """
 
-    def __init__(
+    # Its keywords are the public API; CheckpointerOptions holds them as one value.
+    def __init__(  # noqa: PLR0913
         self,
         save_dirname: str | os.PathLike[str],
         storage_options: dict[str, Any] | None = None,
@@ -124,7 +125,9 @@ class Checkpointer:
         reader_settings: ReaderSettings | None = None,
     ) -> None:
         _check_async_mode(async_mode)
-        if keep_last_n is not None and (isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1):
+        if keep_last_n is not None and (
+            isinstance(keep_last_n, bool) or not isinstance(keep_last_n, int) or keep_last_n < 1
+        ):
             raise ValueError(f"keep_last_n must be None (keep all) or an int >= 1, got {keep_last_n!r}")
         resume = resume or ResumeOptions()
         for key in resume.keys_not_to_resume:
@@ -137,13 +140,21 @@ class Checkpointer:
         # applies), over the ranks that tier spans.
         self._save_root = self._root if self._tiers is None else self._tiers.local
         save_collectives = self._collectives if self._tiers is None else self._tiers.save_collectives
-        load_options = resume.load_storage_options if resume.load_storage_options is not None else storage_options
+        load_options = (
+            resume.load_storage_options if resume.load_storage_options is not None else storage_options
+        )
         self._loading = LoadPipeline(
             self._root,
-            load_root=None if resume.load_path is None else resolve(resume.load_path, load_options, retry=retry),
-            collectives=self._collectives, options=resume, reader_settings=reader_settings or ReaderSettings(),
-            retry=retry, tiers=self._tiers, on_event=on_event,
-        )  # fmt: skip
+            load_root=None
+            if resume.load_path is None
+            else resolve(resume.load_path, load_options, retry=retry),
+            collectives=self._collectives,
+            options=resume,
+            reader_settings=reader_settings or ReaderSettings(),
+            retry=retry,
+            tiers=self._tiers,
+            on_event=on_event,
+        )
         self._save_settings = SaveSettings(
             self._save_root.secret_url,  # the background process connects by itself: keep the password
             dict((storage_options if local_tier is None else local_tier.storage_options) or {}),
@@ -159,18 +170,28 @@ class Checkpointer:
         self._async: AsyncSaves | None = None
         if async_mode == ASYNC_PINNED:
             self._async = AsyncSaves(
-                self._save_settings, self._pipeline, self._save_root, save_collectives, lambda: EXIT_HOOK.register(self)
+                self._save_settings,
+                self._pipeline,
+                self._save_root,
+                save_collectives,
+                lambda: EXIT_HOOK.register(self),
             )
             # Start the background process now (a collective, like construction itself), so the
             # first save() does not pay for spawning it.
             self._async.start()
 
-    def _two_tiers(self, local_tier: LocalTier, keep_last_n: int | None, retry: RetryPolicy | None) -> TwoTiers:
+    def _two_tiers(
+        self, local_tier: LocalTier, keep_last_n: int | None, retry: RetryPolicy | None
+    ) -> TwoTiers:
         tiers = TwoTiers(
-            resolve(local_tier.dirname, local_tier.storage_options, retry=retry), self._root, self._collectives,
-            keep_last_n_local=local_tier.keep_last_n, keep_last_n=keep_last_n, drain=local_tier.drain,
+            resolve(local_tier.dirname, local_tier.storage_options, retry=retry),
+            self._root,
+            self._collectives,
+            keep_last_n_local=local_tier.keep_last_n,
+            keep_last_n=keep_last_n,
+            drain=local_tier.drain,
             on_drain_end=lambda event: report(event, self._on_event),
-        )  # fmt: skip
+        )
         EXIT_HOOK.register(self)  # a drain in flight at exit is waited for
         return tiers
 
@@ -242,7 +263,9 @@ class Checkpointer:
 
     def _committed(self, done: InFlight) -> None:
         """Report a committed save; with a local tier, start its drain."""
-        self._report("save_end", done.iteration, done.keys, done.nbytes, time.perf_counter() - done.started, done.saved)
+        self._report(
+            "save_end", done.iteration, done.keys, done.nbytes, time.perf_counter() - done.started, done.saved
+        )
         if self._tiers is not None:
             self._tiers.committed_locally(done.iteration)
 
@@ -255,14 +278,21 @@ class Checkpointer:
         return self._collectives.run_on_rank0(lambda: uuid.uuid4().hex)
 
     def _report(
-        self, kind: str, iteration: int, keys: tuple[str, ...], nbytes: int, seconds: float = 0.0,
+        self,
+        kind: str,
+        iteration: int,
+        keys: tuple[str, ...],
+        nbytes: int,
+        seconds: float = 0.0,
         saved: Saved | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         url = self._save_root.url_of(layout.iteration_path(self._save_root, iteration))
         tier = None if self._tiers is None else LOCAL
         event = CheckpointEvent(kind, iteration, url, keys, nbytes, seconds, tier=tier)
         if saved is not None:
-            event = dataclasses.replace(event, written_bytes=saved.written_bytes, referenced_bytes=saved.referenced_bytes)
+            event = dataclasses.replace(
+                event, written_bytes=saved.written_bytes, referenced_bytes=saved.referenced_bytes
+            )
         report(event, self._on_event)
 
     def _stage(self, state: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -361,16 +391,20 @@ class Checkpointer:
             logger.warning(
                 "the interpreter is exiting while iteration %d is being saved to %s; waiting up to %.0f s "
                 "for it to commit (call finalize() or use a `with` block to wait where you choose)",
-                iteration, self.url, timeout,
-            )  # fmt: skip
+                iteration,
+                self.url,
+                timeout,
+            )
             try:
                 self.wait(timeout)
             except TimeoutError:
                 logger.error(
                     "iteration %d was NOT committed to %s: its save did not finish within %.0f s of the "
                     "interpreter exiting; the pointer still names the previous checkpoint",
-                    iteration, self.url, timeout,
-                )  # fmt: skip
+                    iteration,
+                    self.url,
+                    timeout,
+                )
                 return
             except Exception as e:  # noqa: BLE001 - the interpreter is exiting; the log is all that is left
                 logger.error("iteration %d was NOT committed to %s: %s", iteration, self.url, e)

@@ -77,7 +77,9 @@ class Collectives:
                 raise error
             return
         errors: list[Any] = [None] * self.world_size
-        dist.all_gather_object(errors, None if error is None else _picklable(error, self.rank), group=self.group)
+        dist.all_gather_object(
+            errors, None if error is None else _picklable(error, self.rank), group=self.group
+        )
         if error is not None:
             raise error
         for rank, other in enumerate(errors):

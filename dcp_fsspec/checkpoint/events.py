@@ -80,9 +80,15 @@ def report(event: CheckpointEvent, callback: Callback | None) -> None:
         tier = "" if event.tier is None else f" [{event.tier} tier]"
         logger.info(
             "%s %s%s (%s; %s%s) in %s, %s",
-            verb, event.url, tier, ", ".join(event.keys), human_bytes(event.nbytes), _written(event),
-            _duration(event.seconds), human_rate(event.nbytes, event.seconds),
-        )  # fmt: skip
+            verb,
+            event.url,
+            tier,
+            ", ".join(event.keys),
+            human_bytes(event.nbytes),
+            _written(event),
+            _duration(event.seconds),
+            human_rate(event.nbytes, event.seconds),
+        )
     if callback is not None:
         callback(event)
 

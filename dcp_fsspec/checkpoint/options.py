@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dcp_fsspec.errors import UsageError
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
 from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
 from dcp_fsspec.storage.transport.urls import redact_url
 
 if TYPE_CHECKING:
@@ -77,7 +77,9 @@ class ResumeOptions:
                 "missing_ok expects one; pass one of them"
             )
         if isinstance(self.keys_not_to_resume, str):
-            raise TypeError(f"keys_not_to_resume must be a list of keys, got the string {self.keys_not_to_resume!r}")
+            raise TypeError(
+                f"keys_not_to_resume must be a list of keys, got the string {self.keys_not_to_resume!r}"
+            )
         object.__setattr__(self, "keys_not_to_resume", tuple(self.keys_not_to_resume))
         if self.load_training_state and self.only_load_scheduler_state:
             source = None if self.load_path is None else redact_url(os.fspath(self.load_path))
@@ -119,10 +121,16 @@ class LocalTier:
     drain: str = DRAIN_EVERY
 
     def __post_init__(self) -> None:
-        if isinstance(self.keep_last_n, bool) or not isinstance(self.keep_last_n, int) or self.keep_last_n < 1:
+        if (
+            isinstance(self.keep_last_n, bool)
+            or not isinstance(self.keep_last_n, int)
+            or self.keep_last_n < 1
+        ):
             raise ValueError(f"LocalTier keep_last_n must be an int >= 1, got {self.keep_last_n!r}")
         if self.drain not in DRAIN_POLICIES:
-            raise ValueError(f"LocalTier drain={self.drain!r} is not supported; choose one of {list(DRAIN_POLICIES)}")
+            raise ValueError(
+                f"LocalTier drain={self.drain!r} is not supported; choose one of {list(DRAIN_POLICIES)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,16 @@ def _merge(key: str, parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for part in parts:
         for name, item in part.items():
             if name in merged:
-                raise ValueError(f"key {key!r}: {name!r} appears in two entries of the list; their names must differ")
+                raise ValueError(
+                    f"key {key!r}: {name!r} appears in two entries of the list; their names must differ"
+                )
             merged[name] = item
     return merged
 
 
-def _optimizer_pairs(key: str, optimizers: list[torch.optim.Optimizer], model: Any) -> list[tuple[nn.Module, Any]]:
+def _optimizer_pairs(
+    key: str, optimizers: list[torch.optim.Optimizer], model: Any
+) -> list[tuple[nn.Module, Any]]:
     """Which module each optimizer (or the whole list) optimizes."""
     modules = _all_of(model, nn.Module)
     if modules is None:
@@ -110,7 +114,9 @@ def state_dict_for(key: str, value: Any, *, model: Any = None) -> dict[str, Any]
     )
 
 
-def restore(key: str, value: Any, state_dict: dict[str, Any], *, model: Any = None, strict: bool = True) -> None:
+def restore(
+    key: str, value: Any, state_dict: dict[str, Any], *, model: Any = None, strict: bool = True
+) -> None:
     """Put ``state_dict`` (filled by ``dcp.load``) back into ``value``.
 
     ``state_dict`` must come from :func:`state_dict_for` with the same ``value``. A dict was

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_fsspec.errors import CheckpointNotFoundError, MissingDriverError
-from dcp_fsspec.storage.transport.gc_pause import collector_paused
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors, unwrap_dcp
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
 from dcp_fsspec.storage.backends.uploads import ByteBudget, publish_whole
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors, unwrap_dcp
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
 from dcp_fsspec.storage.transport.urls import Location, resolve
 
 if TYPE_CHECKING:
@@ -41,7 +41,9 @@ def require(module: str, extra: str, integration: str) -> ModuleType:
 
 
 def locate(
-    url: str | os.PathLike[str], storage_options: dict[str, Any] | None, retry: RetryPolicy | None = DEFAULT_RETRY
+    url: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    retry: RetryPolicy | None = DEFAULT_RETRY,
 ) -> Location:
     """``url`` resolved with ``storage_options`` (see :func:`dcp_fsspec.storage.transport.urls.resolve`)."""
     return resolve(url, storage_options, retry=retry)

@@ -29,16 +29,16 @@ from dcp_fsspec.integrations._files import require
 
 require("transformers", "hf", "dcp_fsspec.integrations.hf")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from transformers import Trainer  # noqa: E402
-from transformers.trainer_callback import ExportableState  # noqa: E402
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
 
-from dcp_fsspec.checkpoint import Checkpointer  # noqa: E402
-from dcp_fsspec.checkpoint.commit.layout import parse_iteration  # noqa: E402
-from dcp_fsspec.checkpoint.options import CheckpointerOptions  # noqa: E402
-from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidURLError  # noqa: E402
-from dcp_fsspec.storage.transport.urls import normalize_url, redact_url  # noqa: E402
+from dcp_fsspec.checkpoint import Checkpointer
+from dcp_fsspec.checkpoint.commit.layout import parse_iteration
+from dcp_fsspec.checkpoint.options import CheckpointerOptions
+from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidURLError
+from dcp_fsspec.storage.transport.urls import normalize_url, redact_url
 
 __all__ = ["FsspecTrainer"]
 
@@ -99,9 +99,12 @@ class FsspecTrainer(Trainer):
                     stateful[name] = exportable.state()
         state_json = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
         self.checkpointer.save(
-            self.state.global_step, model=self.model, optim=self.optimizer, scheduler=self.lr_scheduler,
+            self.state.global_step,
+            model=self.model,
+            optim=self.optimizer,
+            scheduler=self.lr_scheduler,
             trainer={"state": state_json, "torch_rng": _every_ranks_rng_state()},
-        )  # fmt: skip
+        )
 
     # -- resuming -------------------------------------------------------------------------------
 
@@ -217,11 +220,18 @@ def _restore_rng_state(saved: bytes, url: str, iteration: int) -> None:
             "the bytes FsspecTrainer writes; resume from another iteration, or without resume_from_checkpoint"
         )
     size = torch.get_rng_state().numel()
-    ranks, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    ranks, rank = (
+        (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    )
     if len(saved) != ranks * size:
         logger.warning(
             "iteration %d at %s holds RNG states for %d ranks, not %d: each rank keeps its own RNG state",
-            iteration, url, len(saved) // size, ranks,
-        )  # fmt: skip
+            iteration,
+            url,
+            len(saved) // size,
+            ranks,
+        )
         return
-    torch.set_rng_state(torch.frombuffer(bytearray(saved[rank * size : (rank + 1) * size]), dtype=torch.uint8))
+    torch.set_rng_state(
+        torch.frombuffer(bytearray(saved[rank * size : (rank + 1) * size]), dtype=torch.uint8)
+    )

@@ -25,30 +25,40 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from dcp_fsspec.integrations._files import blocking, child, is_dcp_checkpoint, locate, read_file, remove, require, unwrapped, write_file
+from dcp_fsspec.integrations._files import (
+    blocking,
+    child,
+    is_dcp_checkpoint,
+    locate,
+    read_file,
+    remove,
+    require,
+    unwrapped,
+    write_file,
+)
 
 require("lightning.pytorch", "lightning", "dcp_fsspec.integrations.lightning")
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy  # noqa: E402
-from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
-from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
-from dcp_fsspec.checkpoint.checkpointer import ASYNC_DISABLED  # noqa: E402
-from dcp_fsspec.errors import CheckpointMismatchError, CheckpointNotFoundError, UsageError  # noqa: E402
-from dcp_fsspec.storage.read.reader import FsspecStorageReader  # noqa: E402
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
-from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings  # noqa: E402
-from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner  # noqa: E402
-from dcp_fsspec.storage.write.writer import FsspecStorageWriter  # noqa: E402
+from dcp_fsspec.checkpoint.checkpointer import ASYNC_DISABLED
+from dcp_fsspec.errors import CheckpointMismatchError, CheckpointNotFoundError, UsageError
+from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
+from dcp_fsspec.storage.read.reader import FsspecStorageReader
+from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
+from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 
 __all__ = ["FsspecCheckpointIO", "FsspecFabricModelParallelStrategy", "FsspecModelParallelStrategy"]
 
@@ -168,7 +178,9 @@ class _ShardedStrategy:
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self._shards = _ShardedStorage(type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry)
+        self._shards = _ShardedStorage(
+            type(self).__name__, storage_options, async_mode, writer_settings, reader_settings, retry
+        )
 
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is written; raise its error."""
@@ -203,9 +215,11 @@ class FsspecModelParallelStrategy(_ShardedStrategy, ModelParallelStrategy):
         super().__init__(*args, **kwargs)
         shards = self._shards
         self.checkpoint_io = FsspecCheckpointIO(
-            shards.storage_options, async_mode=shards.async_mode, retry=shards.retry,
+            shards.storage_options,
+            async_mode=shards.async_mode,
+            retry=shards.retry,
             trust_checkpoint=shards.reader_settings.trust_checkpoint,
-        )  # fmt: skip
+        )
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
@@ -226,7 +240,9 @@ class FsspecModelParallelStrategy(_ShardedStrategy, ModelParallelStrategy):
         shards.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         self._shards.save(url, shards, checkpoint, self.is_global_zero)
 
-    def load_checkpoint(self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load the sharded checkpoint at ``checkpoint_path`` into the model and optimizers.
 
         Returns Lightning's non-tensor state (``meta.pt``) for the Trainer to restore.
@@ -296,7 +312,9 @@ class FsspecFabricModelParallelStrategy(_ShardedStrategy, FabricModelParallelStr
         model_key, model, optimizers = _split_state(state, url)
         options = StateDictOptions(cpu_offload=True)
         shards: dict[str, Any] = {model_key: get_model_state_dict(model, options=options)}
-        shards.update({key: get_optimizer_state_dict(model, opt, options=options) for key, opt in optimizers.items()})
+        shards.update(
+            {key: get_optimizer_state_dict(model, opt, options=options) for key, opt in optimizers.items()}
+        )
         meta = {
             key: obj.state_dict() if _is_stateful(obj) else obj
             for key, obj in state.items()
@@ -446,7 +464,9 @@ class _ShardedStorage:
         trusted = self.reader_settings.trust_checkpoint
         planner = SafeLoadPlanner(allow_partial_load=not strict, trust_checkpoint=trusted)
         blocking(
-            lambda: dcp.load(shards, storage_reader=reader, planner=planner), f"loading {where.url}", reader=reader
+            lambda: dcp.load(shards, storage_reader=reader, planner=planner),
+            f"loading {where.url}",
+            reader=reader,
         )
         model.load_state_dict(shards[model_key], strict=strict)
         for key, optimizer in optimizers.items():
@@ -459,4 +479,6 @@ class _ShardedStorage:
 
 def _check_async_mode(async_mode: str) -> None:
     if async_mode not in (ASYNC_DISABLED, ASYNC_THREAD):
-        raise ValueError(f"async_mode={async_mode!r} is not supported; choose {ASYNC_DISABLED!r} or {ASYNC_THREAD!r}")
+        raise ValueError(
+            f"async_mode={async_mode!r} is not supported; choose {ASYNC_DISABLED!r} or {ASYNC_THREAD!r}"
+        )

@@ -23,12 +23,12 @@ from dcp_fsspec.integrations._files import require
 require("ray.train", "ray", "dcp_fsspec.integrations.ray")
 
 import pyarrow.fs  # noqa: E402  (a dependency of ray[train])
-import ray.train  # noqa: E402
+import ray.train
 
-from dcp_fsspec.checkpoint import Checkpointer  # noqa: E402
-from dcp_fsspec.checkpoint.commit.layout import format_iteration, parse_iteration  # noqa: E402
-from dcp_fsspec.checkpoint.options import CheckpointerOptions, ResumeOptions  # noqa: E402
-from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError  # noqa: E402
+from dcp_fsspec.checkpoint import Checkpointer
+from dcp_fsspec.checkpoint.commit.layout import format_iteration, parse_iteration
+from dcp_fsspec.checkpoint.options import CheckpointerOptions, ResumeOptions
+from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError
 
 __all__ = ["RayTrainCheckpointer"]
 
@@ -43,7 +43,9 @@ def _fsspec_url(filesystem: pyarrow.fs.FileSystem, path: str) -> str:
     Raises:
         InvalidURLError: a pyarrow filesystem with no fsspec counterpart here (e.g. HDFS).
     """
-    if isinstance(filesystem, pyarrow.fs.PyFileSystem) and isinstance(filesystem.handler, pyarrow.fs.FSSpecHandler):
+    if isinstance(filesystem, pyarrow.fs.PyFileSystem) and isinstance(
+        filesystem.handler, pyarrow.fs.FSSpecHandler
+    ):
         url: str = filesystem.handler.fs.unstrip_protocol(path)
         return url
     scheme = _FSSPEC_SCHEMES.get(filesystem.type_name)
@@ -123,7 +125,9 @@ class RayTrainCheckpointer:
             load_path = _fsspec_url(load_path.filesystem, load_path.path)
         resume = ResumeOptions(load_path=load_path, load_training_state=True)
         options = dataclasses.replace(options, resume=resume, overwrite=True)
-        self.checkpointer = Checkpointer(_fsspec_url(self._filesystem, self._path), storage_options, **options.as_kwargs())
+        self.checkpointer = Checkpointer(
+            _fsspec_url(self._filesystem, self._path), storage_options, **options.as_kwargs()
+        )
 
     @property
     def url(self) -> str:
@@ -166,7 +170,9 @@ class RayTrainCheckpointer:
         if self._rank == 0:
             path = posixpath.join(self._path, format_iteration(iteration))
             checkpoint = ray.train.Checkpoint(path=path, filesystem=self._filesystem)
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        ray.train.report(
+            metrics, checkpoint=checkpoint, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD
+        )
 
     def finalize(self) -> None:
         """Release the checkpointer's resources (see :meth:`dcp_fsspec.Checkpointer.finalize`)."""

@@ -23,18 +23,27 @@ from typing import Any, cast
 
 from dcp_fsspec.integrations._files import child, locate, require, write_file
 
-require("torch_checkpointing.storage.base_storage", "torch-checkpointing", "dcp_fsspec.integrations.torch_checkpointing")
+require(
+    "torch_checkpointing.storage.base_storage",
+    "torch-checkpointing",
+    "dcp_fsspec.integrations.torch_checkpointing",
+)
 
-from torch_checkpointing import CheckpointManager  # noqa: E402
-from torch_checkpointing.checkpoint_writer import CallbackArgs  # noqa: E402
-from torch_checkpointing.metadata_serialization import METADATA_FILE_NAME  # noqa: E402
-from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig  # noqa: E402
+from torch_checkpointing import CheckpointManager
+from torch_checkpointing.checkpoint_writer import CallbackArgs
+from torch_checkpointing.metadata_serialization import METADATA_FILE_NAME
+from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
-from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError  # noqa: E402
-from dcp_fsspec.storage.backends.base import InPlaceFiles, RangeReader  # noqa: E402
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors  # noqa: E402
-from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload  # noqa: E402
-from dcp_fsspec.storage.transport.urls import Location  # noqa: E402
+from dcp_fsspec.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UsageError,
+)
+from dcp_fsspec.storage.backends.base import InPlaceFiles, RangeReader
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.transport.urls import Location
 
 __all__ = ["COMMIT_MARKER", "FsspecStorage", "FsspecStorageConfig", "commit_by_marker"]
 
@@ -132,7 +141,9 @@ class FsspecStorage(Storage):
         def fill(at: int) -> None:
             want = min(step, len(view) - at)
             if stream.read_at(at, view[at : at + want]) < want:
-                raise CorruptCheckpointError(f"{stream.where.url} is shorter than its listed size: it changed while read")
+                raise CorruptCheckpointError(
+                    f"{stream.where.url} is shorter than its listed size: it changed while read"
+                )
 
         with ThreadPoolExecutor(self._config.read_workers, thread_name_prefix="tc-read") as pool:
             list(pool.map(fill, range(0, len(view), step)))
@@ -185,7 +196,9 @@ class FsspecStorage(Storage):
 
     # --- the commit -------------------------------------------------------------------------
 
-    def rename(self, src_path: Path, dst_path: Path, is_directory: bool = False, background_cleanup: bool = False) -> None:
+    def rename(
+        self, src_path: Path, dst_path: Path, is_directory: bool = False, background_cleanup: bool = False
+    ) -> None:
         """Move a file or folder so its contents land at ``dst_path``, per ``Storage.rename``.
 
         Where folders are real this is the store's rename. On object stores each object is
@@ -207,11 +220,15 @@ class FsspecStorage(Storage):
             if backend.real_folders:
                 backend.call("mv", src.path, dst.path)
             else:
-                self._copy_all(src, dst, sorted(files, key=lambda f: posixpath.basename(f) == METADATA_FILE_NAME))
+                self._copy_all(
+                    src, dst, sorted(files, key=lambda f: posixpath.basename(f) == METADATA_FILE_NAME)
+                )
                 backend.remove_trees([src.path], within=posixpath.dirname(src.path))
         else:
             if is_folder(dst):
-                raise CheckpointExistsError(f"cannot rename {src.url} onto the folder {dst.url}: delete it first")
+                raise CheckpointExistsError(
+                    f"cannot rename {src.url} onto the folder {dst.url}: delete it first"
+                )
             self._move_file(src, dst)
         backend.invalidate(posixpath.dirname(dst.path))
 
@@ -414,7 +431,9 @@ class RangedFile(io.RawIOBase):
                     return self._files.read_into(self.where.path, offset, view)
                 data = self._files.read(self.where.path, len(view), offset)
             except FileNotFoundError as e:
-                raise CheckpointNotFoundError(f"no file at {self.where.url}: check the checkpoint path") from e
+                raise CheckpointNotFoundError(
+                    f"no file at {self.where.url}: check the checkpoint path"
+                ) from e
         view[: len(data)] = data
         return len(data)
 
@@ -442,7 +461,9 @@ class UploadStream(io.RawIOBase):
             self._upload.write([chunk])
         return len(chunk)
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if error is not None and not self.closed:
             with storage_errors("abort the upload of", self._where.url):
                 self._upload.abort()

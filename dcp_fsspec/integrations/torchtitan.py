@@ -26,29 +26,38 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_fsspec.integrations._files import blocking, child, exists, is_dcp_checkpoint, locate, remove, require, unwrapped
+from dcp_fsspec.integrations._files import (
+    blocking,
+    child,
+    exists,
+    is_dcp_checkpoint,
+    locate,
+    remove,
+    require,
+    unwrapped,
+)
 
 require("torchtitan.components.checkpointer", "torchtitan", "dcp_fsspec.integrations.torchtitan")
 
-import threading  # noqa: E402
-from concurrent.futures import Future  # noqa: E402
+import threading
+from concurrent.futures import Future
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # noqa: E402
-from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager  # noqa: E402
-from torchtitan.components.checkpointer.base import purge_thread  # noqa: E402
-from torchtitan.tools.logging import logger  # noqa: E402
-from torchtitan.tools.utils import GarbageCollection  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
+from torchtitan.components.checkpointer.base import purge_thread
+from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import GarbageCollection
 
-from dcp_fsspec.errors import CheckpointNotFoundError  # noqa: E402
-from dcp_fsspec.storage.read.reader import FsspecStorageReader  # noqa: E402
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy  # noqa: E402
-from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings  # noqa: E402
-from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner  # noqa: E402
-from dcp_fsspec.storage.transport.urls import Location, redact_text, redact_url  # noqa: E402
-from dcp_fsspec.storage.write.writer import FsspecStorageWriter  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError
+from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
+from dcp_fsspec.storage.read.reader import FsspecStorageReader
+from dcp_fsspec.storage.settings import ReaderSettings, WriterSettings
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
+from dcp_fsspec.storage.transport.urls import Location, redact_text, redact_url
+from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 
 __all__ = ["FsspecCheckpointManager"]
 
@@ -117,7 +126,10 @@ class FsspecCheckpointManager(CheckpointManager):
             self.purge_queue.put(None)
             self.purge_thread.join()
             self.purge_thread = threading.Thread(
-                target=purge_thread, args=(self.purge_queue, self._remove), daemon=True, name="dcp-fsspec-purge"
+                target=purge_thread,
+                args=(self.purge_queue, self._remove),
+                daemon=True,
+                name="dcp-fsspec-purge",
             )
             self.purge_thread.start()
 
@@ -141,24 +153,36 @@ class FsspecCheckpointManager(CheckpointManager):
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         writer = FsspecStorageWriter(
-            checkpoint_id, self.storage_options, settings=self.writer_settings, retry=self.retry, overwrite=True
+            checkpoint_id,
+            self.storage_options,
+            settings=self.writer_settings,
+            retry=self.retry,
+            overwrite=True,
         )
         response: Future[Any] | AsyncSaveResponse | None = None
         self._saving = checkpoint_id
         if async_mode == AsyncMode.DISABLED:
-            blocking(lambda: dcp.save(state_dict, storage_writer=writer), f"saving {redact_url(checkpoint_id)}")
+            blocking(
+                lambda: dcp.save(state_dict, storage_writer=writer), f"saving {redact_url(checkpoint_id)}"
+            )
         else:
             pinned = async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
             response = dcp.async_save(
-                state_dict, storage_writer=writer, process_group=self.pg,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS if pinned else AsyncCheckpointerType.THREAD,
+                state_dict,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS
+                if pinned
+                else AsyncCheckpointerType.THREAD,
                 async_stager=self.stager if pinned else None,
-            )  # fmt: skip
+            )
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return response
 
-    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+    def dcp_load(
+        self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool
+    ) -> None:
         """Read the DCP checkpoint ``checkpoint_id`` into ``state_dict`` with our storage reader,
         then into the model. ``from_hf`` (safetensors on local disk) is torchtitan's own."""
         if from_hf:
@@ -200,7 +224,12 @@ class FsspecCheckpointManager(CheckpointManager):
             )
         if step != -1:
             # Step 0 is torchtitan's seed checkpoint, which holds the model only.
-            checkpoint_id, model_only, from_hf, from_quantized = self._create_checkpoint_id(step), step == 0, False, False
+            checkpoint_id, model_only, from_hf, from_quantized = (
+                self._create_checkpoint_id(step),
+                step == 0,
+                False,
+                False,
+            )
         elif self.initial_load_path or self.initial_load_in_hf:
             checkpoint_id = self._initial_load_source()
             model_only, from_hf = self.initial_load_model_only, self.initial_load_in_hf

@@ -52,7 +52,9 @@ class WriterSettings:
         if self.files_per_rank < 1:
             raise ValueError(f"files_per_rank must be at least 1, got {self.files_per_rank}")
         if self.compression is not None or self.compression_level is not None:
-            from dcp_fsspec.storage.format.transforms import compression_extensions  # torch: only for those who compress
+            from dcp_fsspec.storage.format.transforms import (
+                compression_extensions,
+            )  # torch: only for those who compress
 
             compression_extensions(self.compression, self.compression_level)
 

@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, DcpFsspecError, InvalidURLError, MissingDriverError, StorageError, UsageError
+from dcp_fsspec.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    DcpFsspecError,
+    InvalidURLError,
+    MissingDriverError,
+    StorageError,
+    UsageError,
+)
 from dcp_fsspec.storage.backends import DRIVER_PACKAGES
 from dcp_fsspec.storage.transport.driver_errors import credentials_advice, is_unreachable
 from dcp_fsspec.storage.transport.retry import causes
@@ -76,9 +84,12 @@ class Failure:
 
 
 def failure_for(
-    error: BaseException, urls: Sequence[str] = (), *, storage_options_given: bool = False,
+    error: BaseException,
+    urls: Sequence[str] = (),
+    *,
+    storage_options_given: bool = False,
     options_advice: str | None = None,
-) -> Failure:  # fmt: skip
+) -> Failure:
     """How to report ``error``, raised by a command given ``urls``.
 
     Args:
@@ -91,7 +102,10 @@ def failure_for(
             to reach or use the storage.
     """
     failure = _failure_for(
-        error, [redact_url(u) for u in urls], storage_options_given=storage_options_given, options_advice=options_advice
+        error,
+        [redact_url(u) for u in urls],
+        storage_options_given=storage_options_given,
+        options_advice=options_advice,
     )
     # A driver's own error may quote the URL it was given, or parts of it, password included.
     return Failure(failure.kind, failure.exit_code, redact_text(failure.message, urls), failure.url)
@@ -106,15 +120,19 @@ def _failure_for(
         advice = credentials_advice(cause)
         if advice is not None:
             advice = options_advice or advice
-            return Failure("credentials", EXIT_STORAGE, f"no credentials to access {where} ({cause}); {advice}", url)
+            return Failure(
+                "credentials", EXIT_STORAGE, f"no credentials to access {where} ({cause}); {advice}", url
+            )
         if is_unreachable(cause):
             advice = options_advice or (
                 "check the address (endpoint_url in --storage-options), the network, and that the server is up"
             )
             return Failure(
-                "unreachable", EXIT_STORAGE,
-                f"cannot reach the storage of {where} ({type(cause).__name__}: {cause}); {advice}", url,
-            )  # fmt: skip
+                "unreachable",
+                EXIT_STORAGE,
+                f"cannot reach the storage of {where} ({type(cause).__name__}: {cause}); {advice}",
+                url,
+            )
     if isinstance(error, MissingDriverError):
         return Failure("missing_package", EXIT_MISSING_PACKAGE, str(error), url)
     if isinstance(error, (UsageError, InvalidURLError, CheckpointExistsError)):
@@ -131,17 +149,19 @@ def _failure_for(
     if isinstance(error, TypeError) and storage_options_given and not _raised_in_package(error):
         package = DRIVER_PACKAGES.get(scheme_of(url or ""), "the fsspec driver")
         return Failure(
-            "storage_options", EXIT_USAGE,
+            "storage_options",
+            EXIT_USAGE,
             f"the storage driver for {where} refused the storage options ({error}); check their names "
             f"in the documentation of {package}",
             url,
-        )  # fmt: skip
+        )
     return Failure(
-        "unexpected", EXIT_PROBLEM,
+        "unexpected",
+        EXIT_PROBLEM,
         f"unexpected {type(error).__name__} while working on {where}: {error} (run again with --debug for the "
         "traceback, and please report it)",
         url,
-    )  # fmt: skip
+    )
 
 
 def exit_code_for(error: BaseException) -> int:
@@ -149,7 +169,9 @@ def exit_code_for(error: BaseException) -> int:
     return failure_for(error).exit_code
 
 
-def report_failure(command: str, failure: Failure, error: BaseException, *, as_json: bool, debug: bool) -> None:
+def report_failure(
+    command: str, failure: Failure, error: BaseException, *, as_json: bool, debug: bool
+) -> None:
     """Print ``failure``: one line on stderr, or with ``as_json`` a JSON object on stdout;
     ``debug`` prints the traceback first (on stderr)."""
     if debug:
@@ -184,15 +206,19 @@ def add_standard_arguments(
 def add_storage_options(parser: argparse.ArgumentParser, *, destination: bool = False) -> None:
     """``--storage-options JSON`` (and ``--dst-storage-options`` for commands that write elsewhere)."""
     parser.add_argument(
-        "--storage-options", default=None, metavar="JSON",
+        "--storage-options",
+        default=None,
+        metavar="JSON",
         help="fsspec options for the URL, as a JSON object (default: credentials from the environment)",
-    )  # fmt: skip
+    )
     if destination:
         parser.add_argument(
-            "--dst-storage-options", default=None, metavar="JSON",
+            "--dst-storage-options",
+            default=None,
+            metavar="JSON",
             help="fsspec options for the destination (default: --storage-options when both URLs have "
             "the same scheme, else none)",
-        )  # fmt: skip
+        )
 
 
 def storage_options(text: str | None, flag: str = "--storage-options") -> dict[str, Any]:
@@ -212,7 +238,9 @@ def storage_options(text: str | None, flag: str = "--storage-options") -> dict[s
             f"of {len(text)}); its text is not shown, since it may hold credentials"
         ) from e
     if not isinstance(value, dict):
-        raise UsageError(f"{flag} must be a JSON object like '{{\"anon\": true}}', got a JSON {type(value).__name__}")
+        raise UsageError(
+            f"{flag} must be a JSON object like '{{\"anon\": true}}', got a JSON {type(value).__name__}"
+        )
     return value
 
 
@@ -234,7 +262,11 @@ def source_only_options(args: argparse.Namespace, urls: Sequence[str]) -> str | 
     if not hasattr(args, "dst_storage_options") or len(urls) != 2:
         return None
     src, dst = (redact_url(u) for u in urls)
-    if args.dst_storage_options is not None or args.storage_options is None or scheme_of(src) == scheme_of(dst):
+    if (
+        args.dst_storage_options is not None
+        or args.storage_options is None
+        or scheme_of(src) == scheme_of(dst)
+    ):
         return None
     return (
         f"--storage-options went to the source {src} only, as the two URLs' schemes differ: "
@@ -242,7 +274,9 @@ def source_only_options(args: argparse.Namespace, urls: Sequence[str]) -> str | 
     )
 
 
-def both_storage_options(args: argparse.Namespace, src: str, dst: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def both_storage_options(
+    args: argparse.Namespace, src: str, dst: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The source's and the destination's storage options, for commands that write elsewhere."""
     return storage_options(args.storage_options), destination_options(args, src, dst)
 
@@ -251,9 +285,11 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     """``--json`` after the subcommand. Its default is left to the top-level parser, which takes
     ``--json`` before the subcommand too (a subcommand's default would overwrite that one)."""
     parser.add_argument(
-        "--json", action="store_true", default=argparse.SUPPRESS,
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
         help="print one JSON document instead of text (errors too: a JSON object on stdout)",
-    )  # fmt: skip
+    )
 
 
 def print_json(document: Any) -> None:
@@ -294,16 +330,18 @@ def age(seconds: float | None) -> str:
 def add_trust_flag(parser: argparse.ArgumentParser) -> None:
     """``--trust``: for commands that read checkpoints, unpickle them in full (``trust_checkpoint=True``)."""
     parser.add_argument(
-        "--trust", action="store_true",
+        "--trust",
+        action="store_true",
         help="the checkpoint is your own: unpickle .metadata and non-tensor entries in full, whatever "
         "classes they name (this runs any code they hold; without it such a checkpoint is refused, exit 1)",
-    )  # fmt: skip
+    )
 
 
 def add_references_flag(parser: argparse.ArgumentParser) -> None:
     """``--references``: follow an incremental save's references to sibling checkpoints (``references=True``)."""
     parser.add_argument(
-        "--references", action="store_true",
+        "--references",
+        action="store_true",
         help="follow references to sibling checkpoints (../step-10/…: a plain layout's incremental saves); "
         "references between a Checkpointer's iterations are always followed",
-    )  # fmt: skip
+    )

@@ -35,11 +35,11 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from dcp_fsspec.errors import CheckpointExistsError, CorruptCheckpointError, MissingDriverError, UsageError
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors, unwrap_dcp
+from dcp_fsspec.storage.backends.uploads import ByteBudget
+from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
 from dcp_fsspec.storage.read.reader import FsspecStorageReader
 from dcp_fsspec.storage.settings import ReaderSettings
-from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
-from dcp_fsspec.storage.backends.uploads import ByteBudget
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors, unwrap_dcp
 from dcp_fsspec.storage.transport.urls import Location, resolve
 from dcp_fsspec.tools import targets
 from dcp_fsspec.tools.progress import Progress, human_bytes
@@ -176,13 +176,20 @@ def load_state_dict(
         return _load_one(target.location, progress, trust_checkpoint, limit)
     run, iteration = targets.iteration_to_read(target, "convert")
     _, keys = targets.iteration_keys(run, iteration)
-    return {key: _load_one(targets.key_location(run, iteration, key), progress, trust_checkpoint, limit) for key in keys}
+    return {
+        key: _load_one(targets.key_location(run, iteration, key), progress, trust_checkpoint, limit)
+        for key in keys
+    }
 
 
-def _load_one(location: Location, progress: Progress | None, trust_checkpoint: bool, max_bytes: int | None) -> dict[str, Any]:
+def _load_one(
+    location: Location, progress: Progress | None, trust_checkpoint: bool, max_bytes: int | None
+) -> dict[str, Any]:
     start = time.perf_counter()
     state_dict: dict[str, Any] = {}
-    reader = FsspecStorageReader(location.url, settings=ReaderSettings(trust_checkpoint=trust_checkpoint), _fs=location.fs)
+    reader = FsspecStorageReader(
+        location.url, settings=ReaderSettings(trust_checkpoint=trust_checkpoint), _fs=location.fs
+    )
     try:
         _load_state_dict(
             state_dict,
@@ -192,7 +199,9 @@ def _load_one(location: Location, progress: Progress | None, trust_checkpoint: b
         )
     except CheckpointException as e:
         # DCP wraps what the reader raised; ours already name the file and what to do.
-        raise unwrap_dcp(e, f"loading {location.url}", mismatch=False, metadata_failure=reader.metadata_failure) from e
+        raise unwrap_dcp(
+            e, f"loading {location.url}", mismatch=False, metadata_failure=reader.metadata_failure
+        ) from e
     logger.info("loaded %s (%.2f s)", location.url, time.perf_counter() - start)
     return state_dict
 
@@ -295,7 +304,9 @@ def _output(out: str | os.PathLike[str], storage_options: dict[str, Any] | None,
     with storage_errors("check", target.url):
         exists = target.fs.exists(target.path)
     if exists and not overwrite:
-        raise CheckpointExistsError(f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)")
+        raise CheckpointExistsError(
+            f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)"
+        )
     return target
 
 
@@ -308,7 +319,9 @@ class _Output(io.RawIOBase):
         self.size = 0
         with storage_errors("create", target.url):
             target.backend.make_folder(posixpath.dirname(target.path))
-            self._upload = target.backend.new_upload(target.path, part_size=16 * MiB, budget=ByteBudget(64 * MiB))
+            self._upload = target.backend.new_upload(
+                target.path, part_size=16 * MiB, budget=ByteBudget(64 * MiB)
+            )
 
     def writable(self) -> bool:
         return True

@@ -21,12 +21,15 @@ from typing import Any
 
 from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.storage.format.metadata_file import read_metadata
-from dcp_fsspec.storage.format.metadata_standins import BytesStorageMetadata, TensorStorageMetadata, dtype_name
+from dcp_fsspec.storage.format.metadata_standins import (
+    BytesStorageMetadata,
+    TensorStorageMetadata,
+    dtype_name,
+)
 from dcp_fsspec.storage.format.references import is_reference
 from dcp_fsspec.storage.transport.urls import Location, resolve
 from dcp_fsspec.tools import _cli, targets
 from dcp_fsspec.tools.progress import human_bytes
-
 
 # What inspect lists of a key by default: the first entries in name order (apart from an
 # optimizer's param_groups settings, summarized in one line, of which as many are kept).
@@ -80,12 +83,15 @@ class CheckpointSummary:
         """The summary in words: a line per key, then a table of its entries."""
         lines = [self.url + ("" if self.iteration is None else f"  (iteration {self.iteration})")]
         for key in self.keys:
-            lines += ["", (
-                f"{'key ' + repr(key.key) + ': ' if key.key else ''}{key.url}  "
-                f"{key.tensors} tensors ({human_bytes(key.tensor_bytes)}), "
-                f"{key.entry_count - key.tensors} objects, {human_bytes(key.stored_bytes)} stored"
-                + _referenced(key)
-            )]  # fmt: skip
+            lines += [
+                "",
+                (
+                    f"{'key ' + repr(key.key) + ': ' if key.key else ''}{key.url}  "
+                    f"{key.tensors} tensors ({human_bytes(key.tensor_bytes)}), "
+                    f"{key.entry_count - key.tensors} objects, {human_bytes(key.stored_bytes)} stored"
+                    + _referenced(key)
+                ),
+            ]
             rows = [("entry", "dtype", "shape", "size", "chunks")]
             for e in key.entries:
                 if e.fqn.startswith(_PARAM_GROUPS):
@@ -246,14 +252,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _cli.add_trust_flag(parser)
     parser.add_argument(
-        "--all", action="store_true",
+        "--all",
+        action="store_true",
         help=f"list every entry (default: the first {FIRST_ENTRIES} of each key, and the totals)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--max-entries", type=_at_least_one, default=MAX_ENTRIES, metavar="N",
+        "--max-entries",
+        type=_at_least_one,
+        default=MAX_ENTRIES,
+        metavar="N",
         help=f"refuse a .metadata of more than N entries or records, before parsing it all: the whole "
         f"file is parsed in memory (default: {MAX_ENTRIES:,})",
-    )  # fmt: skip
+    )
 
 
 def _at_least_one(text: str) -> int:
@@ -268,8 +278,11 @@ def _at_least_one(text: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     summary = describe(
-        args.url, _cli.storage_options(args.storage_options), trust_checkpoint=args.trust,
-        first=None if args.all else FIRST_ENTRIES, max_entries=args.max_entries,
-    )  # fmt: skip
+        args.url,
+        _cli.storage_options(args.storage_options),
+        trust_checkpoint=args.trust,
+        first=None if args.all else FIRST_ENTRIES,
+        max_entries=args.max_entries,
+    )
     _cli.report(args, summary.to_dict(), summary.lines())
     return _cli.EXIT_OK

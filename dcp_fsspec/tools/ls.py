@@ -25,8 +25,8 @@ from typing import Any
 
 from dcp_fsspec.checkpoint.commit import layout, pointer, referenced
 from dcp_fsspec.checkpoint.commit.at_once import at_once
-from dcp_fsspec.checkpoint.commit.run_listing import Listing, list_save_dirname, listed_inspection
 from dcp_fsspec.checkpoint.commit.commit_record import referable
+from dcp_fsspec.checkpoint.commit.run_listing import Listing, list_save_dirname, listed_inspection
 from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_fsspec.storage.format.names import POINTER_NAME
 from dcp_fsspec.storage.transport.urls import Location, resolve
@@ -74,19 +74,31 @@ class RunListing:
         now = time.time()
         incremental = any(info.incremental for info in self.iterations)
         refers = self.referenced and incremental
-        rows = [("iteration", "latest", "committed", "size", *(("referenced",) if refers else ()), "age", "keys")]
+        rows = [
+            ("iteration", "latest", "committed", "size", *(("referenced",) if refers else ()), "age", "keys")
+        ]
         for info in self.iterations:
-            rows.append((
-                info.name, "*" if info.latest else "", _state(info), human_bytes(info.size_bytes),
-                *((_referenced(info.referenced_bytes),) if refers else ()),
-                _cli.age(None if info.saved_at is None else now - info.saved_at), ",".join(info.keys),
-            ))  # fmt: skip
+            rows.append(
+                (
+                    info.name,
+                    "*" if info.latest else "",
+                    _state(info),
+                    human_bytes(info.size_bytes),
+                    *((_referenced(info.referenced_bytes),) if refers else ()),
+                    _cli.age(None if info.saved_at is None else now - info.saved_at),
+                    ",".join(info.keys),
+                )
+            )
         lines = [self.url, _cli.table(rows)]
         if refers:
-            lines.append("size: the iteration's own files; referenced: bytes it reads in older iterations' files")
+            lines.append(
+                "size: the iteration's own files; referenced: bytes it reads in older iterations' files"
+            )
         elif incremental:
-            lines.append("size: the iteration's own files; incremental ones also read older iterations' files "
-                         "(--referenced shows how many bytes)")  # fmt: skip
+            lines.append(
+                "size: the iteration's own files; incremental ones also read older iterations' files "
+                "(--referenced shows how many bytes)"
+            )
         if self.pointer_problem:
             lines.append(f"pointer: {self.pointer_problem}")
         elif self.latest is None:
@@ -141,7 +153,9 @@ def list_run(
 def _referenced_bytes(root: Location, listed: Listing) -> dict[int, int | None]:
     """Each iteration with incremental keys → the bytes they refer to in other iterations'
     files; ``None`` where a ``.metadata`` is damaged or gone (``verify`` says what is wrong)."""
-    keys = [(i, key) for i in listed.folders for key in listed.incremental_keys(i) if (i, key) in listed.finished]
+    keys = [
+        (i, key) for i in listed.folders for key in listed.incremental_keys(i) if (i, key) in listed.finished
+    ]
 
     def count(iteration: int, key: str) -> int | None:
         try:
@@ -189,23 +203,33 @@ def _describe(
     if retired:
         why = "retired by retention: it no longer loads, and kept iterations refer to some of its files"
     return IterationInfo(
-        iteration=iteration, name=layout.format_iteration(iteration), url=root.url_of(folder),
-        committed=record is not None, latest=iteration == latest, size_bytes=listed.size(iteration),
-        keys=list(record.keys) if record else [], saved_at=record.saved_at if record else None,
-        why_uncommitted=why, retired=retired, incremental=bool(listed.incremental_keys(iteration)),
+        iteration=iteration,
+        name=layout.format_iteration(iteration),
+        url=root.url_of(folder),
+        committed=record is not None,
+        latest=iteration == latest,
+        size_bytes=listed.size(iteration),
+        keys=list(record.keys) if record else [],
+        saved_at=record.saved_at if record else None,
+        why_uncommitted=why,
+        retired=retired,
+        incremental=bool(listed.incremental_keys(iteration)),
         referenced_bytes=referenced_bytes,
-    )  # fmt: skip
+    )
 
 
 # --- the subcommand ------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    _cli.add_standard_arguments(parser, ("url", "a Checkpointer's save_dirname (any fsspec URL or local path)"))
+    _cli.add_standard_arguments(
+        parser, ("url", "a Checkpointer's save_dirname (any fsspec URL or local path)")
+    )
     parser.add_argument(
-        "--referenced", action="store_true",
+        "--referenced",
+        action="store_true",
         help="also show the bytes each incremental iteration reads in older iterations' files (reads each key's .metadata)",
-    )  # fmt: skip
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -50,7 +50,11 @@ class PruneResult:
 
 
 def prune(
-    url: str | os.PathLike[str], keep: int, storage_options: dict[str, Any] | None = None, *, dry_run: bool = False
+    url: str | os.PathLike[str],
+    keep: int,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    dry_run: bool = False,
 ) -> PruneResult:
     """Delete the iterations of the save_dirname ``url`` that ``keep_last_n=keep`` would delete.
 
@@ -69,11 +73,15 @@ def prune(
     target = targets.classify(resolve(url, storage_options))
     root = target.location  # the pointer's URL names its save_dirname
     if target.kind != "run":
-        raise CheckpointNotFoundError(f"{root.url} is not a save_dirname (a folder of iter_* folders); nothing to prune")
+        raise CheckpointNotFoundError(
+            f"{root.url} is not a save_dirname (a folder of iter_* folders); nothing to prune"
+        )
     latest = pointer.read_pointer(root)
     # The Checkpointer's own retention plan: one listing, whatever the number of folders.
     plan = retention.plan_from_storage(root, keep, latest=latest)
-    result = PruneResult(root.url, keep, latest, dry_run, kept=[i for i in plan.iterations if i not in plan.delete])
+    result = PruneResult(
+        root.url, keep, latest, dry_run, kept=[i for i in plan.iterations if i not in plan.delete]
+    )
     if not dry_run:
         # In bulk (S3: 1,000 keys a request); a link among the folders is removed, never followed.
         result.failed = {i: str(e) for i, e in retention.let_go(root, plan).items()}
@@ -97,9 +105,12 @@ then the same without --dry-run deletes it."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _cli.add_standard_arguments(parser, ("url", "a Checkpointer's save_dirname"))
     parser.add_argument(
-        "--keep", type=int, required=True, metavar="N",
+        "--keep",
+        type=int,
+        required=True,
+        metavar="N",
         help="committed iterations to keep (>= 1); required, with no default: see the first call below",
-    )  # fmt: skip
+    )
     parser.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     parser.epilog = FIRST_CALL + ("\n\n" + parser.epilog if parser.epilog else "")
 
@@ -117,8 +128,10 @@ def main(args: argparse.Namespace) -> int:
         for iteration in result.deleted:
             print(f"{verb} {layout.format_iteration(iteration)}")
         for iteration in result.retired:
-            print(f"{'would retire' if result.dry_run else 'retired'} {layout.format_iteration(iteration)}: "
-                  "kept iterations refer to some of its files, which stay")  # fmt: skip
+            print(
+                f"{'would retire' if result.dry_run else 'retired'} {layout.format_iteration(iteration)}: "
+                "kept iterations refer to some of its files, which stay"
+            )
         for iteration, error in result.failed.items():
             print(f"FAILED to delete {layout.format_iteration(iteration)}: {error}")
         kept = ", ".join(layout.format_iteration(i) for i in result.kept) or "nothing"

@@ -18,8 +18,8 @@ from typing import Any, Literal
 from dcp_fsspec.checkpoint.commit import layout, pointer
 from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, read_commit_record
 from dcp_fsspec.errors import CheckpointNotFoundError
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, DATA_SUFFIX, METADATA_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.urls import Location
 
 Kind = Literal["checkpoint", "iteration", "run"]
@@ -71,7 +71,11 @@ def classify(location: Location) -> Target:
         layout.parse_iteration(n) is not None and kind == "directory" for n, kind in names.items()
     ):
         return Target("run", location)
-    ranks = sorted(r for n, kind in names.items() if kind == "directory" and (r := layout.parse_rank_folder(n)) is not None)
+    ranks = sorted(
+        r
+        for n, kind in names.items()
+        if kind == "directory" and (r := layout.parse_rank_folder(n)) is not None
+    )
     if ranks:  # a per-node local_dirname: each node's disk holds its rank's own save_dirname
         shown = ", ".join(layout.rank_folder_name(r) for r in ranks)
         raise CheckpointNotFoundError(
@@ -110,7 +114,9 @@ def _a_file(file: Location) -> str:
     """Why a file is refused, and the folder to give instead where the file is one of ours."""
     name, folder = posixpath.basename(file.path), parent_of(file).url
     if name == POINTER_NAME:
-        instead = f"give the save_dirname that holds it, {folder} (`dcp-fsspec ls {folder}` lists its iterations)"
+        instead = (
+            f"give the save_dirname that holds it, {folder} (`dcp-fsspec ls {folder}` lists its iterations)"
+        )
     elif name == COMMIT_RECORD_NAME:
         instead = f"give the iteration folder that holds it, {folder}"
     elif name == METADATA_NAME or name.endswith((".metadata", DATA_SUFFIX)):

@@ -34,9 +34,17 @@ from typing import Any
 
 from dcp_fsspec.checkpoint.commit import layout, run_listing
 from dcp_fsspec.errors import CheckpointExistsError
-from dcp_fsspec.storage.checkpoint_files.copying import DATA, Piece, check_inside, copy_files, list_files, phase_of, pieces_bytes
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.checkpoint_files.copying import (
+    DATA,
+    Piece,
+    check_inside,
+    copy_files,
+    list_files,
+    phase_of,
+    pieces_bytes,
+)
 from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME, POINTER_NAME
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.urls import Location, resolve
 from dcp_fsspec.tools import _cli, targets
 from dcp_fsspec.tools.progress import Progress, human_bytes
@@ -62,7 +70,9 @@ class CopyResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def count(self, files: dict[str, int], assembled: dict[str, list[Piece]], written: dict[str, builtins.bytes]) -> None:
+    def count(
+        self, files: dict[str, int], assembled: dict[str, list[Piece]], written: dict[str, builtins.bytes]
+    ) -> None:
         """Count what the copy writes: ``files`` as they are, the ``assembled`` data files, the
         ``written`` ``.metadata``."""
         self.referenced_bytes = pieces_bytes(assembled)
@@ -73,17 +83,23 @@ class CopyResult:
         """The copy that began at ``start`` (``time.perf_counter``) is done: time it and log it."""
         self.seconds = time.perf_counter() - start
         logger.info(
-            "copied %s (%d files, %s) to %s in %.1f s", self.src, self.files, human_bytes(self.bytes), self.dst,
+            "copied %s (%d files, %s) to %s in %.1f s",
+            self.src,
+            self.files,
+            human_bytes(self.bytes),
+            self.dst,
             self.seconds,
-        )  # fmt: skip
+        )
 
     def lines(self) -> list[str]:
         """The result in words, for the terminal."""
         lines = [f"skipped {folder}: not committed" for folder in self.skipped]
         referenced = (
             f" ({human_bytes(self.referenced_bytes)} of it records of referenced checkpoints, copied in: "
-            "the copy stands alone)" if self.referenced_bytes else ""
-        )  # fmt: skip
+            "the copy stands alone)"
+            if self.referenced_bytes
+            else ""
+        )
         lines.append(
             f"copied {self.src} -> {self.dst}: {self.files} files, {human_bytes(self.bytes)}{referenced} "
             f"in {self.seconds:.1f} s"
@@ -137,7 +153,9 @@ def copy_checkpoint(
     result = CopyResult(source.url, dest.url, target.kind)
     files, copied = _files_to_copy(source, target, result.skipped)
     check_inside(source, files)
-    assembled, written = _self_contained(source, files, copied, references=references, trust_checkpoint=trust_checkpoint)
+    assembled, written = _self_contained(
+        source, files, copied, references=references, trust_checkpoint=trust_checkpoint
+    )
     for name in written:
         del files[name]
     _clear_destination(dest, [*files, *written], overwrite)
@@ -145,9 +163,15 @@ def copy_checkpoint(
     if progress is not None:
         progress.add_total(result.bytes)
     copy_files(
-        source, dest, files, workers=workers, chunk_bytes=chunk_bytes,
-        on_bytes=None if progress is None else progress.advance, assembled=assembled, written=written,
-    )  # fmt: skip
+        source,
+        dest,
+        files,
+        workers=workers,
+        chunk_bytes=chunk_bytes,
+        on_bytes=None if progress is None else progress.advance,
+        assembled=assembled,
+        written=written,
+    )
     result.done(start)
     return result
 
@@ -162,15 +186,22 @@ def _self_contained(
     """
     if not any(posixpath.basename(name) == CONTENT_HASHES_NAME for name in files):
         return {}, {}
-    from dcp_fsspec.storage.checkpoint_files.self_contained import self_contained_files  # torch: only for incremental saves
+    from dcp_fsspec.storage.checkpoint_files.self_contained import (
+        self_contained_files,
+    )  # torch: only for incremental saves
 
     return self_contained_files(
-        source, files, keep=lambda path: _iteration_folder(path) in copied, references=references,
+        source,
+        files,
+        keep=lambda path: _iteration_folder(path) in copied,
+        references=references,
         trust_checkpoint=trust_checkpoint,
-    )  # fmt: skip
+    )
 
 
-def _files_to_copy(source: Location, target: targets.Target, skipped: list[str]) -> tuple[dict[str, int], set[str]]:
+def _files_to_copy(
+    source: Location, target: targets.Target, skipped: list[str]
+) -> tuple[dict[str, int], set[str]]:
     """Relative path → size of every file to copy, and the iteration folders (paths) copied whole."""
     if target.kind != "run":
         if target.kind == "iteration":
@@ -189,7 +220,9 @@ def _files_to_copy(source: Location, target: targets.Target, skipped: list[str])
             copied.add(folder)
         else:
             skipped.append(source.url_of(folder))
-            logger.warning("not copying %s: not committed (a save that never finished)", source.url_of(folder))
+            logger.warning(
+                "not copying %s: not committed (a save that never finished)", source.url_of(folder)
+            )
     pointer = source.join(POINTER_NAME)
     if run_listing.exists(source, pointer):
         files[POINTER_NAME] = int(source.fs.info(pointer).get("size") or 0)
@@ -248,9 +281,15 @@ def main(args: argparse.Namespace) -> int:
     source_options, dest_options = _cli.both_storage_options(args, args.src, args.dst)
     with Progress("copying") as progress:
         result = copy_checkpoint(
-            args.src, args.dst, source_options, dest_options,
-            overwrite=args.overwrite, workers=args.workers, progress=progress, references=args.references,
+            args.src,
+            args.dst,
+            source_options,
+            dest_options,
+            overwrite=args.overwrite,
+            workers=args.workers,
+            progress=progress,
+            references=args.references,
             trust_checkpoint=args.trust,
-        )  # fmt: skip
+        )
     _cli.report(args, result.to_dict(), result.lines())
     return _cli.EXIT_OK

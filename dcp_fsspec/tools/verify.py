@@ -19,18 +19,21 @@ import posixpath
 from collections.abc import Callable
 from typing import Any
 
-from dcp_fsspec.checkpoint.commit import layout, run_listing, pointer
+from dcp_fsspec.checkpoint.commit import layout, pointer, run_listing
 from dcp_fsspec.checkpoint.commit.commit_record import referable
 from dcp_fsspec.errors import CorruptCheckpointError
+from dcp_fsspec.storage.checkpoint_files.integrity import VerifyProblem, VerifyReport, verify_checkpoint
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME
 from dcp_fsspec.storage.transport.urls import Location, resolve
-from dcp_fsspec.storage.checkpoint_files.integrity import VerifyProblem, VerifyReport, verify_checkpoint
 from dcp_fsspec.tools import _cli, targets
 from dcp_fsspec.tools.progress import Progress, human_bytes
 
 MiB = 1024 * 1024
 # What verify says of an iteration retention retired (ls shows it as "retired").
-RETIRED = "retired by retention (it no longer loads; the files kept iterations refer to are verified with them)"
+RETIRED = (
+    "retired by retention (it no longer loads; the files kept iterations refer to are verified with them)"
+)
+
 
 def verify(
     url: str | os.PathLike[str],
@@ -74,9 +77,16 @@ def verify(
 
     def one_checkpoint(key: Location) -> VerifyReport:
         return verify_checkpoint(
-            key.url, fs=key.fs, window_bytes=window_bytes, max_request_bytes=max_request_bytes, threads=threads,
-            retry=key.retry, progress=progress, trust_checkpoint=trust_checkpoint, references=references,
-        )  # fmt: skip
+            key.url,
+            fs=key.fs,
+            window_bytes=window_bytes,
+            max_request_bytes=max_request_bytes,
+            threads=threads,
+            retry=key.retry,
+            progress=progress,
+            trust_checkpoint=trust_checkpoint,
+            references=references,
+        )
 
     checker = _Checker(report, one_checkpoint)
     if target.kind == "checkpoint":
@@ -113,7 +123,11 @@ class _Checker:
             if self.iteration(root, iteration, standalone=False):
                 committed.append(iteration)
         if latest is not None and latest not in committed:
-            self.problem(pointer_url, None, f"names {layout.format_iteration(latest)}, which is not a committed iteration")
+            self.problem(
+                pointer_url,
+                None,
+                f"names {layout.format_iteration(latest)}, which is not a committed iteration",
+            )
         elif latest is None and committed and not self.report.problems:
             self.report.notes.append(f"{pointer_url} does not exist: a Checkpointer would start from scratch")
 
@@ -135,14 +149,17 @@ class _Checker:
             if not standalone:
                 self.report.notes.append(f"skipped {folder}: not committed (a save that never finished)")
                 return False
-            self.problem(record_url, None, f"does not exist: {folder} is not committed (its save never finished)")
+            self.problem(
+                record_url, None, f"does not exist: {folder} is not committed (its save never finished)"
+            )
         for key in keys:
             location = targets.key_location(run, iteration, key)
             if record is not None and not run_listing.key_is_committed(run, iteration, key):
                 self.problem(
-                    location.url_of(location.join(METADATA_NAME)), None,
+                    location.url_of(location.join(METADATA_NAME)),
+                    None,
                     f"does not exist, but {COMMIT_RECORD_NAME} lists key {key!r}",
-                )  # fmt: skip
+                )
                 continue
             self.checkpoint(location)
         return record is not None
@@ -157,7 +174,10 @@ class _Checker:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _cli.add_standard_arguments(
         parser,
-        ("url", "a DCP checkpoint, an iteration folder (every key), or a save_dirname (every committed iteration)"),
+        (
+            "url",
+            "a DCP checkpoint, an iteration folder (every key), or a save_dirname (every committed iteration)",
+        ),
     )
     _cli.add_trust_flag(parser)
     _cli.add_references_flag(parser)
@@ -166,9 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     with Progress("verifying") as progress:
         report = verify(
-            args.url, _cli.storage_options(args.storage_options), progress=progress, trust_checkpoint=args.trust,
+            args.url,
+            _cli.storage_options(args.storage_options),
+            progress=progress,
+            trust_checkpoint=args.trust,
             references=args.references,
-        )  # fmt: skip
+        )
     # Counted as the user saved them: an iteration is one checkpoint, however many keys it holds.
     saved, keys = len({posixpath.dirname(url) for url in report.checkpoints}), len(report.checkpoints)
     counted = f"{keys} checkpoint" if report.kind == "checkpoint" else f"{saved} checkpoint(s) ({keys} keys)"
@@ -190,7 +213,11 @@ def main(args: argparse.Namespace) -> int:
 def _without_checksum(report: VerifyReport) -> str:
     """How many items had no checksum to compare, and what they are."""
     tensors = report.unchecked - report.objects
-    kinds = [f"{report.objects} non-tensor entries: pickled values, which DCP stores without one"] if report.objects else []
+    kinds = (
+        [f"{report.objects} non-tensor entries: pickled values, which DCP stores without one"]
+        if report.objects
+        else []
+    )
     if tensors:
         kinds.append(f"{tensors} tensors stored without one: empty, or saved with checksums=False")
     return f"{report.unchecked} without a checksum" + (f" ({'; '.join(kinds)})" if kinds else "")

@@ -19,13 +19,13 @@ from tests.conftest import import_or_skip
 
 import_or_skip("transformers", "the [hf] extra is not installed: pip install -e '.[test]'")
 
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
-from dcp_fsspec import CheckpointerOptions  # noqa: E402
-from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError, UsageError  # noqa: E402
-from dcp_fsspec.integrations.hf import FsspecTrainer  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
+from dcp_fsspec import CheckpointerOptions
+from dcp_fsspec.errors import CheckpointNotFoundError, InvalidURLError, UsageError
+from dcp_fsspec.integrations.hf import FsspecTrainer
+from tests.ckpt_helpers import assert_equal
+from tests.conftest import Backend
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -59,19 +59,41 @@ class _StopAt(TrainerCallback):
 def _trainer(out: Path, backend: Backend | None, *callbacks: Any, **options: Any) -> FsspecTrainer:
     torch.manual_seed(0)
     # Dropout draws from torch's RNG, so a resume that did not restore it would differ.
-    config = GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=32,
+        n_positions=16,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     args = TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2,
-        save_strategy="steps", save_steps=2, save_total_limit=2, logging_strategy="no",
-        report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=2,
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
     url = backend.url if backend else str(out / "unused")
     storage_options = backend.storage_options if backend else None
     return FsspecTrainer(
-        model=GPT2LMHeadModel(config), args=args, train_dataset=_Data(), callbacks=list(callbacks),
-        checkpoint_url=url, storage_options=storage_options, **options,
-    )  # fmt: skip
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=_Data(),
+        callbacks=list(callbacks),
+        checkpoint_url=url,
+        storage_options=storage_options,
+        **options,
+    )
 
 
 def _state(trainer: FsspecTrainer) -> dict[str, Any]:
@@ -113,7 +135,9 @@ def test_trainer_resumes_from_the_url_bit_identical_and_keeps_save_total_limit(
     resumed.train(resume_from_checkpoint=f"{hf_backend.url}/iter_{STOP:09d}")
     assert_equal(expected, _state(resumed))
     assert resumed.checkpointer.committed_iterations() == [STEPS - 2, STEPS]
-    assert not list((tmp_path / "resumed").glob("checkpoint-*")), "the Trainer wrote its own checkpoint folders"
+    assert not list((tmp_path / "resumed").glob("checkpoint-*")), (
+        "the Trainer wrote its own checkpoint folders"
+    )
     resumed.checkpointer.finalize()
     first.checkpointer.finalize()
 
@@ -138,7 +162,9 @@ def test_resume_true_takes_the_newest_and_errors_name_the_url(local_backend: Bac
     resumed.checkpointer.finalize()
 
 
-def test_the_trainer_refuses_a_keep_last_n_naming_save_total_limit_and_the_url(local_backend: Backend, tmp_path: Path) -> None:
+def test_the_trainer_refuses_a_keep_last_n_naming_save_total_limit_and_the_url(
+    local_backend: Backend, tmp_path: Path
+) -> None:
     options = CheckpointerOptions(keep_last_n=3)
     with pytest.raises(UsageError, match=r"CheckpointerOptions\.keep_last_n.*save_total_limit") as raised:
         _trainer(tmp_path / "out", local_backend, checkpointer_options=options)

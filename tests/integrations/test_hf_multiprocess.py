@@ -27,15 +27,15 @@ from tests.conftest import import_or_skip
 
 import_or_skip("transformers", "the [hf] extra is not installed: pip install -e '.[test]'")
 
-import torch.distributed as dist  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+import torch.distributed as dist
+from transformers import TrainerCallback
 
-from dcp_fsspec.errors import CorruptCheckpointError  # noqa: E402
-from dcp_fsspec.integrations.hf import _restore_rng_state  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
-from tests.integrations.test_hf import STEPS, STOP, _state, _StopAt, _trainer  # noqa: E402
+from dcp_fsspec.errors import CorruptCheckpointError
+from dcp_fsspec.integrations.hf import _restore_rng_state
+from tests.ckpt_helpers import assert_equal
+from tests.conftest import Backend
+from tests.distributed import run_ranks
+from tests.integrations.test_hf import STEPS, STOP, _state, _StopAt, _trainer
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -103,7 +103,9 @@ def test_rng_states_saved_by_another_number_of_ranks_leave_this_ranks_own_and_na
 ) -> None:
     """A resume on another number of processes than the save's: no state is this rank's."""
     own = torch.get_rng_state()
-    two_ranks = torch.cat([torch.manual_seed(1).get_state(), torch.manual_seed(2).get_state()]).numpy().tobytes()
+    two_ranks = (
+        torch.cat([torch.manual_seed(1).get_state(), torch.manual_seed(2).get_state()]).numpy().tobytes()
+    )
     torch.set_rng_state(own)
     with caplog.at_level(logging.WARNING, logger="dcp_fsspec.integrations.hf"):
         _restore_rng_state(two_ranks, "s3://bucket/run", 4)
@@ -113,4 +115,6 @@ def test_rng_states_saved_by_another_number_of_ranks_leave_this_ranks_own_and_na
 
 def test_rng_states_of_another_type_are_refused_naming_the_url() -> None:
     with pytest.raises(CorruptCheckpointError, match="s3://bucket/run"):
-        _restore_rng_state(cast(bytes, torch.get_rng_state()), "s3://bucket/run", 4)  # a tensor, as once saved
+        _restore_rng_state(
+            cast(bytes, torch.get_rng_state()), "s3://bucket/run", 4
+        )  # a tensor, as once saved

@@ -20,16 +20,16 @@ from tests.conftest import import_or_skip
 
 import_or_skip("lightning", "the [lightning] extra is not installed: pip install -e '.[test]'")
 
-from lightning.pytorch import LightningModule, Trainer  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch.utils.data import DataLoader, TensorDataset
 
-from dcp_fsspec.errors import CheckpointNotFoundError  # noqa: E402
-from dcp_fsspec.integrations.lightning import FsspecCheckpointIO, FsspecModelParallelStrategy  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError
+from dcp_fsspec.integrations.lightning import FsspecCheckpointIO, FsspecModelParallelStrategy
+from tests.ckpt_helpers import assert_equal
+from tests.conftest import Backend
+from tests.distributed import run_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -75,9 +75,14 @@ def _data() -> DataLoader[Any]:
 
 def _trainer(max_steps: int, **kwargs: Any) -> Trainer:
     return Trainer(
-        max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
-    )  # fmt: skip
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def _state(model: Tiny, trainer: Trainer) -> dict[str, Any]:
@@ -125,9 +130,13 @@ def test_single_file_checkpoint_resumes_bit_identical_and_keeps_top_k(
 
     def checkpoints() -> ModelCheckpoint:
         return ModelCheckpoint(
-            dirpath=lightning_backend.url, filename="{step}", save_on_train_epoch_end=True,
-            save_top_k=2, monitor="step", mode="max",
-        )  # fmt: skip
+            dirpath=lightning_backend.url,
+            filename="{step}",
+            save_on_train_epoch_end=True,
+            save_top_k=2,
+            monitor="step",
+            mode="max",
+        )
 
     first = _trainer(RESUME, plugins=[plugin()], callbacks=[checkpoints()], default_root_dir=str(tmp_path))
     first.fit(Tiny(), _data())
@@ -172,9 +181,13 @@ def _sharded_run(rank: int, world_size: int, url: str, options: dict[str, Any], 
     )
     strategy = FsspecModelParallelStrategy(storage_options=options, async_mode=phase.split("-")[1])
     trainer = _trainer(
-        RESUME if phase.startswith("first") else STEPS, strategy=strategy, devices=world_size,
-        callbacks=[checkpoints] if url else [], enable_checkpointing=bool(url), default_root_dir=out,
-    )  # fmt: skip
+        RESUME if phase.startswith("first") else STEPS,
+        strategy=strategy,
+        devices=world_size,
+        callbacks=[checkpoints] if url else [],
+        enable_checkpointing=bool(url),
+        default_root_dir=out,
+    )
     ckpt_path = f"{url}/step={RESUME}.ckpt" if phase.startswith("resume") else None
     trainer.fit(model, _data(), ckpt_path=ckpt_path)
     state = _state(model, trainer)

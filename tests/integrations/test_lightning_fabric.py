@@ -20,13 +20,13 @@ from tests.conftest import import_or_skip
 
 import_or_skip("lightning", "the [lightning] extra is not installed: pip install -e '.[test]'")
 
-from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric import Fabric
 
-from dcp_fsspec.errors import CheckpointMismatchError, CheckpointNotFoundError, UsageError  # noqa: E402
-from dcp_fsspec.integrations.lightning import FsspecCheckpointIO, FsspecFabricModelParallelStrategy  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from dcp_fsspec.errors import CheckpointMismatchError, CheckpointNotFoundError, UsageError
+from dcp_fsspec.integrations.lightning import FsspecCheckpointIO, FsspecFabricModelParallelStrategy
+from tests.ckpt_helpers import assert_equal
+from tests.conftest import Backend
+from tests.distributed import run_ranks
 from tests.integrations.test_lightning import RESUME, STEPS, _data, lightning_backend  # noqa: E402, F401
 
 pytestmark = [
@@ -54,7 +54,9 @@ def _setup(fabric: Fabric, seed: int) -> tuple[Any, Any]:
     """The tiny model and its optimizer; a loading run starts from another seed and learning rate,
     so only a load of the weights, the optimizer's state and its param_groups can make it match."""
     model = fabric.setup_module(_net(seed))
-    return model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05 if seed == 0 else 0.01))
+    return model, fabric.setup_optimizers(
+        torch.optim.AdamW(model.parameters(), lr=0.05 if seed == 0 else 0.01)
+    )
 
 
 def _train(fabric: Fabric, model: Any, optimizer: Any, steps: int) -> None:
@@ -91,7 +93,9 @@ def test_fabric_with_checkpoint_io_resumes_bit_identical(lightning_backend: Back
     first.save(url, {"model": model, "optimizer": optimizer, "step": RESUME})
     first.strategy.teardown()  # Fabric never does: waits for the upload, raises its error
 
-    second = Fabric(accelerator="cpu", devices=1, plugins=[FsspecCheckpointIO(lightning_backend.storage_options)])
+    second = Fabric(
+        accelerator="cpu", devices=1, plugins=[FsspecCheckpointIO(lightning_backend.storage_options)]
+    )
     model, optimizer = _setup(second, seed=1)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     assert second.load(url, state) == {}
@@ -117,7 +121,11 @@ def _sharded_run(rank: int, world_size: int, url: str, options: dict[str, Any], 
     os.environ.update(MASTER_PORT="1")  # already initialized by run_ranks; Lightning only reads it
     kind, async_mode = phase.split("-")
     strategy = FsspecFabricModelParallelStrategy(
-        _shard, data_parallel_size=world_size, tensor_parallel_size=1, storage_options=options, async_mode=async_mode
+        _shard,
+        data_parallel_size=world_size,
+        tensor_parallel_size=1,
+        storage_options=options,
+        async_mode=async_mode,
     )
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()
@@ -129,10 +137,14 @@ def _sharded_run(rank: int, world_size: int, url: str, options: dict[str, Any], 
         state = {"model": model, "optimizer": optimizer, "step": 0}
         assert fabric.load(checkpoint, state) == {"note": "kept"}
         assert state["step"] == RESUME
-    _train(fabric, model, optimizer, RESUME if kind == "first" else STEPS - RESUME if kind == "resume" else STEPS)
+    _train(
+        fabric, model, optimizer, RESUME if kind == "first" else STEPS - RESUME if kind == "resume" else STEPS
+    )
     if kind == "first":
         fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": RESUME, "note": "kept"})
-        _train(fabric, model, optimizer, 1)  # an async save's shards were copied: training on cannot change them
+        _train(
+            fabric, model, optimizer, 1
+        )  # an async save's shards were copied: training on cannot change them
         strategy.wait()
     state = _state(model, optimizer)
     if rank == 0:

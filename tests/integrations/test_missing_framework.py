@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("module", "framework", "extra"),
-    [("lightning", "lightning", "lightning"), ("hf", "transformers", "hf"), ("ray", "ray", "ray"), ("torchtitan", "torchtitan", "torchtitan"),
-     ("torch_checkpointing", "torch_checkpointing", "torch-checkpointing")],
+    [
+        ("lightning", "lightning", "lightning"),
+        ("hf", "transformers", "hf"),
+        ("ray", "ray", "ray"),
+        ("torchtitan", "torchtitan", "torchtitan"),
+        ("torch_checkpointing", "torch_checkpointing", "torch-checkpointing"),
+    ],
 )
 def test_importing_an_integration_without_its_framework_names_the_extra_in_one_line(
     module: str, framework: str, extra: str
@@ -30,7 +35,9 @@ def test_importing_an_integration_without_its_framework_names_the_extra_in_one_l
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and f"pip install 'dcp-fsspec[{extra}]'" in lines[0], done.stdout + done.stderr
     assert f"dcp_fsspec.integrations.{module}" in lines[0]

@@ -23,13 +23,13 @@ from tests.conftest import import_or_skip
 
 import_or_skip("ray.train", "the [ray] extra is not installed: pip install -e '.[test]'")
 
-import pyarrow.fs  # noqa: E402
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-from ray.train.torch import TorchTrainer  # noqa: E402
+import pyarrow.fs
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
 
-from dcp_fsspec.local_s3 import REGION, LocalS3Server  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
+from dcp_fsspec.local_s3 import REGION, LocalS3Server
+from tests.ckpt_helpers import assert_equal
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -45,9 +45,11 @@ pytestmark = [
 def ray_cluster() -> Iterator[None]:
     # The workers import dcp_fsspec and this module from this checkout, not an installed copy.
     ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )  # fmt: skip
+    )
     try:
         yield
     finally:
@@ -64,7 +66,9 @@ def _train(config: dict[str, Any]) -> None:
     from dcp_fsspec.integrations.ray import RayTrainCheckpointer
 
     torch.manual_seed(0)
-    model = prepare_model(torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)))
+    model = prepare_model(
+        torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     rank = ray.train.get_context().get_world_rank()
     checkpoints = None
@@ -91,7 +95,12 @@ def _train(config: dict[str, Any]) -> None:
 
 
 def _fit(
-    out: Path, stop: int, storage_options: dict[str, Any] | None, *, loop: dict[str, Any] | None = None, **run: Any
+    out: Path,
+    stop: int,
+    storage_options: dict[str, Any] | None,
+    *,
+    loop: dict[str, Any] | None = None,
+    **run: Any,
 ) -> ray.train.Result:
     trainer = TorchTrainer(
         _train,
@@ -133,17 +142,32 @@ def test_a_new_run_resumes_bit_identically_from_a_checkpoint_ray_reported_on_s3(
     bucket = f"ray-{os.urandom(6).hex()}"
     s3_server.create_bucket(bucket)
     ray_fs = pyarrow.fs.S3FileSystem(
-        access_key=s3_server.storage_options()["key"], secret_key=s3_server.storage_options()["secret"],
-        endpoint_override=s3_server.endpoint_url.partition("://")[2], scheme="http", region=REGION,
-    )  # fmt: skip
+        access_key=s3_server.storage_options()["key"],
+        secret_key=s3_server.storage_options()["secret"],
+        endpoint_override=s3_server.endpoint_url.partition("://")[2],
+        scheme="http",
+        region=REGION,
+    )
     options = s3_server.storage_options()
-    first = _fit(tmp_path / "first.pt", SAVE_EVERY, options, name="first", storage_path=bucket, storage_filesystem=ray_fs)
+    first = _fit(
+        tmp_path / "first.pt",
+        SAVE_EVERY,
+        options,
+        name="first",
+        storage_path=bucket,
+        storage_filesystem=ray_fs,
+    )
     assert first.checkpoint is not None
     assert first.checkpoint.path == f"{bucket}/first/dcp/iter_000000003"  # where we wrote it, not a copy
     second = _fit(
-        tmp_path / "second.pt", STEPS, options, name="second", storage_path=bucket, storage_filesystem=ray_fs,
+        tmp_path / "second.pt",
+        STEPS,
+        options,
+        name="second",
+        storage_path=bucket,
+        storage_filesystem=ray_fs,
         loop={"load_path": first.checkpoint},
-    )  # fmt: skip
+    )
     assert second.checkpoint is not None and second.checkpoint.path == f"{bucket}/second/dcp/iter_000000006"
     _assert_resumed_exactly(straight, tmp_path / "second.pt", SAVE_EVERY)
 
@@ -157,7 +181,14 @@ def test_a_restarted_run_resumes_bit_identically_from_what_ray_reported_in_a_loc
     committed a stale step 6 it never reported: the worker resumes from Ray's checkpoint
     (``ray.train.get_checkpoint()``), not the newer commit, and saving step 6 replaces it."""
     storage = str(tmp_path / "runs")
-    first = _fit(tmp_path / "first.pt", SAVE_EVERY, {}, name="run", storage_path=storage, loop={"commit_unreported": True})
+    first = _fit(
+        tmp_path / "first.pt",
+        SAVE_EVERY,
+        {},
+        name="run",
+        storage_path=storage,
+        loop={"commit_unreported": True},
+    )
     assert first.checkpoint is not None and first.checkpoint.path == f"{storage}/run/dcp/iter_000000003"
     _fit(tmp_path / "again.pt", STEPS, {}, name="run", storage_path=storage)
     _assert_resumed_exactly(straight, tmp_path / "again.pt", SAVE_EVERY)
@@ -192,10 +223,15 @@ def test_an_option_ray_decides_is_refused_naming_it(decided: str, tmp_path: Path
     from dcp_fsspec.integrations.ray import RayTrainCheckpointer
 
     value = {
-        "async_mode": "async_with_pinned_mem", "local_tier": LocalTier(str(tmp_path)), "keep_last_n": 2,
-        "resume": ResumeOptions(load_path=str(tmp_path)), "incremental": True,
-    }[decided]  # fmt: skip
-    with pytest.raises(UsageError, match=rf"RayTrainCheckpointer decides CheckpointerOptions\.{decided} itself"):
+        "async_mode": "async_with_pinned_mem",
+        "local_tier": LocalTier(str(tmp_path)),
+        "keep_last_n": 2,
+        "resume": ResumeOptions(load_path=str(tmp_path)),
+        "incremental": True,
+    }[decided]
+    with pytest.raises(
+        UsageError, match=rf"RayTrainCheckpointer decides CheckpointerOptions\.{decided} itself"
+    ):
         RayTrainCheckpointer(checkpointer_options=CheckpointerOptions(**{decided: value}))
 
 

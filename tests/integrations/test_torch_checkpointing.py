@@ -15,16 +15,24 @@ import torch
 
 from tests.conftest import import_or_skip
 
-import_or_skip("torch_checkpointing", "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'")
+import_or_skip(
+    "torch_checkpointing",
+    "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'",
+)
 
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
-from torch_checkpointing import CheckpointManager  # noqa: E402
-from torch_checkpointing.storage.base_storage import ReadArgs  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch_checkpointing import CheckpointManager
+from torch_checkpointing.storage.base_storage import ReadArgs
 
-from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UsageError  # noqa: E402
-from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig, commit_by_marker  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
+from dcp_fsspec.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UsageError,
+)
+from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig, commit_by_marker
+from tests.ckpt_helpers import assert_equal
+from tests.conftest import Backend
 
 
 class Crash(RuntimeError):
@@ -48,11 +56,15 @@ def _empty() -> dict[str, Any]:
     }
 
 
-def _manager(backend: Backend, *, crash: bool = False, marker: bool = False, **settings: Any) -> CheckpointManager:
+def _manager(
+    backend: Backend, *, crash: bool = False, marker: bool = False, **settings: Any
+) -> CheckpointManager:
     """A synchronous manager on ``backend``; with ``crash``, each save fails before its commit;
     with ``marker``, steps are committed by a marker file."""
     config = CheckpointManager.Config.with_sync_save()
-    config.storage_config = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options, **settings)
+    config.storage_config = FsspecStorageConfig(
+        url=backend.url, storage_options=backend.storage_options, **settings
+    )
     if crash:
         config.pre_finalize_callback = _crash
     return (commit_by_marker(config) if marker else config).build()
@@ -169,7 +181,9 @@ def test_an_async_save_writes_from_their_background_process_to_s3(
 ) -> None:
     monkeypatch.setenv("MKL_SERVICE_FORCE_INTEL", "GNU")  # their process sets it in ours; undone after
     config = CheckpointManager.Config.with_async_save()
-    config.storage_config = FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options)
+    config.storage_config = FsspecStorageConfig(
+        url=s3_backend.url, storage_options=s3_backend.storage_options
+    )
     manager = (commit_by_marker(config) if marker else config).build()
     try:
         written = manager.save("step_5", _state(5))
@@ -224,12 +238,18 @@ def test_a_step_whose_save_died_before_its_marker_is_neither_listed_nor_loaded(s
     _save(s3_backend, 1, marker=True)
     with pytest.raises(Crash, match="step_2"):
         _save(s3_backend, 2, marker=True, crash=True)
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options, commit_marker=True))
+    storage = FsspecStorage(
+        FsspecStorageConfig(
+            url=s3_backend.url, storage_options=s3_backend.storage_options, commit_marker=True
+        )
+    )
     assert storage.ls(Path("")) == ["step_1"]
     assert storage.glob("step_*") == ["step_1"]  # a latest-step lookup sees only committed steps
     manager = _manager(s3_backend, marker=True)
     try:
-        with pytest.raises(CheckpointNotFoundError, match=f"{s3_backend.url}/step_2 has no .committed marker"):
+        with pytest.raises(
+            CheckpointNotFoundError, match=f"{s3_backend.url}/step_2 has no .committed marker"
+        ):
             manager.load("step_2", into=_empty())
     finally:
         manager.close()
@@ -265,7 +285,9 @@ class _Training:
         """Load ``step`` as docs/torch-checkpointing.md does: into get_state_dict's templates."""
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         restored = manager.load(f"step_{step}", into={"model": model_state, "optim": optim_state})
-        set_state_dict(self.model, self.optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=restored["model"], optim_state_dict=restored["optim"]
+        )
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}

@@ -15,22 +15,25 @@ import torch
 
 from tests.conftest import import_or_skip
 
-import_or_skip("torch_checkpointing", "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'")
+import_or_skip(
+    "torch_checkpointing",
+    "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'",
+)
 
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch_checkpointing import CheckpointManager  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh
+from torch_checkpointing import CheckpointManager
 
-from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig, commit_by_marker  # noqa: E402
-from tests.ckpt_fsdp import FsdpTraining  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from dcp_fsspec.integrations.torch_checkpointing import FsspecStorage, FsspecStorageConfig, commit_by_marker
+from tests.ckpt_fsdp import FsdpTraining
+from tests.ckpt_helpers import assert_equal
+from tests.conftest import Backend
+from tests.distributed import run_ranks
 
 
 def _sharded(training: FsdpTraining) -> dict[str, Any]:
@@ -41,7 +44,9 @@ def _sharded(training: FsdpTraining) -> dict[str, Any]:
     }
 
 
-def _save_and_load(rank: int, world_size: int, url: str, storage_options: dict[str, Any], marker: bool) -> None:
+def _save_and_load(
+    rank: int, world_size: int, url: str, storage_options: dict[str, Any], marker: bool
+) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world_size,))
     config = CheckpointManager.Config.with_sync_save()
@@ -72,6 +77,8 @@ def test_an_fsdp2_model_and_optimizer_saved_on_two_ranks_load_bit_exact_into_a_f
     s3_backend: Backend, tmp_path: Path, marker: bool
 ) -> None:
     run_ranks(_save_and_load, 2, tmp_path, s3_backend.url, s3_backend.storage_options, marker)
-    storage = FsspecStorage(FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options))
+    storage = FsspecStorage(
+        FsspecStorageConfig(url=s3_backend.url, storage_options=s3_backend.storage_options)
+    )
     assert storage.ls(Path("")) == ["step_2"]
     assert storage.is_committed(Path("step_2")) == marker

@@ -21,14 +21,17 @@ import torch
 
 from tests.conftest import import_or_skip
 
-import_or_skip("torch_checkpointing", "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'")
+import_or_skip(
+    "torch_checkpointing",
+    "the [torch-checkpointing] extra is not installed: pip install 'dcp-fsspec[torch-checkpointing]'",
+)
 
-from torch_checkpointing.storage.base_storage import Storage  # noqa: E402
-from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig  # noqa: E402
+from torch_checkpointing.storage.base_storage import Storage
+from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
-from dcp_fsspec.errors import CheckpointNotFoundError  # noqa: E402
-from dcp_fsspec.integrations.torch_checkpointing import FsspecStorageConfig  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError
+from dcp_fsspec.integrations.torch_checkpointing import FsspecStorageConfig
+from tests.conftest import Backend
 
 # The pieces their suite writes: every kind of buffer their writer hands a stream.
 PIECES: list[object] = [
@@ -63,11 +66,15 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     if request.param == "theirs-local":
         theirs = LocalFileSystemStorageConfig(use_direct_io=False).create_storage()
         (tmp_path / "theirs").mkdir()
-        return Store(request.param, theirs, tmp_path / "theirs", keeps_empty_folders=True, url=str(tmp_path / "theirs"))
+        return Store(
+            request.param, theirs, tmp_path / "theirs", keeps_empty_folders=True, url=str(tmp_path / "theirs")
+        )
     backend: Backend = request.getfixturevalue(f"{request.param.removeprefix('ours-')}_backend")
     storage = FsspecStorageConfig(url=backend.url, storage_options=backend.storage_options).create_storage()
     storage.mkdir(Path(""))
-    return Store(request.param, storage, Path(""), keeps_empty_folders=backend.name == "local", url=backend.url)
+    return Store(
+        request.param, storage, Path(""), keeps_empty_folders=backend.name == "local", url=backend.url
+    )
 
 
 def _stream_write(store: Store, relative: str) -> None:
@@ -102,7 +109,10 @@ def test_ls_names_the_files_and_folders_of_each_level(store: Store) -> None:
 
 def test_a_file_rename_moves_the_file_and_ls_shows_the_new_name(store: Store) -> None:
     _tree(store)
-    old, new = store.at("dir_level1/dir_level2/stream_write_output.bin"), store.at("dir_level1/dir_level2/renamed.bin")
+    old, new = (
+        store.at("dir_level1/dir_level2/stream_write_output.bin"),
+        store.at("dir_level1/dir_level2/renamed.bin"),
+    )
     store.storage.rename(old, new)
     assert not store.storage.exists(old) and store.storage.read(new) == CONTENT
     assert sorted(store.storage.ls(store.at("dir_level1/dir_level2"))) == ["renamed.bin"]
@@ -126,7 +136,9 @@ def test_a_folder_emptied_by_delete_is_kept_where_folders_are_real(store: Store)
     assert store.storage.ls(store.at("dir_level1/dir_level2")) == []
 
 
-def test_on_an_object_store_a_folder_emptied_by_delete_is_gone_and_ls_of_it_is_not_found_naming_it(store: Store) -> None:
+def test_on_an_object_store_a_folder_emptied_by_delete_is_gone_and_ls_of_it_is_not_found_naming_it(
+    store: Store,
+) -> None:
     # On purpose: S3 has no folders, only keys. Their suite expects ls of an emptied folder to be [].
     if store.keeps_empty_folders:
         pytest.skip("folders are real here: see the test above")
@@ -186,7 +198,9 @@ def _make(store: Store, relative: str, kind: str) -> None:
     ("source", "destination"),
     [("full folder", "absent"), ("full folder", "empty folder"), ("file", "absent"), ("file", "file")],
 )
-def test_a_rename_onto_free_space_commits_the_source_at_the_destination(store: Store, source: str, destination: str) -> None:
+def test_a_rename_onto_free_space_commits_the_source_at_the_destination(
+    store: Store, source: str, destination: str
+) -> None:
     if destination == "empty folder" and not store.keeps_empty_folders:
         pytest.skip("an object store has no empty folder to rename onto")
     _make(store, "src", source)
@@ -202,7 +216,12 @@ def test_a_rename_onto_free_space_commits_the_source_at_the_destination(store: S
 
 @pytest.mark.parametrize(
     ("source", "destination"),
-    [("full folder", "full folder"), ("full folder", "file"), ("file", "full folder"), ("file", "empty folder")],
+    [
+        ("full folder", "full folder"),
+        ("full folder", "file"),
+        ("file", "full folder"),
+        ("file", "empty folder"),
+    ],
 )
 def test_a_rename_onto_occupied_space_is_refused_naming_the_destination_and_changes_nothing(
     store: Store, source: str, destination: str

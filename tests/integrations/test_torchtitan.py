@@ -22,21 +22,21 @@ from tests.conftest import import_or_skip
 
 import_or_skip("torchtitan", "the [torchtitan] extra is not installed: pip install 'dcp-fsspec[torchtitan]'")
 
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig  # noqa: E402
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
-from dcp_fsspec.errors import CheckpointNotFoundError, StorageError  # noqa: E402
-from dcp_fsspec.integrations.torchtitan import FsspecCheckpointManager  # noqa: E402
-from tests.ckpt_helpers import assert_equal  # noqa: E402
-from tests.conftest import Backend  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from dcp_fsspec.errors import CheckpointNotFoundError, StorageError
+from dcp_fsspec.integrations.torchtitan import FsspecCheckpointManager
+from tests.ckpt_helpers import assert_equal
+from tests.conftest import Backend
+from tests.distributed import run_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -99,7 +99,11 @@ class Run:
     """One training run: model, torchtitan's containers, and the manager that checkpoints them."""
 
     def __init__(
-        self, config: FsspecCheckpointManager.Config | None, base_folder: str, seed: int = 0, last: type[nn.Linear] = nn.Linear
+        self,
+        config: FsspecCheckpointManager.Config | None,
+        base_folder: str,
+        seed: int = 0,
+        last: type[nn.Linear] = nn.Linear,
     ) -> None:
         torch.manual_seed(seed)
         self.model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), last(16, 4))
@@ -114,18 +118,26 @@ class Run:
             fully_shard(self.model, mesh=mesh)
         self.optimizers = OptimizersContainer.Config(
             param_groups=[
-                ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})
+                ParamGroupConfig(
+                    pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}
+                )
             ],
             implementation="for-loop",
         ).build(model_parts=[self.model])
-        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers, training_steps=STEPS)
+        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+            optimizers=self.optimizers, training_steps=STEPS
+        )
         self.batches = Batches()
         self.train_state = TrainState()
         self.manager = (config or FsspecCheckpointManager.Config()).build(
-            dataloader=self.batches, model_parts=[self.model], optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state}, sd_adapter=None,
+            dataloader=self.batches,
+            model_parts=[self.model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self.train_state},
+            sd_adapter=None,
             base_folder=base_folder,
-        )  # fmt: skip
+        )
 
     def train(self, until: int) -> None:
         """Train to step ``until``, letting the manager save where its interval says."""
@@ -170,7 +182,9 @@ def titan_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     return backend
 
 
-def test_a_fresh_manager_resumes_bit_identical_and_keeps_the_latest_k(titan_backend: Backend, tmp_path: Path) -> None:
+def test_a_fresh_manager_resumes_bit_identical_and_keeps_the_latest_k(
+    titan_backend: Backend, tmp_path: Path
+) -> None:
     """Saved every 2 steps with keep_latest_k=2, stopped at step 4; fresh objects and a fresh
     manager resume from step 4 and end where an uninterrupted run ends; only the newest 2 step
     folders are left on the store."""
@@ -194,7 +208,9 @@ def test_a_fresh_manager_resumes_bit_identical_and_keeps_the_latest_k(titan_back
     assert _steps_left(titan_backend) == ["step-4", "step-6"]
 
 
-def test_a_model_whose_state_dict_is_made_afresh_resumes_bit_identical(local_backend: Backend, tmp_path: Path) -> None:
+def test_a_model_whose_state_dict_is_made_afresh_resumes_bit_identical(
+    local_backend: Backend, tmp_path: Path
+) -> None:
     """DCP loads a hook-made tensor into a copy, not the parameter: the manager puts the loaded
     model entries back into the model (as torchtitan's does), or the resumed run trains on its
     own initial weights."""
@@ -240,7 +256,10 @@ def test_synchronous_saves_and_loads_plan_with_the_collector_paused(
     assert seen == [("FsspecStorageWriter", False), ("FsspecStorageReader", False)]
     assert gc.isenabled()
 
-def test_resuming_skips_a_step_without_metadata_and_a_missing_step_names_its_url(local_backend: Backend, tmp_path: Path) -> None:
+
+def test_resuming_skips_a_step_without_metadata_and_a_missing_step_names_its_url(
+    local_backend: Backend, tmp_path: Path
+) -> None:
     """A step folder whose .metadata never landed (a save cut short) is not resumed from;
     asking for a step that was never saved is an error naming its URL."""
     config = _config(local_backend.url, {}, interval=2, keep_latest_k=0)
@@ -257,7 +276,9 @@ def test_resuming_skips_a_step_without_metadata_and_a_missing_step_names_its_url
     resumed.manager.close()
 
 
-def test_an_empty_folder_starts_from_initial_load_path_model_only(titan_backend: Backend, tmp_path: Path) -> None:
+def test_an_empty_folder_starts_from_initial_load_path_model_only(
+    titan_backend: Backend, tmp_path: Path
+) -> None:
     """torchtitan's initial load, through the storage options: the weights of another run's step,
     not its optimizer state; a path without a checkpoint is an error naming it."""
     seed = Run(_config(titan_backend.sub("seed"), titan_backend.storage_options, interval=2), str(tmp_path))
@@ -305,7 +326,9 @@ def test_an_async_run_keeps_the_latest_k_counting_the_save_in_flight(
 ) -> None:
     """Each save is purged for right after it starts, before its folder may be listed: it still
     counts as one of the 2 kept, so an async run ends with 2 folders, as a synchronous one does."""
-    config = _config(titan_backend.url, titan_backend.storage_options, interval=1, keep_latest_k=2, async_mode="async")
+    config = _config(
+        titan_backend.url, titan_backend.storage_options, interval=1, keep_latest_k=2, async_mode="async"
+    )
     run = Run(config, str(tmp_path))
     run.train(4)
     run.manager.close()
@@ -361,7 +384,9 @@ def _resume(rank: int, world_size: int, url: str, options: dict[str, Any], async
     ],
     indirect=["titan_backend"],
 )
-def test_fsdp2_on_two_ranks_resumes_bit_identical(titan_backend: Backend, async_mode: str, tmp_path: Path) -> None:
+def test_fsdp2_on_two_ranks_resumes_bit_identical(
+    titan_backend: Backend, async_mode: str, tmp_path: Path
+) -> None:
     """FSDP2 on 2 gloo ranks: each rank's shards written by our writer (synchronously, in
     torchtitan's thread, or, where CUDA is, in torch's background process), a restarted pair of ranks resumes
     from step 4 and matches 2 ranks that ran all 6 steps; keep_latest_k=2 leaves 2 folders."""
@@ -369,5 +394,8 @@ def test_fsdp2_on_two_ranks_resumes_bit_identical(titan_backend: Backend, async_
     run_ranks(_first, 2, tmp_path, url, options, async_mode, out)
     assert _steps_left(titan_backend) == ["step-2", "step-4"]
     run_ranks(_resume, 2, tmp_path, url, options, async_mode, out)
-    assert_equal(torch.load(f"{out}/expected.pt", weights_only=True), torch.load(f"{out}/resumed.pt", weights_only=True))
+    assert_equal(
+        torch.load(f"{out}/expected.pt", weights_only=True),
+        torch.load(f"{out}/resumed.pt", weights_only=True),
+    )
     assert _steps_left(titan_backend) == ["step-4", "step-6"]

@@ -91,7 +91,11 @@ def storage_entry(metadata: Metadata, fqn: str) -> Any:
 
 
 def load_failure(
-    state: dict[str, Any], backend: Backend, url: str | None = None, planner: LoadPlanner | None = None, **options: Any
+    state: dict[str, Any],
+    backend: Backend,
+    url: str | None = None,
+    planner: LoadPlanner | None = None,
+    **options: Any,
 ) -> BaseException:
     """What ``dcp.load`` with our reader failed with, as the Checkpointer and the CLI raise it.
 
@@ -102,5 +106,7 @@ def load_failure(
     try:
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as e:
-        return unwrap_dcp(e, f"loading {reader.location.url}", mismatch=True, metadata_failure=reader.metadata_failure)
+        return unwrap_dcp(
+            e, f"loading {reader.location.url}", mismatch=True, metadata_failure=reader.metadata_failure
+        )
     raise AssertionError("the load succeeded")

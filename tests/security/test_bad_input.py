@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_fsspec import CheckpointMismatchError, Checkpointer, CorruptCheckpointError, cli
+from dcp_fsspec import Checkpointer, CheckpointMismatchError, CorruptCheckpointError, cli
 from dcp_fsspec.errors import RecordFormatError, UsageError
 from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
 from dcp_fsspec.tools.convert import load_state_dict
@@ -31,10 +31,14 @@ MiB = 1024 * 1024
 
 
 @pytest.mark.parametrize("name", ["local", "memory"])  # read in place, and streamed
-def test_a_metadata_claiming_a_huge_record_allocates_only_the_bytes_stored(name: str, request: pytest.FixtureRequest) -> None:
+def test_a_metadata_claiming_a_huge_record_allocates_only_the_bytes_stored(
+    name: str, request: pytest.FixtureRequest
+) -> None:
     backend: Backend = request.getfixturevalue(f"{name}_backend")
     save({"t": torch.randn(MiB)}, backend)  # one 4 MiB record
-    url = edit_metadata(backend, backend.url, lambda md: setattr(storage_entry(md, "t"), "length", 1024 * MiB))
+    url = edit_metadata(
+        backend, backend.url, lambda md: setattr(storage_entry(md, "t"), "length", 1024 * MiB)
+    )
     target = {"t": torch.zeros(MiB, dtype=torch.float64)}  # another dtype: the record is held whole
     tracemalloc.start()
     try:
@@ -52,13 +56,19 @@ def test_a_metadata_entry_without_bytes_or_before_the_file_is_corrupt_naming_it(
     local_backend: Backend, field: str, value: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     save({"w": torch.arange(4.0), "other": torch.ones(2)}, local_backend)
-    url = edit_metadata(local_backend, local_backend.url, lambda md: setattr(storage_entry(md, "w"), field, value))
+    url = edit_metadata(
+        local_backend, local_backend.url, lambda md: setattr(storage_entry(md, "w"), field, value)
+    )
     error = load_failure({"w": torch.zeros(4), "other": torch.zeros(2)}, local_backend)
     assert isinstance(error, CorruptCheckpointError) and url in str(error)
     assert "'w'" in str(error) and repr(value) in str(error)
     report = verify_checkpoint(local_backend.url)
     assert [p.url for p in report.problems] == [url] and "'w'" in report.problems[0].what
-    for argv in (["verify", local_backend.url], ["inspect", local_backend.url], ["to-torch", local_backend.url, str(tmp_path / "o.pt")]):
+    for argv in (
+        ["verify", local_backend.url],
+        ["inspect", local_backend.url],
+        ["to-torch", local_backend.url, str(tmp_path / "o.pt")],
+    ):
         assert cli.main(argv) == 1, argv  # damage, not a storage failure
         assert "'w'" in "".join(capsys.readouterr())
 
@@ -111,7 +121,11 @@ def test_a_folder_named_with_thousands_of_digits_is_not_an_iteration(memory_back
         assert ckpt.committed_iterations() == [1]
 
 
-@pytest.mark.parametrize("record", [b"[" * 100_000 + b"]" * 100_000, b'{"keys": [' + b'"m",' * 600_000 + b'"m"]}'], ids=["nested", "huge"])
+@pytest.mark.parametrize(
+    "record",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"keys": [' + b'"m",' * 600_000 + b'"m"]}'],
+    ids=["nested", "huge"],
+)
 def test_a_deeply_nested_or_huge_commit_record_is_corrupt(memory_backend: Backend, record: bytes) -> None:
     with Checkpointer(memory_backend.url) as ckpt:
         ckpt.save(1, model={"w": torch.ones(2)})
@@ -150,8 +164,12 @@ def _replace_data_pkl(data: bytearray, body: bytes) -> None:
     data[start : start + length] = _opcode_pickle(body, length)
 
 
-@pytest.mark.parametrize("body", [_REBUILD_FROM_A_STRING, _ALLOCATE_A_TERABYTE, _OPEN_A_FILE], ids=["args", "allocate", "open"])
-def test_a_record_with_a_crafted_data_pkl_is_corrupt_and_never_a_record_format_error(memory_backend: Backend, body: bytes) -> None:
+@pytest.mark.parametrize(
+    "body", [_REBUILD_FROM_A_STRING, _ALLOCATE_A_TERABYTE, _OPEN_A_FILE], ids=["args", "allocate", "open"]
+)
+def test_a_record_with_a_crafted_data_pkl_is_corrupt_and_never_a_record_format_error(
+    memory_backend: Backend, body: bytes
+) -> None:
     save({"w": torch.arange(4.0)}, memory_backend)
     fs, path = fs_path(memory_backend, memory_backend.sub("__0_0.distcp"))
     data = bytearray(fs.cat_file(path))

@@ -20,7 +20,15 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, ReaderSettings, ResumeOptions, SafeLoadPlanner, cli
+from dcp_fsspec import (
+    Checkpointer,
+    CorruptCheckpointError,
+    FsspecStorageReader,
+    ReaderSettings,
+    ResumeOptions,
+    SafeLoadPlanner,
+    cli,
+)
 from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
 from dcp_fsspec.tools.convert import load_state_dict
 from tests.conftest import Backend
@@ -53,7 +61,9 @@ def _assert_refused(error: BaseException, url: str, name: str, marker: Path) -> 
 # -- .metadata -------------------------------------------------------------------------------------
 
 
-def test_a_crafted_metadata_runs_no_code_in_checkpointer_load(local_backend: Backend, payload: tuple[Any, str, Path]) -> None:
+def test_a_crafted_metadata_runs_no_code_in_checkpointer_load(
+    local_backend: Backend, payload: tuple[Any, str, Path]
+) -> None:
     obj, name, marker = payload
     with Checkpointer(local_backend.url) as ckpt:
         ckpt.save(1, model=_model())
@@ -63,12 +73,17 @@ def test_a_crafted_metadata_runs_no_code_in_checkpointer_load(local_backend: Bac
     _assert_refused(info.value, url, name, marker)
 
 
-def test_a_crafted_metadata_runs_no_code_through_load_path(local_backend: Backend, payload: tuple[Any, str, Path]) -> None:
+def test_a_crafted_metadata_runs_no_code_through_load_path(
+    local_backend: Backend, payload: tuple[Any, str, Path]
+) -> None:
     obj, name, marker = payload
     source = local_backend.sub("downloaded")
     save(_model().state_dict(), local_backend, source)
     url = edit_metadata(local_backend, source, smuggle(obj))
-    with Checkpointer(local_backend.sub("run"), resume=ResumeOptions(load_path=source)) as ckpt, pytest.raises(CorruptCheckpointError) as info:
+    with (
+        Checkpointer(local_backend.sub("run"), resume=ResumeOptions(load_path=source)) as ckpt,
+        pytest.raises(CorruptCheckpointError) as info,
+    ):
         ckpt.load(model=_model())
     _assert_refused(info.value, url, name, marker)
 
@@ -87,7 +102,11 @@ def test_a_crafted_metadata_runs_no_code_in_dcp_load_with_our_reader_nor_in_veri
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "to-torch", "to-safetensors"])
 def test_a_crafted_metadata_runs_no_code_in_the_cli(
-    local_backend: Backend, payload: tuple[Any, str, Path], command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    local_backend: Backend,
+    payload: tuple[Any, str, Path],
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     obj, name, marker = payload
     with Checkpointer(local_backend.url) as ckpt:
@@ -104,7 +123,9 @@ def test_a_crafted_metadata_runs_no_code_in_the_cli(
 # -- non-tensor entries ----------------------------------------------------------------------------
 
 
-def test_a_crafted_object_entry_runs_no_code_in_checkpointer_load(local_backend: Backend, payload: tuple[Any, str, Path]) -> None:
+def test_a_crafted_object_entry_runs_no_code_in_checkpointer_load(
+    local_backend: Backend, payload: tuple[Any, str, Path]
+) -> None:
     obj, name, marker = payload
     with Checkpointer(local_backend.url) as ckpt:
         ckpt.save(1, model=_model(), extra={"payload": obj, "step": 7})
@@ -128,12 +149,18 @@ def test_our_reader_hands_torchs_default_planner_no_object_it_would_unpickle_in_
 ) -> None:
     obj, name, marker = payload
     save({"w": torch.randn(3), "payload": obj}, memory_backend)
-    _assert_refused(load_failure({"w": torch.zeros(3), "payload": None}, memory_backend), memory_backend.url, name, marker)
+    _assert_refused(
+        load_failure({"w": torch.zeros(3), "payload": None}, memory_backend), memory_backend.url, name, marker
+    )
 
 
 @pytest.mark.parametrize("command", ["to-torch", "to-safetensors"])
 def test_a_crafted_object_entry_runs_no_code_in_a_conversion(
-    local_backend: Backend, payload: tuple[Any, str, Path], command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    local_backend: Backend,
+    payload: tuple[Any, str, Path],
+    command: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     obj, name, marker = payload
     save({"w": torch.randn(3), "payload": obj}, local_backend)
@@ -149,7 +176,9 @@ def test_a_crafted_object_entry_runs_no_code_in_a_conversion(
 
 
 @pytest.mark.parametrize("writer", ["ours", "FileSystemWriter", "FileSystemWriter(Path)", "FsspecWriter"])
-def test_checkpoints_of_torch_writers_and_ours_load_with_the_safe_defaults(writer: str, tmp_path: Path) -> None:
+def test_checkpoints_of_torch_writers_and_ours_load_with_the_safe_defaults(
+    writer: str, tmp_path: Path
+) -> None:
     state = sample_state()  # every dtype, views, empty tensors, and non-tensor entries
     source = tmp_path / "ckpt"
     if writer == "ours":
@@ -174,21 +203,33 @@ def test_the_safe_planner_loads_classes_allowed_with_add_safe_globals(memory_bac
     save({"note": Note("hi")}, memory_backend)
     target: dict[str, Any] = {"note": None}
     with torch.serialization.safe_globals([Note]):
-        dcp.load(target, storage_reader=FsspecStorageReader(memory_backend.url), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            target,
+            storage_reader=FsspecStorageReader(memory_backend.url),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert target == {"note": Note("hi")}
 
 
-def test_trust_checkpoint_loads_ones_own_checkpoint_holding_any_picklable_object(local_backend: Backend) -> None:
+def test_trust_checkpoint_loads_ones_own_checkpoint_holding_any_picklable_object(
+    local_backend: Backend,
+) -> None:
     with Checkpointer(local_backend.url) as ckpt:
         ckpt.save(1, model=_model(), extra={"note": Note("mine")})
     edit_metadata(local_backend, local_backend.sub("iter_000000001", "extra"), smuggle(Note("in .metadata")))
-    with Checkpointer(local_backend.url) as ckpt, pytest.raises(CorruptCheckpointError, match=r"tests\.security\.crafted\.Note"):
+    with (
+        Checkpointer(local_backend.url) as ckpt,
+        pytest.raises(CorruptCheckpointError, match=r"tests\.security\.crafted\.Note"),
+    ):
         ckpt.load(model=_model(), extra={"note": None})
     extra: dict[str, Any] = {"note": None}
     with Checkpointer(local_backend.url, reader_settings=ReaderSettings(trust_checkpoint=True)) as ckpt:
         assert ckpt.load(model=_model(), extra=extra) == 1
     assert extra == {"note": Note("mine")}
-    reader = FsspecStorageReader(local_backend.sub('iter_000000001', 'extra'), settings=ReaderSettings(trust_checkpoint=True))
+    reader = FsspecStorageReader(
+        local_backend.sub("iter_000000001", "extra"), settings=ReaderSettings(trust_checkpoint=True)
+    )
     assert reader.read_metadata().__dict__["extra"] == Note("in .metadata")
 
 

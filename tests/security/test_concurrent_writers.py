@@ -16,14 +16,17 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, CorruptCheckpointError, DcpFsspecError
+from dcp_fsspec import Checkpointer, CheckpointExistsError, CorruptCheckpointError, DcpFsspecError
 from dcp_fsspec.checkpoint.commit import committing, pointer
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record, take_over_mark
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, POINTER_NAME
 from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"), pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),
+]
 
 ROUNDS = 20
 ITERATION = 5
@@ -55,7 +58,10 @@ def _race(url: str, storage_options: dict[str, Any], writer: int, start: Any, re
 
 
 def _empty_like(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {k: {n: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -99) for n, v in d.items()} for k, d in state.items()}
+    return {
+        k: {n: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else -99) for n, v in d.items()}
+        for k, d in state.items()
+    }
 
 
 def _equal(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> bool:
@@ -75,7 +81,10 @@ def test_two_processes_saving_the_same_iteration_commit_one_writers_checkpoint_n
     backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(2), ctx.Queue()
-    writers = [ctx.Process(target=_race, args=(backend.url, backend.storage_options, w, start, results)) for w in (0, 1)]
+    writers = [
+        ctx.Process(target=_race, args=(backend.url, backend.storage_options, w, start, results))
+        for w in (0, 1)
+    ]
     for process in writers:
         process.start()
     outcomes: dict[int, dict[int, tuple[str, str]]] = {}
@@ -93,7 +102,12 @@ def test_two_processes_saving_the_same_iteration_commit_one_writers_checkpoint_n
         assert len(saved) <= 1, (round_, outcomes[round_])
         for writer, (how, message) in outcomes[round_].items():
             if how != "saved":  # the loser: an error of our tree that names the folder
-                assert how in ("CheckpointExistsError", "CheckpointNotFoundError", "StorageError"), (round_, writer, how, message)
+                assert how in ("CheckpointExistsError", "CheckpointNotFoundError", "StorageError"), (
+                    round_,
+                    writer,
+                    how,
+                    message,
+                )
                 assert url in message, (round_, writer, message)
         with Checkpointer(url, backend.storage_options) as ckpt:
             committed = ckpt.committed_iterations()
@@ -219,7 +233,9 @@ def test_on_s3_a_save_whose_record_was_taken_over_before_it_looked_again_reports
 
     monkeypatch.setattr(pointer, "replace_pointer", then_b_marks)
     with Checkpointer(s3_backend.url, s3_backend.storage_options) as ckpt:
-        with pytest.raises(CheckpointExistsError, match="took it over while this save committed it") as raised:
+        with pytest.raises(
+            CheckpointExistsError, match="took it over while this save committed it"
+        ) as raised:
             ckpt.save(ITERATION, **_state(0, 0))
     assert s3_backend.url in str(raised.value)
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, LocalTier, cli
-from dcp_fsspec.checkpoint.tiers import drain
 from dcp_fsspec.checkpoint.commit import run_listing
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
+from dcp_fsspec.checkpoint.tiers import drain
 from dcp_fsspec.storage.transport.urls import resolve
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -50,7 +50,9 @@ def _assert_untouched(other: Path, before: dict[str, bytes]) -> None:
 
 def _assert_link_removed(link: Path, caplog: pytest.LogCaptureFixture) -> None:
     assert not link.is_symlink()
-    assert any(str(link) in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records), caplog.text
+    assert any(str(link) in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )
 
 
 def test_prune_removes_a_link_to_another_runs_iteration_and_leaves_that_iteration_committed(
@@ -118,4 +120,6 @@ def test_a_drains_other_rank_removes_a_link_standing_for_the_durable_iteration_f
         drain.drain_iteration(local, resolve(str(run)), job, rank=1, world_size=2, keep_last_n=None)
     _assert_untouched(other, before)
     _assert_link_removed(run / SEVEN, caplog)
-    assert (run / SEVEN / drain.marker_name(1)).read_bytes() == job.token.encode()  # its marker, in a folder of its own
+    assert (
+        run / SEVEN / drain.marker_name(1)
+    ).read_bytes() == job.token.encode()  # its marker, in a folder of its own

@@ -38,7 +38,9 @@ def test_a_reader_used_again_after_a_record_at_no_real_place_loads_the_repaired_
     reader = FsspecStorageReader(memory_backend.url, storage_options=memory_backend.storage_options)
     with pytest.raises(CheckpointException):
         dcp.load({"w": torch.zeros(4)}, storage_reader=reader, no_dist=True)
-    edit_metadata(memory_backend, memory_backend.url, lambda md: setattr(storage_entry(md, "w"), field, original[field]))
+    edit_metadata(
+        memory_backend, memory_backend.url, lambda md: setattr(storage_entry(md, "w"), field, original[field])
+    )
     target = {"w": torch.zeros(4)}
     dcp.load(target, storage_reader=reader, no_dist=True)
     assert torch.equal(target["w"], torch.arange(4.0)), url

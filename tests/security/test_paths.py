@@ -40,7 +40,13 @@ def _point_entry_at(relative_path: str) -> Any:
 
 @pytest.mark.parametrize(
     "relative_path",
-    ["../elsewhere/__0_0.distcp", "sub/../../elsewhere/__0_0.distcp", "{abs}", "file://{abs}", "..\\elsewhere\\__0_0.distcp"],
+    [
+        "../elsewhere/__0_0.distcp",
+        "sub/../../elsewhere/__0_0.distcp",
+        "{abs}",
+        "file://{abs}",
+        "..\\elsewhere\\__0_0.distcp",
+    ],
     ids=["dot-dot", "dot-dot-inside", "absolute", "scheme", "backslash"],
 )
 def test_metadata_naming_a_data_file_outside_the_checkpoint_is_refused_before_reading(
@@ -55,12 +61,20 @@ def test_metadata_naming_a_data_file_outside_the_checkpoint_is_refused_before_re
     url = edit_metadata(backend, backend.url, _point_entry_at(relative_path))
     error = load_failure({"w": torch.zeros(4)}, backend)
     message = str(error)
-    assert isinstance(error, CorruptCheckpointError) and url in message and repr(relative_path) in message and "'w'" in message and "outside" in message
+    assert (
+        isinstance(error, CorruptCheckpointError)
+        and url in message
+        and repr(relative_path) in message
+        and "'w'" in message
+        and "outside" in message
+    )
     report = verify_checkpoint(backend.url)
     assert [p.url for p in report.problems] == [url] and repr(relative_path) in report.problems[0].what
 
 
-def test_metadata_naming_a_file_in_another_bucket_is_refused(s3_backend: Backend, s3_server: LocalS3Server) -> None:
+def test_metadata_naming_a_file_in_another_bucket_is_refused(
+    s3_backend: Backend, s3_server: LocalS3Server
+) -> None:
     save({"w": torch.arange(4.0)}, s3_backend)
     other = f"other-{uuid.uuid4().hex[:12]}"
     s3_server.create_bucket(other)
@@ -76,13 +90,20 @@ def test_metadata_naming_a_file_in_another_bucket_is_refused(s3_backend: Backend
 # -- the pointer ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pointer", ["../iter_000000001", "iter_000000001/../../x", "/etc/iter_000000001", "s3://b/iter_000000001"])
-def test_a_pointer_naming_anything_but_an_iteration_folder_is_refused(memory_backend: Backend, pointer: str) -> None:
+@pytest.mark.parametrize(
+    "pointer", ["../iter_000000001", "iter_000000001/../../x", "/etc/iter_000000001", "s3://b/iter_000000001"]
+)
+def test_a_pointer_naming_anything_but_an_iteration_folder_is_refused(
+    memory_backend: Backend, pointer: str
+) -> None:
     with Checkpointer(memory_backend.url) as ckpt:
         ckpt.save(1, w={"t": torch.ones(2)})
     fs, path = fs_path(memory_backend, memory_backend.sub("latest_checkpoint.txt"))
     fs.pipe_file(path, pointer.encode())
-    with Checkpointer(memory_backend.url) as ckpt, pytest.raises(CorruptCheckpointError, match="latest_checkpoint.txt"):
+    with (
+        Checkpointer(memory_backend.url) as ckpt,
+        pytest.raises(CorruptCheckpointError, match="latest_checkpoint.txt"),
+    ):
         ckpt.load(w={"t": torch.zeros(2)})
 
 
@@ -108,7 +129,9 @@ def test_cp_refuses_an_s3_key_with_dot_dot_and_writes_nothing(
         copy_checkpoint(s3_backend.url, str(dest), s3_backend.storage_options)
     assert "escaped.txt" in str(info.value) and "'..'" in str(info.value)
     assert _files_under(tmp_path) == [], "cp wrote something"
-    code = cli.main(["cp", s3_backend.url, str(dest), "--storage-options", json.dumps(s3_backend.storage_options)])
+    code = cli.main(
+        ["cp", s3_backend.url, str(dest), "--storage-options", json.dumps(s3_backend.storage_options)]
+    )
     assert code == 1 and "escaped.txt" in capsys.readouterr().err
     assert _files_under(tmp_path) == []
 

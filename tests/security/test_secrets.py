@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from dcp_fsspec import Checkpointer, ResumeOptions, cli
-from dcp_fsspec.checkpoint.save.background import _join_group
 from dcp_fsspec.checkpoint.events import CheckpointEvent
+from dcp_fsspec.checkpoint.save.background import _join_group
 from dcp_fsspec.errors import DcpFsspecError
 from dcp_fsspec.storage.transport.urls import redact_text, resolve
 from tests.conftest import Backend
@@ -96,13 +96,17 @@ def test_a_full_cycle_leaks_the_password_nowhere(
     flags = ["--storage-options", json.dumps(options)]
     key = f"{url}/iter_000000002/model"
     for argv in (
-        ["ls", url], ["ls", url, "--json"],
-        ["inspect", url], ["inspect", key, "--json"],
-        ["verify", url], ["verify", key, "--json"],
+        ["ls", url],
+        ["ls", url, "--json"],
+        ["inspect", url],
+        ["inspect", key, "--json"],
+        ["verify", url],
+        ["verify", key, "--json"],
         ["cp", key, str(tmp_path / "copy"), "--debug"],
         ["cp", str(tmp_path / "copy"), f"{url}_copy", "--json", "--dst-storage-options", json.dumps(options)],
-        ["ls", f"{url}/nothing_here"], ["inspect", f"{url}/nothing_here", "--json"],
-    ):  # fmt: skip
+        ["ls", f"{url}/nothing_here"],
+        ["inspect", f"{url}/nothing_here", "--json"],
+    ):
         code = cli.main([*argv, *flags])
         assert code == (3 if "nothing_here" in argv[1] else 0), (argv, code, capsys.readouterr())
     output = capsys.readouterr()
@@ -241,7 +245,9 @@ def test_a_debug_traceback_hides_a_password_the_driver_quotes_without_its_scheme
 
 
 def test_redact_text_hides_the_passwords_of_given_urls_wherever_they_appear() -> None:
-    text = f'Invalid bucket name "me:{SECRET}@b"; see sftp://u:{SECRET}@h/x and %s' % SECRET.replace("-", "%2D")
+    text = f'Invalid bucket name "me:{SECRET}@b"; see sftp://u:{SECRET}@h/x and %s' % SECRET.replace(
+        "-", "%2D"
+    )
     redacted = redact_text(text, [f"s3://me:{SECRET.replace('-', '%2D')}@b/x"])
     assert SECRET not in redacted and "%2D" not in redacted
     assert redacted.count("***") == 3

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import ServerUnavailable, dying_with_parent, stop_process
+from tests.servers import ServerUnavailable, dying_with_parent, stop_process
 
 ACCOUNT_NAME = "devstoreaccount1"
 # Azurite's published development key (the same in every installation; not a secret).
@@ -59,11 +59,25 @@ def find_or_install_azurite() -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another pytest process may be installing it now
         if not program.exists():
             done = subprocess.run(
-                [npm, "install", "--prefix", str(folder), "--no-audit", "--no-fund", "--no-save", AZURITE_PACKAGE],
-                capture_output=True, text=True, check=False, timeout=600,
-            )  # fmt: skip
+                [
+                    npm,
+                    "install",
+                    "--prefix",
+                    str(folder),
+                    "--no-audit",
+                    "--no-fund",
+                    "--no-save",
+                    AZURITE_PACKAGE,
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=600,
+            )
             if done.returncode != 0 or not program.exists():
-                raise RuntimeError(f"npm install {AZURITE_PACKAGE} into {folder} failed:\n{done.stdout}\n{done.stderr}")
+                raise RuntimeError(
+                    f"npm install {AZURITE_PACKAGE} into {folder} failed:\n{done.stdout}\n{done.stderr}"
+                )
     return str(program)
 
 
@@ -83,13 +97,27 @@ class LocalAzurite:
         program = find_or_install_azurite()
         self._workspace = tempfile.TemporaryDirectory(prefix="azurite-")
         self._process = subprocess.Popen(
-            dying_with_parent([
-                program, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence",
-                "--extentMemoryLimit", "4096", "--skipApiVersionCheck", "--disableTelemetry", "--silent",
-            ]),
+            dying_with_parent(
+                [
+                    program,
+                    "--blobHost",
+                    "127.0.0.1",
+                    "--blobPort",
+                    "0",
+                    "--inMemoryPersistence",
+                    "--extentMemoryLimit",
+                    "4096",
+                    "--skipApiVersionCheck",
+                    "--disableTelemetry",
+                    "--silent",
+                ]
+            ),
             cwd=self._workspace.name,  # in case it writes anything despite --inMemoryPersistence
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         seen = []
         assert self._process.stdout is not None
         # Azurite prints the address it bound once it listens; until then, read its output.

@@ -19,8 +19,8 @@ import time
 import uuid
 from pathlib import Path
 
-from . import ServerUnavailable, dying_with_parent, stop_process
-from .s3gateway import ACCESS_KEY, SECRET_KEY, S3Gateway, free_port, wait_for_http
+from tests.servers import ServerUnavailable, dying_with_parent, stop_process
+from tests.servers.s3gateway import ACCESS_KEY, SECRET_KEY, S3Gateway, free_port, wait_for_http
 
 PROGRAMS = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph", "monmaptool")
 INSTALL = "apt-get install -y --no-install-recommends radosgw ceph-mon ceph-osd ceph-common"
@@ -129,9 +129,31 @@ class LocalCephRGW(S3Gateway):
         c = ["-c", str(conf)]
         fsid = next(line.split(" = ")[1] for line in conf.read_text().splitlines() if line.startswith("fsid"))
         monmap, keyring = str(folder / "monmap"), str(folder / "keyring")
-        self._run(["monmaptool", "--create", "--fsid", fsid, "--addv", "a",
-                   f"[v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]", monmap])  # fmt: skip
-        self._run(["ceph-authtool", "--create-keyring", keyring, "--gen-key", "-n", "mon.", "--cap", "mon", "allow *"])
+        self._run(
+            [
+                "monmaptool",
+                "--create",
+                "--fsid",
+                fsid,
+                "--addv",
+                "a",
+                f"[v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]",
+                monmap,
+            ]
+        )
+        self._run(
+            [
+                "ceph-authtool",
+                "--create-keyring",
+                keyring,
+                "--gen-key",
+                "-n",
+                "mon.",
+                "--cap",
+                "mon",
+                "allow *",
+            ]
+        )
         self._run(["ceph-mon", *c, "--mkfs", "-i", "a", "--monmap", monmap, "--keyring", keyring])
         self._daemon(["ceph-mon", *c, "-f", "-i", "a"])
         osd_uuid = str(uuid.uuid4())
@@ -147,21 +169,40 @@ class LocalCephRGW(S3Gateway):
         rgw = self._daemon(["radosgw", *c, "-f", "-n", "client.rgw.a"])
         self.endpoint_url = f"http://127.0.0.1:{rgw_port}"
         wait_for_http(self.endpoint_url, rgw, "radosgw", timeout=120)
-        self._run(["radosgw-admin", *c, "-n", "client.admin", "user", "create", "--uid=testing",
-                   "--display-name=testing", f"--access-key={ACCESS_KEY}", f"--secret-key={SECRET_KEY}"])  # fmt: skip
+        self._run(
+            [
+                "radosgw-admin",
+                *c,
+                "-n",
+                "client.admin",
+                "user",
+                "create",
+                "--uid=testing",
+                "--display-name=testing",
+                f"--access-key={ACCESS_KEY}",
+                f"--secret-key={SECRET_KEY}",
+            ]
+        )
 
     def _run(self, command: list[str]) -> str:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[:3])} … failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+            raise RuntimeError(
+                f"{' '.join(command[:3])} … failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+            )
         return done.stdout
 
     def _daemon(self, command: list[str]) -> subprocess.Popen[str]:
         assert self._folder is not None
         log = open(self._folder / "log" / f"{command[0]}.out", "w")  # noqa: SIM115 - the child keeps it
         with log:
-            process = subprocess.Popen(dying_with_parent(command), stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            process = subprocess.Popen(
+                dying_with_parent(command),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         self._processes.append(process)
         return process
 

@@ -40,9 +40,10 @@ class CountingProxy(LoopbackProxy):
         try:
             server_r, server_w = await asyncio.open_connection(*self._upstream)
             await asyncio.gather(
-                self._requests(client_r, server_w), self._responses(server_r, client_w, server_w),
+                self._requests(client_r, server_w),
+                self._responses(server_r, client_w, server_w),
                 return_exceptions=True,
-            )  # fmt: skip
+            )
         except (asyncio.CancelledError, OSError):
             client_w.close()
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from . import ServerUnavailable
+from tests.servers import ServerUnavailable
 
 # Processes a test starts (ranks, background savers) import gcsfs afresh: the fixture gives them
 # this environment for the duration of the test.
@@ -69,7 +69,9 @@ class LocalGCSServer:
         try:
             from gcp_storage_emulator.server import create_server
         except ImportError as e:
-            raise ServerUnavailable("gs:// tests need the GCS emulator: pip install gcp-storage-emulator") from e
+            raise ServerUnavailable(
+                "gs:// tests need the GCS emulator: pip install gcp-storage-emulator"
+            ) from e
         logging.getLogger("gcp_storage_emulator").setLevel(logging.WARNING)
         server = create_server("127.0.0.1", 0, in_memory=True)
         # The socket listens in the constructor, which start() runs; the class attribute is

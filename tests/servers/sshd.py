@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import ServerUnavailable, dying_with_parent, stop_process
+from tests.servers import ServerUnavailable, dying_with_parent, stop_process
 
 _LISTENING = re.compile(r"Server listening on 127\.0\.0\.1 port (\d+)")
 
@@ -60,7 +60,10 @@ class LocalSSHServer:
             raise ServerUnavailable("sftp:// tests need sshfs: pip install sshfs") from e
         self._folder = tempfile.TemporaryDirectory(prefix="sshd-")
         folder = Path(self._folder.name)
-        host_key, client_key = asyncssh.generate_private_key("ssh-ed25519"), asyncssh.generate_private_key("ssh-ed25519")
+        host_key, client_key = (
+            asyncssh.generate_private_key("ssh-ed25519"),
+            asyncssh.generate_private_key("ssh-ed25519"),
+        )
         for path, data in (
             (folder / "host_key", host_key.export_private_key()),
             (folder / "client_key", client_key.export_private_key()),
@@ -94,8 +97,11 @@ class LocalSSHServer:
         )
         process = subprocess.Popen(
             dying_with_parent([sshd, "-D", "-e", "-f", str(config)]),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert process.stdout is not None
         seen = []
         # sshd says on stderr when it listens (or why it could not); read until one or the other.

@@ -21,13 +21,18 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-from dcp_fsspec import CheckpointExistsError, Checkpointer, FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import (
+    Checkpointer,
+    CheckpointExistsError,
+    FsspecStorageReader,
+    FsspecStorageWriter,
+    WriterSettings,
+)
 from dcp_fsspec.checkpoint.save.pipeline import SavePipeline
-from tests.conftest import Backend
-from tests.helpers import load, raises_through_dcp, save
-from dcp_fsspec import WriterSettings
 from dcp_fsspec.storage.read.reader import TORCH_READER_DEFAULTS
 from dcp_fsspec.storage.write.file_plan import TORCH_WRITER_DEFAULTS
+from tests.conftest import Backend
+from tests.helpers import load, raises_through_dcp, save
 
 
 def _keywords(cls: type) -> dict[str, Any]:
@@ -47,7 +52,9 @@ _OUR_DEFAULTS = {"thread_count": None, "sync_files": None}
 @pytest.mark.parametrize("theirs", [FileSystemWriter, FsspecWriter])
 def test_the_writer_takes_every_keyword_of_torchs_writers_with_torchs_defaults(theirs: type) -> None:
     for name, default in _keywords(theirs).items():
-        assert name in TORCH_WRITER_DEFAULTS, f"{theirs.__name__}({name}=…) is not accepted by FsspecStorageWriter"
+        assert name in TORCH_WRITER_DEFAULTS, (
+            f"{theirs.__name__}({name}=…) is not accepted by FsspecStorageWriter"
+        )
         assert TORCH_WRITER_DEFAULTS[name] == _OUR_DEFAULTS.get(name, default), name
     assert WriterSettings().sync_files is _keywords(FileSystemWriter)["sync_files"]
 
@@ -72,16 +79,21 @@ def test_torch_style_construction_saves_and_loads(tmp_path: Path) -> None:
         _extensions=None,
         serialization_format=SerializationFormat.TORCH_SAVE,
     )
-    assert writer.thread_count == writer.settings.files_per_rank == 2 and writer.per_thread_copy_ahead == 1_000_000
+    assert (
+        writer.thread_count == writer.settings.files_per_rank == 2
+        and writer.per_thread_copy_ahead == 1_000_000
+    )
     dcp.save(state, storage_writer=writer, no_dist=True)
     target = {"w": torch.zeros(64, 8), "b": torch.zeros(5, dtype=torch.int64)}
-    dcp.load(target, storage_reader=FsspecStorageReader(path=tmp_path, _extension_registry=None), no_dist=True)
+    dcp.load(
+        target, storage_reader=FsspecStorageReader(path=tmp_path, _extension_registry=None), no_dist=True
+    )
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
 
 
 def test_thread_count_and_a_different_files_per_rank_are_refused() -> None:
     with pytest.raises(ValueError, match="thread_count=2 and files_per_rank=3"):
-        FsspecStorageWriter('memory://x', thread_count=2, settings=WriterSettings(files_per_rank=3))
+        FsspecStorageWriter("memory://x", thread_count=2, settings=WriterSettings(files_per_rank=3))
     with pytest.raises(ValueError, match="at least 1"):
         FsspecStorageWriter("memory://x", thread_count=0)
 
@@ -116,7 +128,11 @@ def test_overwrite_refused_says_torchs_words_with_our_url(backend: Backend) -> N
 def test_overwrite_refused_matches_torchs_test_through_dcp(tmp_path: Path) -> None:
     dcp.save({"random": torch.ones(10)}, storage_writer=FsspecStorageWriter(tmp_path), no_dist=True)
     with pytest.raises(CheckpointException, match=".*Checkpoint already exists.*"):
-        dcp.save({"random": torch.ones(10)}, storage_writer=FsspecStorageWriter(tmp_path, overwrite=False), no_dist=True)
+        dcp.save(
+            {"random": torch.ones(10)},
+            storage_writer=FsspecStorageWriter(tmp_path, overwrite=False),
+            no_dist=True,
+        )
 
 
 def test_fsspec_writer_style_storage_keywords_reach_the_filesystem(s3_backend: Backend) -> None:
@@ -126,7 +142,9 @@ def test_fsspec_writer_style_storage_keywords_reach_the_filesystem(s3_backend: B
     assert writer.storage_options == s3_backend.storage_options
     dcp.save(state, storage_writer=writer, no_dist=True)
     target = {"w": torch.zeros(12)}
-    dcp.load(target, storage_reader=FsspecStorageReader(s3_backend.url, **s3_backend.storage_options), no_dist=True)
+    dcp.load(
+        target, storage_reader=FsspecStorageReader(s3_backend.url, **s3_backend.storage_options), no_dist=True
+    )
     assert torch.equal(target["w"], state["w"])
 
 
@@ -180,7 +198,12 @@ def test_checkpoint_id_resets_the_writer_and_reader_to_another_folder(backend: B
     writer = FsspecStorageWriter(backend.sub("unused"), storage_options=backend.storage_options)
     reader = FsspecStorageReader(backend.sub("unused"), storage_options=backend.storage_options)
     for step in (1, 2):
-        dcp.save({"w": torch.full((3,), float(step))}, checkpoint_id=backend.sub(f"step{step}"), storage_writer=writer, no_dist=True)
+        dcp.save(
+            {"w": torch.full((3,), float(step))},
+            checkpoint_id=backend.sub(f"step{step}"),
+            storage_writer=writer,
+            no_dist=True,
+        )
     for step in (1, 2):
         target = {"w": torch.zeros(3)}
         dcp.load(target, checkpoint_id=backend.sub(f"step{step}"), storage_reader=reader, no_dist=True)
@@ -197,7 +220,11 @@ def test_the_literal_swap_makes_dcp_pick_ours_for_a_bare_checkpoint_id(
     or torch's ``FsspecWriter``/``FsspecReader`` (the next candidates) quietly take the save."""
     for name, ours in (("FileSystemWriter", FsspecStorageWriter), ("FileSystemReader", FsspecStorageReader)):
         monkeypatch.setattr(storage_utils, name, ours)
-    checkpoint_id = {"path": str(tmp_path), "file_url": f"file://{tmp_path}", "memory_url": memory_backend.sub("ckpt")}[where]
+    checkpoint_id = {
+        "path": str(tmp_path),
+        "file_url": f"file://{tmp_path}",
+        "memory_url": memory_backend.sub("ckpt"),
+    }[where]
     writer = storage_utils._storage_setup(None, checkpoint_id, reader=False)
     reader = storage_utils._storage_setup(None, checkpoint_id, reader=True)
     assert type(writer) is FsspecStorageWriter and type(reader) is FsspecStorageReader
@@ -216,7 +243,9 @@ def test_the_checkpointer_keeps_its_own_rule_and_never_replaces_a_committed_key(
     key_url = str(Path(local_backend.url, "iter_000000001", "model"))
     real = SavePipeline._write_key
 
-    def another_save_finished_this_key_first(self: SavePipeline, iteration: int, key: str, *args: Any, **kwargs: Any) -> None:
+    def another_save_finished_this_key_first(
+        self: SavePipeline, iteration: int, key: str, *args: Any, **kwargs: Any
+    ) -> None:
         dcp.save({"w": torch.zeros(4)}, storage_writer=FsspecStorageWriter(key_url), no_dist=True)
         real(self, iteration, key, *args, **kwargs)
 

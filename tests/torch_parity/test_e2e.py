@@ -85,7 +85,9 @@ class _App(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optim, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optim, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -100,9 +102,13 @@ def test_training_resumes_exactly_after_a_save_and_load(backend: Backend, how: s
     _train(model, optim, 2, train_state)
     sd = {"app": _App(model, optim), "train_state": train_state}
     options = {"settings": WriterSettings(compression="zstd")} if how == "zstd" else {}
-    writer = FsspecStorageWriter(backend.url, backend.storage_options, cache_staged_state_dict=how.endswith("cached"), **options)
+    writer = FsspecStorageWriter(
+        backend.url, backend.storage_options, cache_staged_state_dict=how.endswith("cached"), **options
+    )
     if how.startswith("async"):
-        dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD, no_dist=True).result(timeout=120)
+        dcp.async_save(
+            sd, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD, no_dist=True
+        ).result(timeout=120)
     else:
         dcp.save(sd, storage_writer=writer, no_dist=True)
 
@@ -157,10 +163,14 @@ def test_partial_load_of_some_keys(tmp_path: Path) -> None:
     model, optim = _fresh()
     _train(model, optim, 2, TrainState())
     model_sd, optim_sd = get_state_dict(model, optim)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=FsspecStorageWriter(tmp_path), no_dist=True)
+    dcp.save(
+        {"model": model_sd, "optimizer": optim_sd}, storage_writer=FsspecStorageWriter(tmp_path), no_dist=True
+    )
     loaded = _load_state_dict_from_keys("model", storage_reader=FsspecStorageReader(tmp_path))["model"]
     assert loaded.keys() == model_sd.keys() and all(torch.equal(loaded[k], v) for k, v in model_sd.items())
-    state = _load_state_dict_from_keys("optimizer.state", storage_reader=FsspecStorageReader(tmp_path))["optimizer"]["state"]
+    state = _load_state_dict_from_keys("optimizer.state", storage_reader=FsspecStorageReader(tmp_path))[
+        "optimizer"
+    ]["state"]
     for name, saved in optim_sd["state"].items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[name][key], saved[key])
@@ -174,12 +184,22 @@ def test_dcp_to_torch_save_and_back_with_our_classes(tmp_path: Path) -> None:
     original = {"model": model.state_dict(), "extra": {"step": 3, "name": "run"}}
     dcp.save(original, storage_writer=FsspecStorageWriter(tmp_path / "dcp"), no_dist=True)
     full: dict[str, Any] = {}
-    _load_state_dict(full, storage_reader=FsspecStorageReader(tmp_path / "dcp"), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(
+        full,
+        storage_reader=FsspecStorageReader(tmp_path / "dcp"),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
     torch.save(full, tmp_path / "model.pt")
     again = torch.load(tmp_path / "model.pt", weights_only=True)
     dcp.save(again, storage_writer=FsspecStorageWriter(tmp_path / "dcp2"), no_dist=True)
     back: dict[str, Any] = {}
-    _load_state_dict(back, storage_reader=FsspecStorageReader(tmp_path / "dcp2"), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(
+        back,
+        storage_reader=FsspecStorageReader(tmp_path / "dcp2"),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
     assert back["extra"] == original["extra"]
     assert all(torch.equal(back["model"][k], v) for k, v in original["model"].items())
 

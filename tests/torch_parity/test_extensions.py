@@ -23,7 +23,14 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.testing._internal.distributed.checkpoint_utils import Rot13Example, get_test_extension_registry
 
-from dcp_fsspec import Checkpointer, CorruptCheckpointError, FsspecStorageReader, FsspecStorageWriter, MissingDriverError, WriterSettings
+from dcp_fsspec import (
+    Checkpointer,
+    CorruptCheckpointError,
+    FsspecStorageReader,
+    FsspecStorageWriter,
+    MissingDriverError,
+    WriterSettings,
+)
 from dcp_fsspec.storage.format import transforms
 from tests.conftest import Backend
 from tests.helpers import load, raises_through_dcp, save
@@ -85,7 +92,11 @@ def _descriptors(metadata: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("thread_count", [1, 2])
 def test_we_load_what_torchs_writer_compressed_with_zstandard(tmp_path: Path, thread_count: int) -> None:
     saved = _state()
-    dcp.save(saved, storage_writer=FileSystemWriter(tmp_path, thread_count=thread_count, _extensions=[ZStandard()]), no_dist=True)
+    dcp.save(
+        saved,
+        storage_writer=FileSystemWriter(tmp_path, thread_count=thread_count, _extensions=[ZStandard()]),
+        no_dist=True,
+    )
     target = _empty()
     dcp.load(target, storage_reader=FsspecStorageReader(tmp_path), no_dist=True)
     _assert_loaded(target, saved)
@@ -104,8 +115,16 @@ def test_we_load_what_torchs_fsspec_writer_compressed_in_memory(memory_backend: 
 def test_rot13_both_ways_with_the_test_registry(tmp_path: Path, thread_count: int) -> None:
     saved = _state()
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    dcp.save(saved, storage_writer=FileSystemWriter(theirs, thread_count=thread_count, _extensions=[Rot13Example()]), no_dist=True)
-    dcp.save(saved, storage_writer=FsspecStorageWriter(ours, thread_count=thread_count, _extensions=[Rot13Example()]), no_dist=True)
+    dcp.save(
+        saved,
+        storage_writer=FileSystemWriter(theirs, thread_count=thread_count, _extensions=[Rot13Example()]),
+        no_dist=True,
+    )
+    dcp.save(
+        saved,
+        storage_writer=FsspecStorageWriter(ours, thread_count=thread_count, _extensions=[Rot13Example()]),
+        no_dist=True,
+    )
     for path, reader in [
         (theirs, FsspecStorageReader(theirs, _extension_registry=get_test_extension_registry())),
         (ours, FileSystemReader(ours, _extension_registry=get_test_extension_registry())),
@@ -123,7 +142,9 @@ def test_rot13_both_ways_with_the_test_registry(tmp_path: Path, thread_count: in
 @pytest.mark.parametrize("how", ["_extensions", "compression"])
 def test_torchs_reader_loads_what_we_compressed(local_backend: Backend, how: str) -> None:
     saved = _state()
-    options: dict[str, Any] = {"_extensions": [ZStandard()]} if how == "_extensions" else {"compression": "zstd"}
+    options: dict[str, Any] = (
+        {"_extensions": [ZStandard()]} if how == "_extensions" else {"compression": "zstd"}
+    )
     save(saved, local_backend, **options)
     target = _empty()
     dcp.load(target, storage_reader=FileSystemReader(local_backend.url), no_dist=True)
@@ -132,7 +153,9 @@ def test_torchs_reader_loads_what_we_compressed(local_backend: Backend, how: str
 
 @needs_zstd
 @pytest.mark.parametrize("name", ["memory", "s3"])
-def test_torchs_fsspec_reader_loads_what_we_compressed_on_object_stores(request: pytest.FixtureRequest, name: str) -> None:
+def test_torchs_fsspec_reader_loads_what_we_compressed_on_object_stores(
+    request: pytest.FixtureRequest, name: str
+) -> None:
     backend: Backend = request.getfixturevalue(f"{name}_backend")
     saved = _state()
     save(saved, backend, compression="zstd", compression_level=9)
@@ -239,11 +262,11 @@ def test_an_extension_of_the_wrong_kind_is_refused() -> None:
 @needs_zstd
 def test_bad_compression_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="'lz4' is not supported"):
-        FsspecStorageWriter('memory://x', settings=WriterSettings(compression='lz4'))
+        FsspecStorageWriter("memory://x", settings=WriterSettings(compression="lz4"))
     with pytest.raises(ValueError, match="needs compression='zstd'"):
-        FsspecStorageWriter('memory://x', settings=WriterSettings(compression_level=3))
+        FsspecStorageWriter("memory://x", settings=WriterSettings(compression_level=3))
     with pytest.raises(ValueError, match="compression_level must be"):
-        FsspecStorageWriter('memory://x', settings=WriterSettings(compression='zstd', compression_level=99))
+        FsspecStorageWriter("memory://x", settings=WriterSettings(compression="zstd", compression_level=99))
 
 
 # --- the Checkpointer -------------------------------------------------------------------------
@@ -252,7 +275,11 @@ def test_bad_compression_arguments_are_refused() -> None:
 @needs_zstd
 def test_checkpointer_compression_round_trips_bit_exact(backend: Backend) -> None:
     state = sample_state()
-    with Checkpointer(backend.url, backend.storage_options, writer_settings=WriterSettings(compression="zstd", compression_level=3)) as ckpt:
+    with Checkpointer(
+        backend.url,
+        backend.storage_options,
+        writer_settings=WriterSettings(compression="zstd", compression_level=3),
+    ) as ckpt:
         ckpt.save(10, model=state, trainer={"step": 10})
     target = empty_like_state(state)
     with Checkpointer(backend.url, backend.storage_options) as ckpt:
@@ -269,7 +296,11 @@ def test_torch_loads_a_key_the_compressing_checkpointer_saved(local_backend: Bac
     with Checkpointer(local_backend.url, writer_settings=WriterSettings(compression="zstd")) as ckpt:
         ckpt.save(1, model=state)
     target = {"w": torch.zeros(300, 7), "b": torch.zeros(9, dtype=torch.int64)}
-    dcp.load(target, storage_reader=FileSystemReader(Path(local_backend.url, "iter_000000001", "model")), no_dist=True)
+    dcp.load(
+        target,
+        storage_reader=FileSystemReader(Path(local_backend.url, "iter_000000001", "model")),
+        no_dist=True,
+    )
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
 
 
@@ -293,7 +324,11 @@ def test_the_planner_gets_every_decompressed_record_on_the_loading_thread(local_
 @needs_zstd
 def test_the_background_process_of_async_saves_compresses_too(local_backend: Backend) -> None:
     state = {"w": torch.randn(256, 64), "b": torch.arange(9)}
-    with Checkpointer(local_backend.url, async_mode="async_with_pinned_mem", writer_settings=WriterSettings(compression="zstd", compression_level=1)) as ckpt:
+    with Checkpointer(
+        local_backend.url,
+        async_mode="async_with_pinned_mem",
+        writer_settings=WriterSettings(compression="zstd", compression_level=1),
+    ) as ckpt:
         ckpt.save(2, model=state)
         ckpt.wait()
     metadata = FileSystemReader(Path(local_backend.url, "iter_000000002", "model")).read_metadata()

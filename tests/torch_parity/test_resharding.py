@@ -24,7 +24,13 @@ from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
 from tests.distributed import run_ranks
 
 ONE_D = [[Shard(0)], [Replicate()], [Shard(1)]]
-TWO_D = [[Replicate(), Replicate()], [Replicate(), Shard(0)], [Shard(0), Replicate()], [Shard(0), Shard(0)], [Shard(1), Shard(0)]]
+TWO_D = [
+    [Replicate(), Replicate()],
+    [Replicate(), Shard(0)],
+    [Shard(0), Replicate()],
+    [Shard(0), Shard(0)],
+    [Shard(1), Shard(0)],
+]
 
 
 def _reshard_everything(rank: int, world_size: int, root: str, writer_options: dict[str, Any]) -> None:
@@ -39,11 +45,16 @@ def _reshard_everything(rank: int, world_size: int, root: str, writer_options: d
     ]
     for n, (save_mesh, saved_as, load_mesh, loaded_as) in enumerate(cases):
         url = f"{root}/case{n}"
-        dcp.save({"t": distribute_tensor(full, save_mesh, saved_as)}, storage_writer=FsspecStorageWriter(url, **writer_options))
+        dcp.save(
+            {"t": distribute_tensor(full, save_mesh, saved_as)},
+            storage_writer=FsspecStorageWriter(url, **writer_options),
+        )
         state = {"t": zeros([8, 8], device_mesh=load_mesh, placements=loaded_as)}
         dcp.load(state, storage_reader=FsspecStorageReader(url))
         whole = state["t"].redistribute(load_mesh, [Replicate()] * load_mesh.ndim).to_local()
-        assert torch.equal(whole, full), f"{saved_as} on {tuple(save_mesh.shape)} -> {loaded_as} on {tuple(load_mesh.shape)}"
+        assert torch.equal(whole, full), (
+            f"{saved_as} on {tuple(save_mesh.shape)} -> {loaded_as} on {tuple(load_mesh.shape)}"
+        )
 
 
 @pytest.mark.slow
@@ -54,9 +65,14 @@ def _reshard_everything(rank: int, world_size: int, root: str, writer_options: d
         pytest.param(
             {"compression": "zstd"},
             id="zstd",
-            marks=pytest.mark.skipif(not ZStandard.is_available(), reason="zstandard is not installed: pip install 'dcp-fsspec[zstd]'"),
+            marks=pytest.mark.skipif(
+                not ZStandard.is_available(),
+                reason="zstandard is not installed: pip install 'dcp-fsspec[zstd]'",
+            ),
         ),
     ],
 )
-def test_dtensors_reshard_across_placements_and_meshes_on_four_ranks(tmp_path: Path, writer_options: dict[str, Any]) -> None:
+def test_dtensors_reshard_across_placements_and_meshes_on_four_ranks(
+    tmp_path: Path, writer_options: dict[str, Any]
+) -> None:
     run_ranks(_reshard_everything, 4, tmp_path, str(tmp_path / "ckpt"), writer_options)

@@ -47,7 +47,9 @@ def at_once(calls: Sequence[Callable[[], Any]], *, one_by_one: bool = False) -> 
     if len(calls) <= 1:
         return [call() for call in calls]
     if getattr(_in_pool, "yes", False):
-        with ThreadPoolExecutor(max_workers=min(len(calls) - 1, MAX_AT_ONCE), thread_name_prefix="dcp-fsspec-nested") as own:
+        with ThreadPoolExecutor(
+            max_workers=min(len(calls) - 1, MAX_AT_ONCE), thread_name_prefix="dcp-fsspec-nested"
+        ) as own:
             return _run(own, calls)
     return _run(_shared_pool(), calls)
 
@@ -83,8 +85,11 @@ def _shared_pool() -> ThreadPoolExecutor:
     global _pool, _pool_pid
     with _lock:
         if _pool is None or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(max_workers=MAX_AT_ONCE, thread_name_prefix="dcp-fsspec-at-once",
-                                       initializer=_mark_pool_thread)  # fmt: skip
+            _pool = ThreadPoolExecutor(
+                max_workers=MAX_AT_ONCE,
+                thread_name_prefix="dcp-fsspec-at-once",
+                initializer=_mark_pool_thread,
+            )
             _pool_pid = os.getpid()
         return _pool
 

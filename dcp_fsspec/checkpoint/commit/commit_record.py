@@ -12,10 +12,10 @@ import json
 import posixpath
 from dataclasses import dataclass
 
+from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.errors import CorruptCheckpointError
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME
 from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import layout
 
 _RECORD_FORMAT = 1
 # What a save that takes over a folder holding something (a dead save's leftovers, or a commit
@@ -102,7 +102,9 @@ def parse_record(root: Location, path: str, raw: bytes | None) -> CommitRecord |
         save_id = doc.get("save_id")
         if save_id is not None and not isinstance(save_id, str):
             raise TypeError("its save_id is not a string")
-        return CommitRecord(int(doc["iteration"]), keys, int(doc["world_size"]), float(doc["saved_at"]), save_id)
+        return CommitRecord(
+            int(doc["iteration"]), keys, int(doc["world_size"]), float(doc["saved_at"]), save_id
+        )
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"commit record {root.url_of(path)} is unreadable ({e}); delete the folder "

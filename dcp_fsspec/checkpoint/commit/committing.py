@@ -21,15 +21,21 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
+from dcp_fsspec.checkpoint.commit import deletion, layout, pointer, run_listing
+from dcp_fsspec.checkpoint.commit.at_once import at_once
+from dcp_fsspec.checkpoint.commit.commit_record import (
+    CommitRecord,
+    parse_record,
+    read_commit_record,
+    record_path,
+    take_over_mark,
+)
+from dcp_fsspec.checkpoint.commit.loadable import first_key_problem
+from dcp_fsspec.checkpoint.commit.run_listing import FolderRead, Survey
 from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError
 from dcp_fsspec.storage.backends import Versioned
 from dcp_fsspec.storage.format.names import METADATA_NAME
 from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import deletion, layout, run_listing, pointer
-from dcp_fsspec.checkpoint.commit.loadable import first_key_problem
-from dcp_fsspec.checkpoint.commit.at_once import at_once
-from dcp_fsspec.checkpoint.commit.run_listing import FolderRead, Survey
-from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, parse_record, read_commit_record, record_path, take_over_mark
 
 logger = logging.getLogger(__name__)
 
@@ -94,17 +100,24 @@ def prepare_iteration(
         StorageError: the backend failed.
     """
     folder_path = layout.iteration_path(root, iteration)
-    latest, record, present, *surveyed = at_once([
-        partial(pointer.read_pointer, root),
-        partial(read_commit_record, root, iteration),
-        partial(run_listing.folder_exists, root, folder_path),
-        *([Survey.listing_read(root)] if keep_last_n is not None else []),
-    ], one_by_one=root.answers_locally)  # fmt: skip
+    latest, record, present, *surveyed = at_once(
+        [
+            partial(pointer.read_pointer, root),
+            partial(read_commit_record, root, iteration),
+            partial(run_listing.folder_exists, root, folder_path),
+            *([Survey.listing_read(root)] if keep_last_n is not None else []),
+        ],
+        one_by_one=root.answers_locally,
+    )
     survey = surveyed[0] if surveyed else None
-    record, taken_over, unpublished = _what_is_there(root, iteration, latest, record, present, overwrite=overwrite)
+    record, taken_over, unpublished = _what_is_there(
+        root, iteration, latest, record, present, overwrite=overwrite
+    )
     take: Callable[[], bool | None]
     if taken_over:
-        take = partial(take_over_iteration, root, iteration, save_id, replacing=record, unpublished=unpublished)
+        take = partial(
+            take_over_iteration, root, iteration, save_id, replacing=record, unpublished=unpublished
+        )
     else:
         take = partial(claim_iteration, root, iteration, save_id)
     # Beside it, the records retention will want (other folders: independent of this one).
@@ -117,7 +130,13 @@ def prepare_iteration(
 
 
 def _what_is_there(
-    root: Location, iteration: int, latest: int | None, record: CommitRecord | None, present: bool, *, overwrite: bool
+    root: Location,
+    iteration: int,
+    latest: int | None,
+    record: CommitRecord | None,
+    present: bool,
+    *,
+    overwrite: bool,
 ) -> tuple[CommitRecord | None, bool, bool]:
     """Whether the save may go on in ``iteration``'s folder, said and logged.
 
@@ -193,12 +212,22 @@ def publish(
         StorageError: the backend failed; the pointer did not move.
     """
     with root.backend.exclusive(root.path):
-        read, *found = at_once([partial(pointer.read_pointer_file, root), *run_listing.folder_reads(root, iteration, keys)],
-                               one_by_one=root.answers_locally)  # fmt: skip
+        read, *found = at_once(
+            [partial(pointer.read_pointer_file, root), *run_listing.folder_reads(root, iteration, keys)],
+            one_by_one=root.answers_locally,
+        )
         current = pointer.parse_pointer(root, read.data)
         if current is not None and current > iteration and not behind_pointer:
             raise _moved_past(root, iteration, current)
-        commit_record(root, iteration, keys, world_size, save_id, taken_over=taken_over, folder=run_listing.folder_read(found, keys))
+        commit_record(
+            root,
+            iteration,
+            keys,
+            world_size,
+            save_id,
+            taken_over=taken_over,
+            folder=run_listing.folder_read(found, keys),
+        )
         if current is not None and current >= iteration:
             latest = current
         elif pointer.replace_pointer(root, iteration, read):
@@ -288,7 +317,9 @@ def commit_record(
     if taken_over and save_id is not None:
         # Our mark must still be there: another save that took the folder over since replaced it.
         read = root.backend.read_versioned(path)
-        created = read.data == take_over_mark(save_id) and root.backend.replace_if_unchanged(path, record.to_json(), read)
+        created = read.data == take_over_mark(save_id) and root.backend.replace_if_unchanged(
+            path, record.to_json(), read
+        )
     else:
         created = create_atomically(root, path, record.to_json())
     if not created:
@@ -358,7 +389,11 @@ def take_over_iteration(
     with backend.exclusive(root.path):
         read = backend.read_versioned(path)
         current = parse_record(root, path, read.data)
-        if current is not None and current != replacing and not run_listing.unfinished_keys(root, iteration, current.keys):
+        if (
+            current is not None
+            and current != replacing
+            and not run_listing.unfinished_keys(root, iteration, current.keys)
+        ):
             raised = True
         elif unpublished and current is not None and _published(root, iteration):
             raised = True  # published since the caller looked: a running save's, not a dead one's
@@ -416,4 +451,3 @@ def write_atomically(root: Location, path: str, data: bytes, *, durable: bool = 
     """Write ``data`` to ``path`` so that readers see the old content or the new, never a mix
     (the backend's way: temporary name and rename where there are folders, one PUT elsewhere)."""
     root.backend.write_small_atomic(path, data, fsync=durable)
-

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dcp_fsspec.storage.transport.urls import Location
 from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.checkpoint.commit.commit_record import parse_record, record_path, retired_mark
+from dcp_fsspec.storage.transport.urls import Location
 
 
-def discard_iterations(root: Location, iterations: Sequence[int], *, recorded: Sequence[int] | None = None) -> None:
+def discard_iterations(
+    root: Location, iterations: Sequence[int], *, recorded: Sequence[int] | None = None
+) -> None:
     """Delete the folders of ``iterations``, uncommitting them all first.
 
     Args:

@@ -36,8 +36,14 @@ def format_iteration(iteration: int) -> str:
     Raises:
         ValueError: ``iteration`` is negative, not an int, or has more than 18 digits.
     """
-    if isinstance(iteration, bool) or not isinstance(iteration, int) or not 0 <= iteration < 10**_MAX_ITERATION_DIGITS:
-        raise ValueError(f"iteration must be an int >= 0 of at most {_MAX_ITERATION_DIGITS} digits, got {iteration!r}")
+    if (
+        isinstance(iteration, bool)
+        or not isinstance(iteration, int)
+        or not 0 <= iteration < 10**_MAX_ITERATION_DIGITS
+    ):
+        raise ValueError(
+            f"iteration must be an int >= 0 of at most {_MAX_ITERATION_DIGITS} digits, got {iteration!r}"
+        )
     return f"{ITERATION_PREFIX}{iteration:0{_ITERATION_DIGITS}d}"
 
 
@@ -99,4 +105,3 @@ def list_iterations(root: Location) -> list[int]:
         if iteration is not None and entry.get("type") == "directory":
             found.add(iteration)
     return sorted(found)
-

@@ -10,13 +10,13 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable
 
+from dcp_fsspec.checkpoint.commit import layout, pointer, run_listing
+from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, read_commit_record, referable
+from dcp_fsspec.checkpoint.commit.run_listing import FolderRead
 from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME
 from dcp_fsspec.storage.format.references import is_reference, referenced_folders
 from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import layout, run_listing, pointer
-from dcp_fsspec.checkpoint.commit.run_listing import FolderRead
-from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, read_commit_record, referable
 
 
 def require_committed(root: Location, iteration: int, *, named_by: str | None = None) -> CommitRecord:
@@ -52,21 +52,23 @@ def require_loadable(
     folder = run_listing.read_folder(root, iteration, record.keys)
     unfinished = folder.unfinished(record.keys)
     if unfinished:
-        raise _not_committed(root, iteration, run_listing.lacks_metadata(root, iteration, unfinished[0]), named_by)
+        raise _not_committed(
+            root, iteration, run_listing.lacks_metadata(root, iteration, unfinished[0]), named_by
+        )
     require_saved_together(root, record, trust_checkpoint=trust_checkpoint, folder=folder)
     return record, folder
 
 
-def _not_committed(root: Location, iteration: int, reason: str, named_by: str | None) -> CheckpointNotFoundError:
+def _not_committed(
+    root: Location, iteration: int, reason: str, named_by: str | None
+) -> CheckpointNotFoundError:
     folder = root.url_of(layout.iteration_path(root, iteration))
     committed = [layout.format_iteration(i) for i in run_listing.committed_iterations(root)]
     if named_by is not None:  # load(iteration=N): another N is the way out
         advice = "Load one of those (load(iteration=N))" if committed else "Save one first"
     else:
         named_by = pointer.pointer_url(root)
-        advice = (
-            f"Restore that folder, or rewrite {POINTER_NAME} to name a committed iteration (or delete it to start over)"
-        )
+        advice = f"Restore that folder, or rewrite {POINTER_NAME} to name a committed iteration (or delete it to start over)"
     return CheckpointNotFoundError(
         f"{named_by} names {folder}, which {reason}; committed iterations there: {committed or 'none'}. {advice}"
     )
@@ -89,7 +91,9 @@ def require_saved_together(
     if record.save_id is None:
         return
     folder = run_listing.read_folder(root, record.iteration, record.keys) if folder is None else folder
-    problem = first_key_problem(root, record.iteration, record.keys, record.save_id, folder, trust_checkpoint=trust_checkpoint)
+    problem = first_key_problem(
+        root, record.iteration, record.keys, record.save_id, folder, trust_checkpoint=trust_checkpoint
+    )
     if problem is not None:
         raise CorruptCheckpointError(
             f"{root.url_of(layout.iteration_path(root, record.iteration))} is not the checkpoint its {COMMIT_RECORD_NAME} committed: {problem} (another "
@@ -98,9 +102,14 @@ def require_saved_together(
         )
 
 
-
 def first_key_problem(
-    root: Location, iteration: int, keys: tuple[str, ...], save_id: str, folder: FolderRead, *, trust_checkpoint: bool = False
+    root: Location,
+    iteration: int,
+    keys: tuple[str, ...],
+    save_id: str,
+    folder: FolderRead,
+    *,
+    trust_checkpoint: bool = False,
 ) -> str | None:
     """Why the first of ``keys`` (in order) that is not the save ``save_id`` wrote is not, in
     words; ``None`` if every key is.
@@ -113,7 +122,9 @@ def first_key_problem(
         CorruptCheckpointError: a ``.metadata`` is not DCP metadata.
         StorageError: the backend failed.
     """
-    from dcp_fsspec.storage.format.metadata_file import parse_metadata  # needs torch; ls, prune and cp never get here
+    from dcp_fsspec.storage.format.metadata_file import (
+        parse_metadata,
+    )  # needs torch; ls, prune and cp never get here
 
     for key in keys:
         key_folder = layout.key_path(root, iteration, key)
@@ -126,7 +137,9 @@ def first_key_problem(
         if stored is None or stored.save_id != save_id:
             return f"{url} was written by another save (save_id {getattr(stored, 'save_id', None)!r}, not {save_id!r})"
         # Its own files; references into other iterations are checked where they are read.
-        for name in sorted({i.relative_path for i in (meta.storage_data or {}).values() if not is_reference(i.relative_path)}):
+        for name in sorted(
+            {i.relative_path for i in (meta.storage_data or {}).values() if not is_reference(i.relative_path)}
+        ):
             file_path = posixpath.join(key_folder, name)
             if file_path not in folder.listed and not run_listing.exists(root, file_path):
                 return f"{root.url_of(file_path)}, which {url} names, is missing"
@@ -145,7 +158,9 @@ def require_referable(key: Location, data_files: Iterable[str]) -> None:
         CorruptCheckpointError: naming both iterations.
         StorageError: the backend failed.
     """
-    iterations = {layout.parse_iteration(posixpath.dirname(folder)) for folder in referenced_folders(data_files)}
+    iterations = {
+        layout.parse_iteration(posixpath.dirname(folder)) for folder in referenced_folders(data_files)
+    }
     root = key.at(posixpath.dirname(posixpath.dirname(key.path)))
     for iteration in sorted(i for i in iterations if i is not None):
         if not referable(root, iteration):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
+from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.errors import CorruptCheckpointError, StorageError
 from dcp_fsspec.storage.backends import Versioned
 from dcp_fsspec.storage.format.names import POINTER_NAME
 from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import layout
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,9 @@ def write_pointer(root: Location, iteration: int) -> bool:
             if current is not None and current > iteration:
                 logger.warning(
                     "%s names %s, newer than %s; the pointer does not move backwards",
-                    pointer_url(root), layout.format_iteration(current), layout.format_iteration(iteration),
+                    pointer_url(root),
+                    layout.format_iteration(current),
+                    layout.format_iteration(iteration),
                 )
                 return False
             if current == iteration or replace_pointer(root, iteration, read):

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import partial
 
-from dcp_fsspec.storage.format.references import is_reference
-from dcp_fsspec.storage.transport.urls import Location
 from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.checkpoint.commit.at_once import at_once
-from dcp_fsspec.checkpoint.commit.run_listing import Listing
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
+from dcp_fsspec.checkpoint.commit.run_listing import Listing
+from dcp_fsspec.storage.format.references import is_reference
+from dcp_fsspec.storage.transport.urls import Location
 
 
 def key_references(root: Location, iteration: int, key: str) -> dict[str, int]:
@@ -74,4 +74,3 @@ def held_by(root: Location, iteration: int, files: Iterable[str]) -> set[str]:
     """Those of ``files`` that lie in ``iteration``'s folder."""
     prefix = layout.iteration_path(root, iteration).rstrip("/") + "/"
     return {path for path in files if path.startswith(prefix)}
-

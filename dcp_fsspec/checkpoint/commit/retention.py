@@ -21,12 +21,12 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import partial
 from typing import NamedTuple
 
+from dcp_fsspec.checkpoint.commit import deletion, layout, pointer, referenced, run_listing
+from dcp_fsspec.checkpoint.commit.at_once import at_once
+from dcp_fsspec.checkpoint.commit.run_listing import Listing, Survey
 from dcp_fsspec.errors import DcpFsspecError
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME, is_content_hashes
 from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import deletion, layout, run_listing, pointer, referenced
-from dcp_fsspec.checkpoint.commit.at_once import at_once
-from dcp_fsspec.checkpoint.commit.run_listing import Listing, Survey
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ def plan_from_storage(
         CorruptCheckpointError: a commit record it reads is not one we wrote.
         StorageError: the backend failed.
     """
-    listed = run_listing.list_save_dirname(root) if survey is None or survey.listing is None else survey.listing
+    listed = (
+        run_listing.list_save_dirname(root) if survey is None or survey.listing is None else survey.listing
+    )
     known = {} if survey is None else dict(survey.committed)  # iteration → committed, as read
     if committed_now is not None:
         known[committed_now] = True
@@ -91,28 +93,40 @@ def plan_from_storage(
     # Newest first, as many at once as committed ones are still wanted: the same records a
     # one-by-one scan reads, in one round trip where they are all committed.
     while len(committed) < keep_last_n and candidates:
-        batch, candidates = candidates[: keep_last_n - len(committed)], candidates[keep_last_n - len(committed) :]
+        batch, candidates = (
+            candidates[: keep_last_n - len(committed)],
+            candidates[keep_last_n - len(committed) :],
+        )
         unknown = [i for i in batch if i not in known]
-        records = at_once([partial(run_listing.listed_record, root, listed, iteration) for iteration in unknown],
-                          one_by_one=root.answers_locally)  # fmt: skip
+        records = at_once(
+            [partial(run_listing.listed_record, root, listed, iteration) for iteration in unknown],
+            one_by_one=root.answers_locally,
+        )
         known.update((i, record is not None) for i, record in zip(unknown, records, strict=True))
         committed += [iteration for iteration in batch if known[iteration]]
-    delete = plan_deletions(iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected)
+    delete = plan_deletions(
+        iterations, committed, keep_last_n=keep_last_n, latest=latest, protected=protected
+    )
     retire = _retirements(root, listed, iterations, delete)
     # A folder the listing shows without a record needs no uncommitting: a failed save's leftovers.
     recorded = [i for i in delete if i not in retire and (i in listed.records or i not in listed.read)]
     return Plan(iterations, delete, recorded, retire)
 
 
-def _retirements(root: Location, listed: Listing, iterations: list[int], delete: list[int]) -> dict[int, list[str]]:
+def _retirements(
+    root: Location, listed: Listing, iterations: list[int], delete: list[int]
+) -> dict[int, list[str]]:
     """Those of ``delete`` whose files the iterations kept refer to → their files that may go."""
     if not any(referenced.may_be_referred_to(listed, i) for i in delete):
         return {}  # no request, and no torch, for a run without incremental saves
     going = set(delete)
     referred = referenced.referred_files(root, listed, [i for i in iterations if i not in going])
     held = {i: referenced.held_by(root, i, referred) for i in delete}
-    return {i: [path for path in listed.files.get(i, {}) if path not in files and not _stays(root, i, path)]
-            for i, files in held.items() if files}  # fmt: skip
+    return {
+        i: [path for path in listed.files.get(i, {}) if path not in files and not _stays(root, i, path)]
+        for i, files in held.items()
+        if files
+    }
 
 
 def _stays(root: Location, iteration: int, path: str) -> bool:
@@ -304,12 +318,19 @@ def _retire(root: Location, iterations: list[int]) -> list[int]:
 
 def _warn(root: Location, failed: dict[int, Exception]) -> None:
     for iteration, error in failed.items():
-        logger.warning("could not delete %s under %s (retried at the next save): %s",
-                       layout.format_iteration(iteration), root.url, error)  # fmt: skip
+        logger.warning(
+            "could not delete %s under %s (retried at the next save): %s",
+            layout.format_iteration(iteration),
+            root.url,
+            error,
+        )
 
 
 def _in_bulk(
-    root: Location, delete: Callable[[Location, list[int]], None], iterations: list[int], failed: dict[int, Exception]
+    root: Location,
+    delete: Callable[[Location, list[int]], None],
+    iterations: list[int],
+    failed: dict[int, Exception],
 ) -> list[int]:
     """``delete`` the ``iterations`` in bulk; if that fails, one at a time, each failure into
     ``failed``: the iterations done."""
@@ -332,5 +353,10 @@ def _report(root: Location, plan: Plan, failed: Collection[int], keep_last_n: in
     # A retired iteration stays in every plan while it is referred to: said when files went.
     retired = [layout.format_iteration(i) for i, files in plan.retire.items() if files and i not in failed]
     if retired:
-        logger.info("retired %s under %s (keep_last_n=%d): kept iterations refer to some of their files, "
-                    "which stay; the others were deleted", retired, root.url, keep_last_n)  # fmt: skip
+        logger.info(
+            "retired %s under %s (keep_last_n=%d): kept iterations refer to some of their files, "
+            "which stay; the others were deleted",
+            retired,
+            root.url,
+            keep_last_n,
+        )

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from dcp_fsspec.errors import DcpFsspecError
-from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, CONTENT_HASHES_NAME, METADATA_NAME
-from dcp_fsspec.storage.transport.urls import Location
 from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.checkpoint.commit.at_once import at_once
 from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord, read_commit_record
+from dcp_fsspec.errors import DcpFsspecError
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, CONTENT_HASHES_NAME, METADATA_NAME
+from dcp_fsspec.storage.transport.urls import Location
 
 if TYPE_CHECKING:  # torch's: ls, prune and cp import this module without it
     from torch.distributed.checkpoint.metadata import Metadata
@@ -95,14 +95,20 @@ class FolderRead:
         """The files directly in ``folder`` (a key's, under this one) by name → size: what a
         load's check of its data files would list again."""
         prefix = folder.rstrip("/") + "/"
-        return {path[len(prefix) :]: size for path, size in self.listed.items()
-                if path.startswith(prefix) and "/" not in path[len(prefix) :]}  # fmt: skip
+        return {
+            path[len(prefix) :]: size
+            for path, size in self.listed.items()
+            if path.startswith(prefix) and "/" not in path[len(prefix) :]
+        }
 
 
 def folder_reads(root: Location, iteration: int, keys: tuple[str, ...]) -> list[Callable[[], object]]:
     """The calls that read ``iteration``'s folder for ``keys``, to send with others at once
     (:func:`~dcp_fsspec.checkpoint.commit.at_once.at_once`); :func:`folder_read` makes their results a :class:`FolderRead`."""
-    return [partial(_files_of, root, iteration), *(partial(_metadata_bytes, root, iteration, k) for k in keys)]
+    return [
+        partial(_files_of, root, iteration),
+        *(partial(_metadata_bytes, root, iteration, k) for k in keys),
+    ]
 
 
 def folder_read(results: list[object], keys: tuple[str, ...]) -> FolderRead:
@@ -119,7 +125,9 @@ def read_folder(root: Location, iteration: int, keys: tuple[str, ...]) -> Folder
 
 def _metadata_bytes(root: Location, iteration: int, key: str) -> bytes | None:
     # One GET on S3, present or not.
-    return root.backend.read_versioned(posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME)).data
+    return root.backend.read_versioned(
+        posixpath.join(layout.key_path(root, iteration, key), METADATA_NAME)
+    ).data
 
 
 def inspect_iteration(
@@ -215,7 +223,7 @@ def list_save_dirname(root: Location) -> Listing:
     files: dict[int, dict[str, int]] = {}
     hashed: set[tuple[int, str]] = set()
     for name, info in found.items():
-        parts = name[len(prefix):].rstrip("/").split("/") if name.startswith(prefix) else []
+        parts = name[len(prefix) :].rstrip("/").split("/") if name.startswith(prefix) else []
         iteration = layout.parse_iteration(parts[0]) if parts else None
         if iteration is None:
             continue
@@ -231,7 +239,14 @@ def list_save_dirname(root: Location) -> Listing:
     # A name with nothing listed under it is an empty folder or a file of that name: only an
     # empty folder, which object stores do not have, costs a request to tell them apart.
     folders = read | {i for i in bare - read if _is_folder(root, layout.iteration_path(root, i))}
-    return Listing(tuple(sorted(folders)), frozenset(read), frozenset(records), frozenset(finished), files, frozenset(hashed))
+    return Listing(
+        tuple(sorted(folders)),
+        frozenset(read),
+        frozenset(records),
+        frozenset(finished),
+        files,
+        frozenset(hashed),
+    )
 
 
 def _is_folder(root: Location, path: str) -> bool:

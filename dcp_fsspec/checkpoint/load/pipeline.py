@@ -26,22 +26,22 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_fsspec.errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError
-from dcp_fsspec.storage.format.metadata_file import read_metadata
-from dcp_fsspec.storage.transport.error_wrapping import unwrap_dcp
-from dcp_fsspec.storage.read.reader import FsspecStorageReader
-from dcp_fsspec.storage.transport.retry import RetryPolicy
-from dcp_fsspec.storage.settings import ReaderSettings
-from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import layout, run_listing
-from dcp_fsspec.checkpoint.load import preflight, resume
 from dcp_fsspec.checkpoint import state as state_mod
 from dcp_fsspec.checkpoint.collectives import Collectives
+from dcp_fsspec.checkpoint.commit import layout, run_listing
 from dcp_fsspec.checkpoint.commit.at_once import at_once
 from dcp_fsspec.checkpoint.events import Callback, CheckpointEvent, report, tensor_nbytes
-from dcp_fsspec.checkpoint.options import ResumeOptions
+from dcp_fsspec.checkpoint.load import preflight, resume
 from dcp_fsspec.checkpoint.load.resume import MODEL_KEY, KeyToLoad
+from dcp_fsspec.checkpoint.options import ResumeOptions
 from dcp_fsspec.checkpoint.tiers.tiered import DURABLE, LOCAL, TwoTiers
+from dcp_fsspec.errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError
+from dcp_fsspec.storage.format.metadata_file import read_metadata
+from dcp_fsspec.storage.read.reader import FsspecStorageReader
+from dcp_fsspec.storage.settings import ReaderSettings
+from dcp_fsspec.storage.transport.error_wrapping import unwrap_dcp
+from dcp_fsspec.storage.transport.retry import RetryPolicy
+from dcp_fsspec.storage.transport.urls import Location
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ class LoadPipeline:
         self._options = options
         self._reader_settings = reader_settings
         # The ranks reading one copy together cooperate unless told not to (None: on).
-        self._settings_together = dataclasses.replace(reader_settings, cooperative=reader_settings.cooperative is not False)
+        self._settings_together = dataclasses.replace(
+            reader_settings, cooperative=reader_settings.cooperative is not False
+        )
         # What one rank reads by itself (the resume rules, a local tier) is never cooperative.
         self._settings_alone = dataclasses.replace(reader_settings, cooperative=False)
         self._retry = retry
@@ -123,10 +125,11 @@ class LoadPipeline:
                 f"for {self._root.url}; fix the key names"
             )
         return [
-            k for k, v in state.items()
+            k
+            for k, v in state.items()
             if k not in skipped
             and (self._options.load_optimizer or (k != OPTIMIZER_KEY and not state_mod.is_optimizer(v)))
-        ]  # fmt: skip
+        ]
 
     # -- 2. the tier ------------------------------------------------------------------------------
 
@@ -139,13 +142,15 @@ class LoadPipeline:
         tiers = self._tiers
         assert tiers is not None
         choice, durable_latest = tiers.choose(iteration, trust_checkpoint=self._trust_checkpoint)
-        if choice is None or choice[1] != LOCAL:
+        if choice is None or choice.tier != LOCAL:
             return None
         local = tiers.local
         plan: resume.ResumePlan | None = None
         error: Exception | None = None
         try:  # each rank its own local tier
-            facts = resume.gather(local, None, wanted, self._options, self._settings_alone, iteration=choice[0])
+            facts = resume.gather(
+                local, None, wanted, self._options, self._settings_alone, iteration=choice.iteration
+            )
             plan = resume.plan_resume(facts, wanted, self._options)
         except Exception as e:  # re-raised below, on every rank
             error = e
@@ -154,15 +159,24 @@ class LoadPipeline:
         try:
             resumed = self._restore(plan, local, state, tier=LOCAL, alone=tiers.per_node)
         except CorruptCheckpointError as e:
-            self._log_on_rank0("the local copy %s is damaged (%s); resuming from the durable tier %s instead",
-                               plan.source, e, self._root.url)  # fmt: skip
+            self._log_on_rank0(
+                "the local copy %s is damaged (%s); resuming from the durable tier %s instead",
+                plan.source,
+                e,
+                self._root.url,
+            )
             return None
         except CheckpointMismatchError as e:
             if not tiers.per_node:
                 raise  # one copy for all ranks, the same as the durable one: it would not fit either
             # A rank's own copy holds its share as saved; another sharding (world size) needs others'.
-            self._log_on_rank0("the local copies under %s do not hold what every rank loads (%s); resuming "
-                               "from the durable tier %s instead", local.url, e, self._root.url)  # fmt: skip
+            self._log_on_rank0(
+                "the local copies under %s do not hold what every rank loads (%s); resuming "
+                "from the durable tier %s instead",
+                local.url,
+                e,
+                self._root.url,
+            )
             return None
         tiers.forget_newer_than(resumed)
         tiers.resumed_locally(resumed, durable_latest)
@@ -226,15 +240,23 @@ class LoadPipeline:
             options += "; for a new run, ResumeOptions(missing_ok=True) makes it INFO"
         logger.warning(
             "nothing to resume under %s: %s; training from scratch at iteration 0. %s (%s)",
-            url, found, advice[0].upper() + advice[1:], options,
-        )  # fmt: skip
+            url,
+            found,
+            advice[0].upper() + advice[1:],
+            options,
+        )
 
     # -- 4 to 6. preflight, reads, agreement ------------------------------------------------------
 
     def _restore(
-        self, plan: resume.ResumePlan, source: Location, state: dict[str, Any], *, tier: str | None,
+        self,
+        plan: resume.ResumePlan,
+        source: Location,
+        state: dict[str, Any],
+        *,
+        tier: str | None,
         alone: bool = False,
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Restore ``plan``'s keys into ``state``; return its iteration.
 
         ``source``: where the plan was found (``save_dirname``, ``load_path`` or the local tier):
@@ -250,31 +272,54 @@ class LoadPipeline:
         # Cooperative where the ranks read one copy together: not a local tier (each rank's own).
         together = self._collectives.distributed and tier != LOCAL
         settings = self._settings_together if together else self._settings_alone
-        reader_options = dict(settings=settings, retry=self._retry, process_group=self._collectives.group, _fs=source.fs)
+        reader_options = dict(
+            settings=settings, retry=self._retry, process_group=self._collectives.group, _fs=source.fs
+        )
         # The model first: optimizers are restored by the names of its parameters.
         ordered = [(k, plan.keys[k]) for k in sorted(plan.keys, key=lambda k: k != MODEL_KEY)]
         start = time.perf_counter()
         try:
             checked = preflight.check_keys(
-                ordered, state, model=state.get(MODEL_KEY), reader_options=reader_options,
-                new_planner=self._new_planner, collectives=self._collectives, alone=alone,
-            )  # fmt: skip
+                ordered,
+                state,
+                model=state.get(MODEL_KEY),
+                reader_options=reader_options,
+                new_planner=self._new_planner,
+                collectives=self._collectives,
+                alone=alone,
+            )
             nbytes = self._read_and_apply(ordered, checked, state, alone=alone)
         except CorruptCheckpointError as e:
             if plan.from_load_path or tier == LOCAL:
                 raise
             raise self._with_fallback_advice(e, plan.iteration) from e
-        event = CheckpointEvent("load_end", plan.iteration, plan.source, tuple(plan.keys), nbytes,
-                                time.perf_counter() - start, tier=tier)  # fmt: skip
+        event = CheckpointEvent(
+            "load_end",
+            plan.iteration,
+            plan.source,
+            tuple(plan.keys),
+            nbytes,
+            time.perf_counter() - start,
+            tier=tier,
+        )
         report(event, self._on_event)
         if self._collectives.rank == 0:
-            logger.info("resumed %s from %s%s", sorted(plan.keys), plan.source, "" if tier is None else f" ({tier} tier)")
+            logger.info(
+                "resumed %s from %s%s",
+                sorted(plan.keys),
+                plan.source,
+                "" if tier is None else f" ({tier} tier)",
+            )
         return plan.iteration
 
     def _read_and_apply(
-        self, ordered: list[tuple[str, KeyToLoad]], checked: dict[str, preflight.CheckedKey],
-        state: dict[str, Any], *, alone: bool,
-    ) -> int:  # fmt: skip
+        self,
+        ordered: list[tuple[str, KeyToLoad]],
+        checked: dict[str, preflight.CheckedKey],
+        state: dict[str, Any],
+        *,
+        alone: bool,
+    ) -> int:
         """Read every checked key and restore it into its live object, in order; the bytes read."""
         side_by_side = self._keys_at_once(checked)
         if side_by_side:
@@ -285,8 +330,13 @@ class LoadPipeline:
             try:
                 if not side_by_side:
                     self._read_key(key, where, checked[key], alone=alone)
-                state_mod.restore(key, state[key], checked[key].state_dict, model=state.get(MODEL_KEY),
-                                  strict=self._options.strict)  # fmt: skip
+                state_mod.restore(
+                    key,
+                    state[key],
+                    checked[key].state_dict,
+                    model=state.get(MODEL_KEY),
+                    strict=self._options.strict,
+                )
             except CorruptCheckpointError as e:
                 raise preflight.partly_loaded(e, key, applied) from e
             applied.append(key)
@@ -305,10 +355,13 @@ class LoadPipeline:
             len(checked) > 1
             and not self._collectives.distributed
             and not all(c.reader.location.answers_locally for c in checked.values())
-            and sum(tensor_nbytes(c.state_dict) for c in checked.values()) <= self._reader_settings.window_bytes
+            and sum(tensor_nbytes(c.state_dict) for c in checked.values())
+            <= self._reader_settings.window_bytes
         )
 
-    def _read_keys_at_once(self, ordered: list[tuple[str, KeyToLoad]], checked: dict[str, preflight.CheckedKey]) -> None:
+    def _read_keys_at_once(
+        self, ordered: list[tuple[str, KeyToLoad]], checked: dict[str, preflight.CheckedKey]
+    ) -> None:
         """One rank: read every key's data at once; they are restored afterwards, in order.
 
         Keys are independent DCP checkpoints, so a small load costs the round trips of one key.
@@ -354,7 +407,9 @@ class LoadPipeline:
             raise error
 
     def _new_planner(self) -> preflight.CheckedPlanner:
-        return preflight.CheckedPlanner(allow_partial_load=not self._options.strict, trust_checkpoint=self._trust_checkpoint)
+        return preflight.CheckedPlanner(
+            allow_partial_load=not self._options.strict, trust_checkpoint=self._trust_checkpoint
+        )
 
     def _with_fallback_advice(self, error: CorruptCheckpointError, iteration: int) -> CorruptCheckpointError:
         """``error``, saying which older committed iteration ``load(iteration=…)`` can resume instead."""

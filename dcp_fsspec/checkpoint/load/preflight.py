@@ -33,16 +33,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.tensor import DTensor
 
-from dcp_fsspec.errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError
-from dcp_fsspec.storage.format.metadata_file import parse_metadata
-from dcp_fsspec.storage.format.names import METADATA_NAME
-from dcp_fsspec.storage.read.reader import FsspecStorageReader
-from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
 from dcp_fsspec.checkpoint import state as state_mod
 from dcp_fsspec.checkpoint.collectives import Collectives
 from dcp_fsspec.checkpoint.commit.at_once import at_once
 from dcp_fsspec.checkpoint.commit.loadable import require_referable
 from dcp_fsspec.checkpoint.load.resume import KeyToLoad
+from dcp_fsspec.errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError
+from dcp_fsspec.storage.format.metadata_file import parse_metadata
+from dcp_fsspec.storage.format.names import METADATA_NAME
+from dcp_fsspec.storage.format.safe_entries import SafeLoadPlanner
+from dcp_fsspec.storage.read.reader import FsspecStorageReader
 
 
 class CheckedPlanner(SafeLoadPlanner):
@@ -68,8 +68,11 @@ class CheckedPlanner(SafeLoadPlanner):
         checked, self._checked, self._planned = self._checked, None, None
         if checked is not None:
             checked_state_dict, checked_metadata, checked_coordinator, plan = checked
-            if (metadata is checked_metadata and is_coordinator == checked_coordinator
-                    and _same_top_level(state_dict, checked_state_dict)):  # fmt: skip
+            if (
+                metadata is checked_metadata
+                and is_coordinator == checked_coordinator
+                and _same_top_level(state_dict, checked_state_dict)
+            ):
                 self.original_state_dict = state_dict
                 self._planned = plan
                 return
@@ -131,8 +134,11 @@ class _CheckedReader(FsspecStorageReader):
             metadata = given
         else:
             try:
-                metadata = parse_metadata(given, self.location.url_of(self.location.join(METADATA_NAME)),
-                                          trust_checkpoint=self.trust_checkpoint)  # fmt: skip
+                metadata = parse_metadata(
+                    given,
+                    self.location.url_of(self.location.join(METADATA_NAME)),
+                    trust_checkpoint=self.trust_checkpoint,
+                )
             except DcpFsspecError as e:
                 self.metadata_failure = self.metadata_failure or e
                 raise
@@ -147,11 +153,15 @@ class _CheckedReader(FsspecStorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # The check's own plan (its planner hands it to dcp.load), or one that reads the same.
-        if self._checked is not None and (plan is self._checked[2] or self._needed_ends(plan) == self._checked[1]):
+        if self._checked is not None and (
+            plan is self._checked[2] or self._needed_ends(plan) == self._checked[1]
+        ):
             return plan
         return super().prepare_local_plan(plan)
 
-    def check(self, target: dict[str, Any], planner: CheckedPlanner, is_coordinator: bool, *, covered: bool = False) -> None:
+    def check(
+        self, target: dict[str, Any], planner: CheckedPlanner, is_coordinator: bool, *, covered: bool = False
+    ) -> None:
         """Plan the load of ``target`` as ``dcp.load`` does, and check the files the plan reads.
 
         ``covered``: also check that the plan fills every element of every entry it loads (a

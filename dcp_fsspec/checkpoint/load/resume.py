@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from dcp_fsspec.checkpoint.commit import layout, loadable, pointer, run_listing
+from dcp_fsspec.checkpoint.options import ResumeOptions
 from dcp_fsspec.errors import CheckpointNotFoundError
 from dcp_fsspec.storage.format.names import METADATA_NAME, POINTER_NAME
 from dcp_fsspec.storage.read.reader import FsspecStorageReader
 from dcp_fsspec.storage.settings import ReaderSettings
 from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import layout, run_listing, loadable, pointer
-from dcp_fsspec.checkpoint.options import ResumeOptions
 
 MODEL_KEY = "model"
 SCHEDULER_KEY = "scheduler"
@@ -196,7 +196,9 @@ def _named_by_pointer(root: Location, trust_checkpoint: bool) -> Found | None:
 
 
 def _committed(root: Location, iteration: int, *, named_by: str | None, trust_checkpoint: bool) -> Found:
-    record, read = loadable.require_loadable(root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint)
+    record, read = loadable.require_loadable(
+        root, iteration, named_by=named_by, trust_checkpoint=trust_checkpoint
+    )
     keys = {k: root.url_of(layout.key_path(root, iteration, k)) for k in record.keys}
     metadata = {k: read.parsed.get(k, raw) for k, raw in read.metadata.items() if raw is not None}
     sizes = {k: read.sizes_in(layout.key_path(root, iteration, k)) for k in record.keys}
@@ -243,7 +245,9 @@ def _look_at_load_path(source: Location, keys: list[str], reader: ReaderSettings
 def _checkpoint_entries(source: Location, reader: ReaderSettings) -> tuple[str, ...] | None:
     """The entry names in the ``.metadata`` of a single DCP checkpoint at ``source``, or None."""
     try:
-        metadata = FsspecStorageReader(source.url, settings=reader, retry=source.retry, _fs=source.fs).read_metadata()
+        metadata = FsspecStorageReader(
+            source.url, settings=reader, retry=source.retry, _fs=source.fs
+        ).read_metadata()
     except CheckpointNotFoundError:
         return None
     return tuple(metadata.state_dict_metadata)
@@ -282,7 +286,9 @@ def plan_resume(facts: ResumeFacts, wanted: Sequence[str], options: ResumeOption
     notes: tuple[tuple[int, str], ...] = ()
     if options.load_training_state:
         if found.iteration is None:
-            notes = ((logging.WARNING, f"load_path {found.url} is not named iter_…; resuming at iteration 0"),)
+            notes = (
+                (logging.WARNING, f"load_path {found.url} is not named iter_…; resuming at iteration 0"),
+            )
         iteration = found.iteration or 0
     return _select(found, iteration, keys, options, from_load_path=True, notes=notes)
 

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from dcp_fsspec.errors import BackgroundSaveError, InvalidURLError
-from dcp_fsspec.storage.transport.urls import Location
 from dcp_fsspec.checkpoint.collectives import Collectives
 from dcp_fsspec.checkpoint.save.background import BackgroundSaver, ThreadSaver
 from dcp_fsspec.checkpoint.save.pipeline import Saved, SavePipeline, SaveSettings
 from dcp_fsspec.checkpoint.save.staging import Stager
+from dcp_fsspec.errors import BackgroundSaveError, InvalidURLError
+from dcp_fsspec.storage.transport.urls import Location
 
 _T = TypeVar("_T")
 
@@ -45,9 +45,13 @@ class AsyncSaves:
     """
 
     def __init__(
-        self, settings: SaveSettings, pipeline: SavePipeline, root: Location, collectives: Collectives,
+        self,
+        settings: SaveSettings,
+        pipeline: SavePipeline,
+        root: Location,
+        collectives: Collectives,
         on_start: Callable[[], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._settings = settings
         self._pipeline = pipeline
         self._root = root
@@ -76,7 +80,9 @@ class AsyncSaves:
             self._on_start()
         return self.saver
 
-    def submit(self, iteration: int, state_dicts: dict[str, dict[str, Any]], token: str | None, done: InFlight) -> None:
+    def submit(
+        self, iteration: int, state_dicts: dict[str, dict[str, Any]], token: str | None, done: InFlight
+    ) -> None:
         """Stage ``state_dicts`` and hand them to the saver; the caller waited for the previous save.
 
         Args:

@@ -31,11 +31,11 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from dcp_fsspec.errors import BackgroundSaveError, add_note
-from dcp_fsspec.storage.transport.urls import redact_url
 from dcp_fsspec.checkpoint.collectives import Collectives, _picklable
 from dcp_fsspec.checkpoint.save.handles import HandleReceiver, HandleSender
 from dcp_fsspec.checkpoint.save.pipeline import Saved, SavePipeline, SaveSettings
+from dcp_fsspec.errors import BackgroundSaveError, add_note
+from dcp_fsspec.storage.transport.urls import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,12 @@ class BackgroundSaver:
         self._process = ctx.Process(
             target=_serve,
             args=(
-                child_end, settings, collectives.rank, collectives.world_size, collectives.distributed, os.getpid(),
+                child_end,
+                settings,
+                collectives.rank,
+                collectives.world_size,
+                collectives.distributed,
+                os.getpid(),
                 logging.getLogger(_PACKAGE_LOGGER).getEffectiveLevel(),
             ),
             name=f"dcp-fsspec-saver-{collectives.rank}",
@@ -161,7 +166,9 @@ class BackgroundSaver:
             add_note(error, f"(raised in the background save process for {self._url})\n{trace}")
             raise error
         if kind != expected:  # pragma: no cover - a protocol bug
-            raise BackgroundSaveError(f"background saver for {self._url} sent {kind!r}, expected {expected!r}")
+            raise BackgroundSaveError(
+                f"background saver for {self._url} sent {kind!r}, expected {expected!r}"
+            )
         return payload[0] if payload else None
 
     def _died(self) -> NoReturn:
@@ -171,9 +178,9 @@ class BackgroundSaver:
                 # Not chained to the EOFError that revealed it: that says nothing more.
                 raise BackgroundSaveError(
                     f"the background save process for {self._url} could not start: "
-                    f"{script or 'the main script'} has no `if __name__ == \"__main__\":` block, and "
+                    f'{script or "the main script"} has no `if __name__ == "__main__":` block, and '
                     "'spawn' re-runs the script from the top in the new process. Put the training code "
-                    "under `if __name__ == \"__main__\":`, or use async_mode=\"disabled\""
+                    'under `if __name__ == "__main__":`, or use async_mode="disabled"'
                 ) from None
         what = f"saving iteration {self._inflight}" if self._inflight is not None else "idle"
         self._inflight = None

@@ -1,8 +1,8 @@
 """Staged tensors cross the pipe to the background process once; later saves send a token.
 
 A staged tensor lives in shared memory, and pickling it for the pipe shares its segment (a file
-descriptor and a lookup on the other side): ~40 µs a tensor, 0.04 s a save for a state of
-~1,000 tensors, a third of what an asynchronous save blocks once its buffers exist. The staging
+descriptor and a lookup on the other side) per tensor: for a state of many tensors, a large
+part of what an asynchronous save blocks once its buffers exist. The staging
 buffers are reused from save to save, so the background process keeps the ones it received and
 each later save names them by token.
 

@@ -32,22 +32,22 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dcp_fsspec.errors import CorruptCheckpointError
-from dcp_fsspec.storage.transport.gc_pause import collector_paused
-from dcp_fsspec.storage.format.content_hashes import unhashed
-from dcp_fsspec.storage.transport.error_wrapping import unwrap_dcp
-from dcp_fsspec.storage.format.references import is_reference
-from dcp_fsspec.storage.transport.file_syncs import FileSyncs
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
-from dcp_fsspec.storage.settings import WriterSettings
-from dcp_fsspec.storage.transport.urls import resolve
-from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
-from dcp_fsspec.storage.write.file_plan import WriteContext
-from dcp_fsspec.storage.write.writer import FsspecStorageWriter
-from dcp_fsspec.checkpoint.commit import committing, layout, run_listing, retention
 from dcp_fsspec.checkpoint.collectives import Collectives
+from dcp_fsspec.checkpoint.commit import committing, layout, retention, run_listing
 from dcp_fsspec.checkpoint.commit.at_once import at_once
 from dcp_fsspec.checkpoint.events import tensor_nbytes
+from dcp_fsspec.errors import CorruptCheckpointError
+from dcp_fsspec.storage.checkpoint_files.integrity import verify_checkpoint
+from dcp_fsspec.storage.format.content_hashes import unhashed
+from dcp_fsspec.storage.format.references import is_reference
+from dcp_fsspec.storage.settings import WriterSettings
+from dcp_fsspec.storage.transport.error_wrapping import unwrap_dcp
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
+from dcp_fsspec.storage.transport.urls import resolve
+from dcp_fsspec.storage.write.file_plan import WriteContext
+from dcp_fsspec.storage.write.writer import FsspecStorageWriter
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,9 @@ class SavePipeline:
             process, already off the training thread): in the save.
     """
 
-    def __init__(self, settings: SaveSettings, collectives: Collectives, *, purge_in_background: bool = False) -> None:
+    def __init__(
+        self, settings: SaveSettings, collectives: Collectives, *, purge_in_background: bool = False
+    ) -> None:
         self.settings = settings
         self._root = resolve(settings.url, settings.storage_options, retry=settings.retry)
         self._collectives = collectives
@@ -142,28 +144,44 @@ class SavePipeline:
         self.wait_for_purge()  # the last save's old iterations: this one may write into one of them
         # The save's token, from rank 0 to every rank: in every data file's name and every
         # key's .metadata, and checked at the commit, so a save commits only what it wrote.
-        prepared = self._collectives.run_on_rank0(lambda: self._prepare(iteration, save_id or uuid.uuid4().hex))
+        prepared = self._collectives.run_on_rank0(
+            lambda: self._prepare(iteration, save_id or uuid.uuid4().hex)
+        )
         syncs, counts = self._write_keys(iteration, staged, prepared, unique_file_names=not prepared.claimed)
         latest = self._publish(iteration, keys, prepared, syncs)
         if self.settings.keep_last_n is not None and self._collectives.rank == 0:
             survey, self._survey = self._survey, None
             retention.apply_retention(
-                self._root, self.settings.keep_last_n, protected=(iteration,), latest=latest, purge=self._purge,
-                survey=survey, committed_now=iteration,
-            )  # fmt: skip
+                self._root,
+                self.settings.keep_last_n,
+                protected=(iteration,),
+                latest=latest,
+                purge=self._purge,
+                survey=survey,
+                committed_now=iteration,
+            )
         return Saved(latest, sum(c.written for c in counts), sum(c.referenced for c in counts))
 
     def _prepare(self, iteration: int, save_id: str) -> committing.Prepared:
         """Rank 0: make the iteration's folder this save's (:func:`~dcp_fsspec.checkpoint.commit.committing.prepare_iteration`);
         keep what it read for retention, which only rank 0 applies."""
         prepared, self._survey = committing.prepare_iteration(
-            self._root, iteration, save_id, overwrite=self.settings.overwrite, keep_last_n=self.settings.keep_last_n,
+            self._root,
+            iteration,
+            save_id,
+            overwrite=self.settings.overwrite,
+            keep_last_n=self.settings.keep_last_n,
             incremental=self.settings.incremental,
-        )  # fmt: skip
+        )
         return prepared
 
     def _write_keys(
-        self, iteration: int, staged: dict[str, dict[str, Any]], prepared: committing.Prepared, *, unique_file_names: bool
+        self,
+        iteration: int,
+        staged: dict[str, dict[str, Any]],
+        prepared: committing.Prepared,
+        *,
+        unique_file_names: bool,
     ) -> tuple[FileSyncs | None, list[_CountingWriter]]:
         """Write every key: side by side where :meth:`_keys_at_once` allows, else one after another.
 
@@ -181,7 +199,9 @@ class SavePipeline:
         syncs = self._root.backend.file_syncs(writer.files_per_rank) if writer.sync_files else None
 
         def write(key: str) -> _CountingWriter:
-            return self._write_key(iteration, key, staged[key], prepared, unique_file_names=unique_file_names, syncs=syncs)
+            return self._write_key(
+                iteration, key, staged[key], prepared, unique_file_names=unique_file_names, syncs=syncs
+            )
 
         try:
             if self._keys_at_once(staged):
@@ -199,8 +219,8 @@ class SavePipeline:
 
         Only without other ranks: DCP's collectives of two keys on one process group would
         interleave in a different order on each rank. Only where requests wait on a network: on
-        local disk the keys' threads would contend for the GIL (four keys: 2 ms more CPU than
-        one after another, measured), and the disk's flushes overlap the next key anyway (see
+        local disk the keys' threads would contend for the GIL (more CPU than one after another),
+        and the disk's flushes overlap the next key anyway (see
         :meth:`_write_keys`). And only while the whole state fits one writer's in-flight budget,
         so that several writers hold no more memory than one would.
         """
@@ -258,7 +278,9 @@ class SavePipeline:
             raise unwrap_dcp(e, f"saving key {key!r} to {url}", mismatch=False) from e
         return writer
 
-    def _publish(self, iteration: int, keys: tuple[str, ...], prepared: committing.Prepared, syncs: FileSyncs | None) -> int:
+    def _publish(
+        self, iteration: int, keys: tuple[str, ...], prepared: committing.Prepared, syncs: FileSyncs | None
+    ) -> int:
         """Every rank finished every key and made its files and folders durable → rank 0 writes
         the commit record, then the pointer."""
         error: Exception | None = None
@@ -291,7 +313,7 @@ class SavePipeline:
 
         One fsync a key folder where the writers made two (after the data, after ``.metadata``),
         and back to back: on ext4 the first commits the journal with every key's renames in it
-        and the others find little left (0.07-0.15 ms each, measured). Every rank syncs, after
+        and the others find little left. Every rank syncs, after
         DCP wrote ``.metadata``: no rank's renames rely on another node's fsync.
         """
         if syncs is not None:

@@ -73,7 +73,9 @@ class Stager:
             return type(value)(items) if isinstance(value, list) else tuple(items)
         return copy.deepcopy(value)
 
-    def _tensor(self, tensor: torch.Tensor, path: tuple[Any, ...], used: set[tuple[Any, ...]]) -> torch.Tensor:
+    def _tensor(
+        self, tensor: torch.Tensor, path: tuple[Any, ...], used: set[tuple[Any, ...]]
+    ) -> torch.Tensor:
         tensor = tensor.detach()
         on_cuda = tensor.device.type == "cuda"
         key = (*path, tensor.dtype, tuple(tensor.shape), on_cuda)
@@ -114,6 +116,8 @@ def _shared_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 def _pin(buffer: torch.Tensor) -> None:
     """Page-lock a shared-memory buffer so device-to-host copies into it are asynchronous."""
-    result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    result = torch.cuda.cudart().cudaHostRegister(
+        buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0
+    )
     if int(result) != 0:  # pragma: no cover - needs a GPU
         raise RuntimeError(f"cudaHostRegister failed with error {int(result)} for a staging buffer")

@@ -31,17 +31,24 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from dcp_fsspec.errors import DcpFsspecError, DrainError
-from dcp_fsspec.storage.checkpoint_files.copying import DATA, check_inside, copy_files, list_files, phase_of
-from dcp_fsspec.storage.format.metadata_file import parse_metadata
-from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME
-from dcp_fsspec.storage.checkpoint_files.copying import Piece, pieces_bytes
-from dcp_fsspec.storage.checkpoint_files.self_contained import self_contained_files
-from dcp_fsspec.storage.transport.urls import Location
-from dcp_fsspec.checkpoint.commit import committing, deletion, layout, run_listing, pointer, retention
+from dcp_fsspec.checkpoint.commit import committing, deletion, layout, pointer, retention, run_listing
+from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord
 from dcp_fsspec.checkpoint.tiers.durable_bases import DurableBases
 from dcp_fsspec.checkpoint.tiers.metadata_merge import merge_metadata, rank_file_name
-from dcp_fsspec.checkpoint.commit.commit_record import CommitRecord
+from dcp_fsspec.errors import DcpFsspecError, DrainError
+from dcp_fsspec.storage.checkpoint_files.copying import (
+    DATA,
+    Piece,
+    check_inside,
+    copy_files,
+    list_files,
+    phase_of,
+    pieces_bytes,
+)
+from dcp_fsspec.storage.checkpoint_files.self_contained import self_contained_files
+from dcp_fsspec.storage.format.metadata_file import parse_metadata
+from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME
+from dcp_fsspec.storage.transport.urls import Location
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +134,12 @@ def drain_iteration(
         latest = pointer.read_pointer(durable)
         if latest is not None and latest >= iteration:
             if latest > iteration:
-                logger.info("not draining %s: %s already names the newer %s", src, pointer.pointer_url(durable),
-                            layout.format_iteration(latest))  # fmt: skip
+                logger.info(
+                    "not draining %s: %s already names the newer %s",
+                    src,
+                    pointer.pointer_url(durable),
+                    layout.format_iteration(latest),
+                )
             return (), 0
         deletion.remove_link(durable, iteration)  # before any write: a link there leads elsewhere
         if rank != 0:
@@ -144,7 +155,13 @@ def drain_iteration(
 
 
 def _copy_and_mark(
-    local: Location, durable: Location, job: DrainJob, rank: int, world_size: int, workers: int, per_node: bool
+    local: Location,
+    durable: Location,
+    job: DrainJob,
+    rank: int,
+    world_size: int,
+    workers: int,
+    per_node: bool,
 ) -> int:
     """A rank other than 0: copy its files, then leave its marker for rank 0; the bytes copied."""
     iteration = job.iteration
@@ -155,10 +172,15 @@ def _copy_and_mark(
         _upload_metadata_parts(local, durable, iteration, rank, keys, written)
     else:
         nbytes = _copy_own(local, durable, iteration, rank, world_size, lambda name: True, workers)
-    durable.backend.write_small_atomic(durable.join(layout.format_iteration(iteration), marker_name(rank)),
-                                       job.token.encode())  # fmt: skip
-    logger.debug("copied rank %d's files of %s to %s", rank, local.url_of(layout.iteration_path(local, iteration)),
-                 durable.url_of(layout.iteration_path(durable, iteration)))  # fmt: skip
+    durable.backend.write_small_atomic(
+        durable.join(layout.format_iteration(iteration), marker_name(rank)), job.token.encode()
+    )
+    logger.debug(
+        "copied rank %d's files of %s to %s",
+        rank,
+        local.url_of(layout.iteration_path(local, iteration)),
+        durable.url_of(layout.iteration_path(durable, iteration)),
+    )
     return nbytes
 
 
@@ -185,9 +207,15 @@ def _require_committed_locally(
 
 
 def _drain_and_commit(
-    local: Location, durable: Location, job: DrainJob, world_size: int, keep_last_n: int | None,
-    marker_wait: float, workers: int, per_node: bool,
-) -> tuple[tuple[str, ...], int]:  # fmt: skip
+    local: Location,
+    durable: Location,
+    job: DrainJob,
+    world_size: int,
+    keep_last_n: int | None,
+    marker_wait: float,
+    workers: int,
+    per_node: bool,
+) -> tuple[tuple[str, ...], int]:
     """Rank 0's part of :func:`drain_iteration`, after the pointer check."""
     iteration = job.iteration
     src = local.url_of(layout.iteration_path(local, iteration))
@@ -204,8 +232,11 @@ def _drain_and_commit(
     if durable_record is not None or reason != "does not exist":
         # Not discarded whole: the other ranks may be copying into it now. Uncommitting it is
         # enough; every file this save names is written again, and .metadata last.
-        logger.info("overwriting %s, left by a drain that never finished (%s)", dst,
-                    "another save's commit" if durable_record is not None else reason)  # fmt: skip
+        logger.info(
+            "overwriting %s, left by a drain that never finished (%s)",
+            dst,
+            "another save's commit" if durable_record is not None else reason,
+        )
         if durable_record is not None:
             deletion.uncommit_iterations(durable, [iteration])
     logger.info("draining %s to %s", src, dst)
@@ -216,15 +247,33 @@ def _drain_and_commit(
         nbytes += _write_merged_metadata(local, durable, job, record.keys, world_size, written)
     else:
         assembled, written = _self_contained(local, durable, iteration, None)
-        nbytes = _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) == DATA, workers,
-                           assembled=assembled)  # fmt: skip
+        nbytes = _copy_own(
+            local,
+            durable,
+            iteration,
+            0,
+            world_size,
+            lambda name: phase_of(name) == DATA,
+            workers,
+            assembled=assembled,
+        )
         _wait_for_markers(durable, job, world_size, marker_wait)
-        nbytes += _copy_own(local, durable, iteration, 0, world_size, lambda name: phase_of(name) != DATA, workers,
-                            written=written)  # fmt: skip
+        nbytes += _copy_own(
+            local,
+            durable,
+            iteration,
+            0,
+            world_size,
+            lambda name: phase_of(name) != DATA,
+            workers,
+            written=written,
+        )
     logger.debug("copied %s to %s; committing it there", src, dst)
     # Per node, every rank saved alone: the durable copy is one save of world_size ranks, with rank 0's token.
     writers = world_size if per_node else record.world_size
-    latest = committing.publish(durable, iteration, record.keys, writers, save_id=job.token if per_node else record.save_id)
+    latest = committing.publish(
+        durable, iteration, record.keys, writers, save_id=job.token if per_node else record.save_id
+    )
     logger.info("committed %s (the durable copy of %s)", dst, src)
     _remove_markers(durable, iteration, world_size, record.keys if per_node else ())
     _apply_retention(durable, keep_last_n, iteration, latest)
@@ -240,32 +289,53 @@ def _self_contained(
     rename = None if rank is None else (lambda name: rank_file_name(name, rank))
     bases = DurableBases(local, durable, rename)
     # Per node, the new files are named as rank 0's data files are, so that rank_file_name renames them.
-    return self_contained_files(local, files, keep=bases.holds, prefix="__ref_" if rank is None else "__0_ref_")
+    return self_contained_files(
+        local, files, keep=bases.holds, prefix="__ref_" if rank is None else "__0_ref_"
+    )
 
 
 def _copy_own(
-    local: Location, durable: Location, iteration: int, rank: int, world_size: int,
-    which: Callable[[str], bool], workers: int, *,
-    assembled: Mapping[str, list[Piece]] | None = None, written: Mapping[str, bytes] | None = None,
-) -> int:  # fmt: skip
+    local: Location,
+    durable: Location,
+    iteration: int,
+    rank: int,
+    world_size: int,
+    which: Callable[[str], bool],
+    workers: int,
+    *,
+    assembled: Mapping[str, list[Piece]] | None = None,
+    written: Mapping[str, bytes] | None = None,
+) -> int:
     """Copy the files of ``iteration`` that ``rank`` owns and ``which`` accepts (``written`` in
     place of the listed files of its names), and ``assembled``; return their bytes."""
     files = {
         name: size
         for name, size in list_files(local, layout.iteration_path(local, iteration)).items()
-        if posixpath.basename(name) not in _NOT_COPIED and owner_of(name, world_size) == rank and which(name)
+        if posixpath.basename(name) not in _NOT_COPIED
+        and owner_of(name, world_size) == rank
+        and which(name)
         and name not in (written or {})
-    }  # fmt: skip
+    }
     check_inside(local, files)
     nbytes = sum(files.values()) + pieces_bytes(assembled or {}) + sum(map(len, (written or {}).values()))
-    logger.debug("rank %d copies %d files (%.1f MiB) of %s", rank, len(files), nbytes / 2**20,
-                 layout.format_iteration(iteration))  # fmt: skip
+    logger.debug(
+        "rank %d copies %d files (%.1f MiB) of %s",
+        rank,
+        len(files),
+        nbytes / 2**20,
+        layout.format_iteration(iteration),
+    )
     copy_files(local, durable, files, workers=workers, assembled=assembled, written=written)
     return nbytes
 
 
 def _copy_rank_data(
-    local: Location, durable: Location, iteration: int, rank: int, workers: int, assembled: Mapping[str, list[Piece]]
+    local: Location,
+    durable: Location,
+    iteration: int,
+    rank: int,
+    workers: int,
+    assembled: Mapping[str, list[Piece]],
 ) -> int:
     """Per node: copy this rank's data files of ``iteration``, and ``assembled``, renamed as
     ``rank``'s; return their bytes."""
@@ -275,12 +345,20 @@ def _copy_rank_data(
         if posixpath.basename(name) not in _NOT_COPIED and phase_of(name) == DATA
     }
     check_inside(local, files)
-    copy_files(local, durable, files, workers=workers, rename=lambda name: rank_file_name(name, rank),
-               assembled=assembled)  # fmt: skip
+    copy_files(
+        local,
+        durable,
+        files,
+        workers=workers,
+        rename=lambda name: rank_file_name(name, rank),
+        assembled=assembled,
+    )
     return sum(files.values()) + pieces_bytes(assembled)
 
 
-def _local_metadata(local: Location, iteration: int, key: str, written: Mapping[str, bytes]) -> tuple[str, bytes]:
+def _local_metadata(
+    local: Location, iteration: int, key: str, written: Mapping[str, bytes]
+) -> tuple[str, bytes]:
     """The path and bytes of a key's local ``.metadata``, or of its self-contained rewrite in ``written``."""
     path = posixpath.join(layout.key_path(local, iteration, key), METADATA_NAME)
     name = posixpath.join(layout.format_iteration(iteration), key, METADATA_NAME)
@@ -288,7 +366,12 @@ def _local_metadata(local: Location, iteration: int, key: str, written: Mapping[
 
 
 def _upload_metadata_parts(
-    local: Location, durable: Location, iteration: int, rank: int, keys: tuple[str, ...], written: Mapping[str, bytes]
+    local: Location,
+    durable: Location,
+    iteration: int,
+    rank: int,
+    keys: tuple[str, ...],
+    written: Mapping[str, bytes],
 ) -> None:
     """Per node, rank > 0: each key's local ``.metadata``, for rank 0 to merge (before the marker)."""
     for key in keys:
@@ -299,9 +382,13 @@ def _upload_metadata_parts(
 
 
 def _write_merged_metadata(
-    local: Location, durable: Location, job: DrainJob, keys: tuple[str, ...], world_size: int,
+    local: Location,
+    durable: Location,
+    job: DrainJob,
+    keys: tuple[str, ...],
+    world_size: int,
     written: Mapping[str, bytes],
-) -> int:  # fmt: skip
+) -> int:
     """Per node, rank 0: each key's global ``.metadata``, merged from every rank's; return its bytes."""
     nbytes = 0
     for key in keys:
@@ -316,7 +403,9 @@ def _write_merged_metadata(
                 parts, rename=rank_file_name, save_id=job.token, checkpoint_id=durable.url_of(folder)
             )
         except ValueError as e:
-            raise DrainError(f"cannot merge the ranks' copies of key {key!r} into {durable.url_of(folder)}: {e}") from e
+            raise DrainError(
+                f"cannot merge the ranks' copies of key {key!r} into {durable.url_of(folder)}: {e}"
+            ) from e
         data = pickle.dumps(merged)
         durable.backend.write_small_atomic(posixpath.join(folder, METADATA_NAME), data)
         nbytes += len(data)
@@ -353,7 +442,9 @@ def _wait_for_markers(durable: Location, job: DrainJob, world_size: int, seconds
 def _remove_markers(durable: Location, iteration: int, world_size: int, keys: tuple[str, ...]) -> None:
     """Delete the markers of a committed iteration, and the ``.metadata`` parts of its ``keys``
     (per node); one left behind is harmless (logged)."""
-    paths = [durable.join(layout.format_iteration(iteration), marker_name(rank)) for rank in range(1, world_size)]
+    paths = [
+        durable.join(layout.format_iteration(iteration), marker_name(rank)) for rank in range(1, world_size)
+    ]
     paths += [
         posixpath.join(layout.key_path(durable, iteration, key), metadata_part_name(rank))
         for key in keys

@@ -16,14 +16,15 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
-from dcp_fsspec.errors import DrainError
-from dcp_fsspec.storage.transport.urls import Location
 from dcp_fsspec.checkpoint.commit import layout
-from dcp_fsspec.checkpoint.tiers.drain import MARKER_WAIT_SECONDS, DrainJob, drain_iteration
 from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.checkpoint.options import DRAIN_EVERY, DRAIN_POLICIES
+from dcp_fsspec.checkpoint.tiers.drain import MARKER_WAIT_SECONDS, DrainJob, drain_iteration
+from dcp_fsspec.errors import DrainError
+from dcp_fsspec.storage.transport.urls import Location
 
 logger = logging.getLogger(__name__)
+
 
 class Drainer:
     """One background thread that drains iterations on this rank, one at a time, under a policy.
@@ -113,15 +114,18 @@ class Drainer:
         if dropped and self._rank == 0:
             logger.info(
                 "drain='latest': %s is replaced by %s before being copied to %s (a drain was in flight)",
-                ", ".join(map(layout.format_iteration, dropped)), layout.format_iteration(job.iteration),
+                ", ".join(map(layout.format_iteration, dropped)),
+                layout.format_iteration(job.iteration),
                 self._durable.url,
-            )  # fmt: skip
+            )
         return failure
 
     def undrained(self) -> set[int]:
         """The iterations in flight or waiting: local retention must keep them."""
         with self._cond:
-            return {j.iteration for j in self._waiting} | ({self._running} if self._running is not None else set())
+            return {j.iteration for j in self._waiting} | (
+                {self._running} if self._running is not None else set()
+            )
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until no drain is in flight or waiting; raise the last drain's error, if it failed.
@@ -163,9 +167,15 @@ class Drainer:
         nbytes, start = 0, time.perf_counter()
         try:
             keys, nbytes = drain_iteration(
-                self._local, self._durable, job, rank=self._rank, world_size=self._world_size,
-                keep_last_n=self._keep_last_n, marker_wait=self._marker_wait, per_node=self._per_node,
-            )  # fmt: skip
+                self._local,
+                self._durable,
+                job,
+                rank=self._rank,
+                world_size=self._world_size,
+                keep_last_n=self._keep_last_n,
+                marker_wait=self._marker_wait,
+                per_node=self._per_node,
+            )
         except DrainError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - kept and raised by wait(), like any drain failure
@@ -178,9 +188,15 @@ class Drainer:
             return error
         url = self._durable.url_of(layout.iteration_path(self._durable, job.iteration))
         event = CheckpointEvent(
-            "drain_end", job.iteration, url, keys, nbytes, time.perf_counter() - start, tier="durable",
+            "drain_end",
+            job.iteration,
+            url,
+            keys,
+            nbytes,
+            time.perf_counter() - start,
+            tier="durable",
             error=None if error is None else str(error),
-        )  # fmt: skip
+        )
         try:
             self._on_end(event)  # before wait() returns, so a caller that waited has seen it
         except Exception as e:  # noqa: BLE001 - a callback's bug must not stop the drains

@@ -16,12 +16,12 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Callable
 
-from dcp_fsspec.errors import CorruptCheckpointError
-from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME, METADATA_NAME
-from dcp_fsspec.storage.checkpoint_files.self_contained import folder_sizes
-from dcp_fsspec.storage.transport.urls import Location
 from dcp_fsspec.checkpoint.commit import layout
 from dcp_fsspec.checkpoint.commit.commit_record import referable
+from dcp_fsspec.errors import CorruptCheckpointError
+from dcp_fsspec.storage.checkpoint_files.self_contained import folder_sizes
+from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME, METADATA_NAME
+from dcp_fsspec.storage.transport.urls import Location
 
 
 class DurableBases:
@@ -33,7 +33,9 @@ class DurableBases:
         rename: the durable name of a local file (per node: the rank's), relative to the roots.
     """
 
-    def __init__(self, local: Location, durable: Location, rename: Callable[[str], str] | None = None) -> None:
+    def __init__(
+        self, local: Location, durable: Location, rename: Callable[[str], str] | None = None
+    ) -> None:
         self._local = local
         self._durable = durable
         self._rename = rename or (lambda name: name)

@@ -29,7 +29,11 @@ from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME, content_hashes_
 
 
 def merge_metadata(
-    parts: Sequence[tuple[int, Metadata]], *, rename: Callable[[str, int], str], save_id: str, checkpoint_id: str
+    parts: Sequence[tuple[int, Metadata]],
+    *,
+    rename: Callable[[str, int], str],
+    save_id: str,
+    checkpoint_id: str,
 ) -> Metadata:
     """The global metadata of the ranks' own ``parts`` (``(rank, metadata)``, in any order).
 
@@ -86,7 +90,7 @@ def rank_file_name(name: str, rank: int) -> str:
     ``.content_hashes.json``) as rank ``rank``'s."""
     folder, base = posixpath.split(name)
     if base.startswith("__0_"):
-        base = f"__{rank}_{base[len('__0_'):]}"
+        base = f"__{rank}_{base[len('__0_') :]}"
     elif base == CONTENT_HASHES_NAME:
         base = content_hashes_name(rank)
     return posixpath.join(folder, base)

@@ -30,17 +30,18 @@ import logging
 import posixpath
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import NamedTuple
 
+from dcp_fsspec.checkpoint.collectives import Collectives
+from dcp_fsspec.checkpoint.commit import deletion, layout, loadable, pointer, retention, run_listing
+from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
+from dcp_fsspec.checkpoint.events import CheckpointEvent
+from dcp_fsspec.checkpoint.options import DRAIN_LATEST
+from dcp_fsspec.checkpoint.tiers.drain import DrainJob
+from dcp_fsspec.checkpoint.tiers.drain_thread import Drainer
 from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError, DrainError, StorageError
 from dcp_fsspec.storage.format.names import POINTER_NAME
 from dcp_fsspec.storage.transport.urls import Location, resolve
-from dcp_fsspec.checkpoint.commit import deletion, layout, run_listing, loadable, pointer, retention
-from dcp_fsspec.checkpoint.collectives import Collectives
-from dcp_fsspec.checkpoint.tiers.drain import DrainJob
-from dcp_fsspec.checkpoint.tiers.drain_thread import Drainer
-from dcp_fsspec.checkpoint.options import DRAIN_LATEST
-from dcp_fsspec.checkpoint.events import CheckpointEvent
-from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,16 @@ LOCAL = "local"
 DURABLE = "durable"
 
 
+class TierChoice(NamedTuple):
+    """The iteration ``load`` resumes, and the tier it reads it from (``LOCAL`` or ``DURABLE``)."""
+
+    iteration: int
+    tier: str
+
+
 def choose_tier(
     durable_latest: int | None, local_per_rank: Sequence[Collection[int]], *, iteration: int | None = None
-) -> tuple[int, str] | None:
+) -> TierChoice | None:
     """Which iteration ``load`` resumes and from which tier; ``None``: no iteration in either.
 
     Args:
@@ -64,11 +72,11 @@ def choose_tier(
     """
     everywhere = set.intersection(*(set(r) for r in local_per_rank)) if local_per_rank else set()
     if iteration is not None:
-        return (iteration, LOCAL) if iteration in everywhere else (iteration, DURABLE)
+        return TierChoice(iteration, LOCAL if iteration in everywhere else DURABLE)
     newest_local = max(everywhere, default=None)
     if newest_local is not None and (durable_latest is None or newest_local >= durable_latest):
-        return newest_local, LOCAL
-    return None if durable_latest is None else (durable_latest, DURABLE)
+        return TierChoice(newest_local, LOCAL)
+    return None if durable_latest is None else TierChoice(durable_latest, DURABLE)
 
 
 def one_save_everywhere(per_rank: Sequence[Mapping[int, str | None]]) -> list[set[int]]:
@@ -80,8 +88,10 @@ def one_save_everywhere(per_rank: Sequence[Mapping[int, str | None]]) -> list[se
     Args:
         per_rank: for each rank, its committed local iterations and their saves' tokens.
     """
-    return [{i for i, token in mine.items() if all(i in other and other[i] == token for other in per_rank)}
-            for mine in per_rank]  # fmt: skip
+    return [
+        {i for i, token in mine.items() if all(i in other and other[i] == token for other in per_rank)}
+        for mine in per_rank
+    ]
 
 
 def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, str | None]:
@@ -98,7 +108,9 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, st
             try:
                 loadable.require_saved_together(local, record, trust_checkpoint=trust_checkpoint)
             except CorruptCheckpointError as e:
-                logger.warning("not resuming from the local copy %s: %s", layout.format_iteration(iteration), e)
+                logger.warning(
+                    "not resuming from the local copy %s: %s", layout.format_iteration(iteration), e
+                )
                 continue
             readable[iteration] = record.save_id
         return readable
@@ -109,7 +121,9 @@ def readable_locally(local: Location, *, trust_checkpoint: bool) -> dict[int, st
 
 def rank_tier(local: Location, rank: int) -> Location:
     """Rank ``rank``'s own local tier in per-node mode: ``{local_dirname}/rank{rank}``."""
-    return resolve(posixpath.join(local.secret_url, layout.rank_folder_name(rank)), fs=local.fs, retry=local.retry)
+    return resolve(
+        posixpath.join(local.secret_url, layout.rank_folder_name(rank)), fs=local.fs, retry=local.retry
+    )
 
 
 class TwoTiers:
@@ -157,12 +171,20 @@ class TwoTiers:
         self._owns_local = self.per_node or collectives.rank == 0
         # Rank 0 waits this long for the other ranks' copies once its own is done: their shares are
         # about the size of its own, so the retry deadline (a bound on one stuck call) is ample.
-        marker_wait = durable.retry.deadline if durable.retry is not None and durable.retry.deadline else 600.0
+        marker_wait = (
+            durable.retry.deadline if durable.retry is not None and durable.retry.deadline else 600.0
+        )
         self._drainer = Drainer(
-            self.local, durable, policy=drain, keep_last_n=keep_last_n, on_end=on_drain_end,
-            rank=collectives.rank, world_size=collectives.world_size, marker_wait=marker_wait,
+            self.local,
+            durable,
+            policy=drain,
+            keep_last_n=keep_last_n,
+            on_end=on_drain_end,
+            rank=collectives.rank,
+            world_size=collectives.world_size,
+            marker_wait=marker_wait,
             per_node=self.per_node,
-        )  # fmt: skip
+        )
 
     def _shared(self, local: Location) -> bool:
         """Whether every rank sees ``local`` as one folder (a collective; logged once, on rank 0).
@@ -196,8 +218,9 @@ class TwoTiers:
                 logger.info(
                     "local tier %s: per-node mode: rank(s) %s cannot see the file rank 0 wrote there (a disk "
                     "of their own), so each rank keeps its own local copy under rank<N>/ of its local_dirname",
-                    local.url, blind,
-                )  # fmt: skip
+                    local.url,
+                    blind,
+                )
             else:
                 logger.info("local tier %s: shared by every rank: rank 0 commits each local save", local.url)
         return not blind
@@ -211,9 +234,12 @@ class TwoTiers:
         if failure is not None:
             logger.warning(
                 "the durable tier %s is behind the local tier %s: %s. Training goes on: %s is committed "
-                "locally and is being drained", self.durable.url, self.local.url, failure,
+                "locally and is being drained",
+                self.durable.url,
+                self.local.url,
+                failure,
                 layout.format_iteration(iteration),
-            )  # fmt: skip
+            )
         if self._owns_local:
             retention.apply_retention(
                 self.local, self._keep_last_n_local, protected=self._drainer.undrained() | {iteration}
@@ -240,8 +266,12 @@ class TwoTiers:
         try:
             record = read_commit_record(self.local, iteration)
         except (OSError, DcpFsspecError) as e:
-            logger.warning("cannot read the local commit record of %s under %s: %s",
-                           layout.format_iteration(iteration), self.local.url, e)  # fmt: skip
+            logger.warning(
+                "cannot read the local commit record of %s under %s: %s",
+                layout.format_iteration(iteration),
+                self.local.url,
+                e,
+            )
             return ""
         return "" if record is None or record.save_id is None else record.save_id
 
@@ -250,8 +280,11 @@ class TwoTiers:
         (a drain that a killed run left unfinished)."""
         if durable_latest is None or durable_latest < iteration:
             if self._collectives.rank == 0:
-                logger.info("%s is newer than the durable tier %s: draining it again",
-                            layout.format_iteration(iteration), self.durable.url)  # fmt: skip
+                logger.info(
+                    "%s is newer than the durable tier %s: draining it again",
+                    layout.format_iteration(iteration),
+                    self.durable.url,
+                )
             self._submit(iteration)
 
     def forget_newer_than(self, iteration: int) -> None:
@@ -269,14 +302,23 @@ class TwoTiers:
                 return
             logger.warning(
                 "resumed %s, older than the local tier's %s (not every rank could read it, or it was "
-                "damaged): dropping the local iterations after %s under %s", layout.format_iteration(iteration),
-                layout.format_iteration(latest), layout.format_iteration(iteration), self.local.url,
-            )  # fmt: skip
+                "damaged): dropping the local iterations after %s under %s",
+                layout.format_iteration(iteration),
+                layout.format_iteration(latest),
+                layout.format_iteration(iteration),
+                self.local.url,
+            )
             self.local.backend.call("rm", self.local.join(POINTER_NAME))
-            deletion.discard_iterations(self.local, [i for i in layout.list_iterations(self.local) if i > iteration])
+            deletion.discard_iterations(
+                self.local, [i for i in layout.list_iterations(self.local) if i > iteration]
+            )
         except (OSError, DcpFsspecError) as e:
-            logger.warning("could not drop the local iterations after %s under %s: %s", layout.format_iteration(iteration),
-                           self.local.url, e)  # fmt: skip
+            logger.warning(
+                "could not drop the local iterations after %s under %s: %s",
+                layout.format_iteration(iteration),
+                self.local.url,
+                e,
+            )
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every rank's drain; every rank raises the error of any (the durable tier is behind).
@@ -292,7 +334,9 @@ class TwoTiers:
             error = e
         self._collectives.raise_if_any_failed(error)
 
-    def choose(self, iteration: int | None, *, trust_checkpoint: bool) -> tuple[tuple[int, str] | None, int | None]:
+    def choose(
+        self, iteration: int | None, *, trust_checkpoint: bool
+    ) -> tuple[TierChoice | None, int | None]:
         """Agree across ranks on the tier ``load`` reads: ``(choice, durable_latest)``.
 
         A collective: each rank looks at its own local tier; rank 0 reads the durable pointer (an
@@ -305,8 +349,12 @@ class TwoTiers:
             try:
                 return pointer.read_pointer(self.durable)
             except StorageError as e:
-                logger.warning("cannot read the durable pointer %s (%s); looking at the local tier %s only",
-                               pointer.pointer_url(self.durable), e, self.local.url)  # fmt: skip
+                logger.warning(
+                    "cannot read the durable pointer %s (%s); looking at the local tier %s only",
+                    pointer.pointer_url(self.durable),
+                    e,
+                    self.local.url,
+                )
                 return None
 
         durable_latest = self._collectives.run_on_rank0(durable_pointer)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import fsspec
 from fsspec.registry import known_implementations
 
-from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
 from dcp_fsspec.storage.backends.base import Backend, RangeReader, Versioned
 from dcp_fsspec.storage.backends.generic import FsspecBackend
+from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
 
 # fsspec protocol → "module:Class" under this package.
 BACKENDS: dict[str, str] = {
@@ -86,4 +86,12 @@ def _protocols_of(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return tuple(p for p, spec in known_implementations.items() if spec.get("class") == name)
 
 
-__all__ = ["BACKENDS", "DRIVER_PACKAGES", "Backend", "FsspecBackend", "RangeReader", "Versioned", "backend_for"]
+__all__ = [
+    "BACKENDS",
+    "DRIVER_PACKAGES",
+    "Backend",
+    "FsspecBackend",
+    "RangeReader",
+    "Versioned",
+    "backend_for",
+]

@@ -20,14 +20,23 @@ from typing import Any
 import fsspec
 
 from dcp_fsspec.errors import DcpFsspecError, StorageError
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload, publish_whole
 from dcp_fsspec.storage.transport.file_syncs import FileSyncs
 from dcp_fsspec.storage.transport.retry import RetryPolicy
-from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload, publish_whole
 
 # Small-file updates on stores without conditional writes or locks, serialized within this process.
 _PROCESS_LOCK = threading.Lock()
-_VERBS = {"info": "check", "cat_file": "read", "find": "list", "ls": "list", "rm": "delete",
-          "rm_file": "delete", "pipe_file": "write", "exists": "check", "makedirs": "create"}  # fmt: skip
+_VERBS = {
+    "info": "check",
+    "cat_file": "read",
+    "find": "list",
+    "ls": "list",
+    "rm": "delete",
+    "rm_file": "delete",
+    "pipe_file": "write",
+    "exists": "check",
+    "makedirs": "create",
+}
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        self,
+        path: str,
+        *,
+        part_size: int,
+        budget: ByteBudget,
+        fsync: bool = True,
+        multipart_threshold: int = 0,
         syncs: FileSyncs | None = None,
     ) -> FileUpload:
         """A :class:`FileUpload` that publishes ``path`` whole on commit: until then (and after
@@ -215,7 +230,13 @@ class Backend(abc.ABC):
             self.call("makedirs", path, exist_ok=True)
 
     def write_small_atomic(
-        self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True, syncs: FileSyncs | None = None
+        self,
+        path: str,
+        data: bytes,
+        *,
+        fsync: bool = True,
+        sync_folder: bool = True,
+        syncs: FileSyncs | None = None,
     ) -> None:
         """Write a small file so readers see the old content or the new, never a mix (default:
         one :meth:`new_upload`).
@@ -223,7 +244,9 @@ class Backend(abc.ABC):
         ``fsync`` (local disk): the file, and its folder unless ``sync_folder`` is false (the
         caller then fsyncs the folder itself, see :meth:`sync_folder`); ``syncs`` as in
         :meth:`new_upload`."""
-        upload = self.new_upload(path, part_size=MIN_PART_SIZE, budget=ByteBudget(len(data)), fsync=fsync, syncs=syncs)
+        upload = self.new_upload(
+            path, part_size=MIN_PART_SIZE, budget=ByteBudget(len(data)), fsync=fsync, syncs=syncs
+        )
         publish_whole(upload, [data])
 
     def sync_folder(self, path: str) -> None:

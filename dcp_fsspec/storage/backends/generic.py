@@ -15,9 +15,9 @@ from typing import Any
 import fsspec
 
 from dcp_fsspec.errors import DcpFsspecError, StorageError
-from dcp_fsspec.storage.transport.file_syncs import FileSyncs
-from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from dcp_fsspec.storage.backends.base import Backend, InPlaceFiles, Versioned
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
 
 
 class FsspecBackend(Backend):
@@ -37,7 +37,13 @@ class FsspecBackend(Backend):
             return Versioned(None)
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        self,
+        path: str,
+        *,
+        part_size: int,
+        budget: ByteBudget,
+        fsync: bool = True,
+        multipart_threshold: int = 0,
         syncs: FileSyncs | None = None,
     ) -> FileUpload:
         """fsspec's buffered file, which object stores publish on close; it relies on the
@@ -69,7 +75,9 @@ class FsspecBackend(Backend):
             except DcpFsspecError:
                 raise
             except OSError as e:
-                raise StorageError(f"cannot delete {len(paths)} file(s) under {self.url_of(within)}: {e}") from e
+                raise StorageError(
+                    f"cannot delete {len(paths)} file(s) under {self.url_of(within)}: {e}"
+                ) from e
         self.invalidate(within)
 
     def replace_if_unchanged(self, path: str, data: bytes, expected: Versioned) -> bool:
@@ -80,7 +88,13 @@ class FsspecBackend(Backend):
     # --- where fsspec has a cheaper way than the defaults -----------------------------------
 
     def write_small_atomic(
-        self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True, syncs: FileSyncs | None = None
+        self,
+        path: str,
+        data: bytes,
+        *,
+        fsync: bool = True,
+        sync_folder: bool = True,
+        syncs: FileSyncs | None = None,
     ) -> None:
         """One ``pipe_file``, which object stores apply whole."""
         self.call("pipe_file", path, data)

@@ -17,9 +17,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.memory import MemoryFile
 
-from dcp_fsspec.storage.transport.file_syncs import FileSyncs
-from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
 from dcp_fsspec.storage.backends.base import Backend, Versioned
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
 
 _SWAPS = threading.Lock()
 
@@ -43,7 +43,13 @@ class MemoryBackend(Backend):
             return Versioned(None)
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        self,
+        path: str,
+        *,
+        part_size: int,
+        budget: ByteBudget,
+        fsync: bool = True,
+        multipart_threshold: int = 0,
         syncs: FileSyncs | None = None,
     ) -> FileUpload:
         return MemoryUpload(self.fs, self.fs._strip_protocol(path))
@@ -51,7 +57,11 @@ class MemoryBackend(Backend):
     def find(self, path: str, *, withdirs: bool = False) -> dict[str, dict[str, Any]]:
         key = self.fs._strip_protocol(path)
         under = key.rstrip("/") + "/"
-        sizes = {name: file.size for name, file in list(self.fs.store.items()) if name == key or name.startswith(under)}
+        sizes = {
+            name: file.size
+            for name, file in list(self.fs.store.items())
+            if name == key or name.startswith(under)
+        }
         found = {name: {"name": name, "size": size, "type": "file"} for name, size in sizes.items()}
         if withdirs:
             folders = {d for d in self.fs.pseudo_dirs if d == key or d.startswith(under)}

@@ -17,14 +17,14 @@ from typing import Any
 import fsspec.asyn
 
 from dcp_fsspec.errors import DcpFsspecError, StorageError
-from dcp_fsspec.storage.transport.file_syncs import FileSyncs
-from dcp_fsspec.storage.transport.retry import RetryPolicy, causes, http_status
-from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
 from dcp_fsspec.storage.backends.base import Versioned
 from dcp_fsspec.storage.backends.generic import FsspecBackend
 from dcp_fsspec.storage.backends.s3_client import hook_client
 from dcp_fsspec.storage.backends.s3_removal import S3Removal
 from dcp_fsspec.storage.backends.s3_uploads import S3MultipartUpload
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.transport.retry import RetryPolicy, causes, http_status
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ class S3Backend(FsspecBackend):
     conditional_writes = True
     exclusive_across_processes = True
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy, url_of: Callable[[str], str] | None = None) -> None:
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, retry: RetryPolicy, url_of: Callable[[str], str] | None = None
+    ) -> None:
         super().__init__(fs, retry, url_of)
         hook_client(fs)
 
@@ -77,7 +79,13 @@ class S3Backend(FsspecBackend):
         url = self.url_of(path)
         try:
             listing = self.retry.run(
-                self.fs, "call_s3", "list_objects_v2", Bucket=bucket, Prefix=key.rstrip("/") + "/", MaxKeys=1, url=url
+                self.fs,
+                "call_s3",
+                "list_objects_v2",
+                Bucket=bucket,
+                Prefix=key.rstrip("/") + "/",
+                MaxKeys=1,
+                url=url,
             )
         except FileNotFoundError as e:
             self.raise_if_no_container(e, url)
@@ -89,11 +97,22 @@ class S3Backend(FsspecBackend):
         return bool(listing.get("Contents") or listing.get("CommonPrefixes"))
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        self,
+        path: str,
+        *,
+        part_size: int,
+        budget: ByteBudget,
+        fsync: bool = True,
+        multipart_threshold: int = 0,
         syncs: FileSyncs | None = None,
     ) -> FileUpload:
         return S3MultipartUpload(
-            self.fs, path, part_size=part_size, multipart_threshold=multipart_threshold, budget=budget, retry=self.retry
+            self.fs,
+            path,
+            part_size=part_size,
+            multipart_threshold=multipart_threshold,
+            budget=budget,
+            retry=self.retry,
         )
 
     @contextmanager
@@ -153,7 +172,9 @@ class S3Backend(FsspecBackend):
                 return False
             if not _conditions_unsupported(e):
                 raise
-            logger.warning("%s does not support conditional writes; writing it unconditionally", self.url_of(path))
+            logger.warning(
+                "%s does not support conditional writes; writing it unconditionally", self.url_of(path)
+            )
             self.call("pipe_file", path, data)
         self.invalidate(self.fs._parent(path))
         return True
@@ -162,7 +183,9 @@ class S3Backend(FsspecBackend):
         """The ETag ``path`` has now (None: absent), asked of the server, not of a cache."""
         bucket, key, _ = self.fs.split_path(path)
         try:
-            head = self.retry.run(self.fs, "call_s3", "head_object", Bucket=bucket, Key=key, url=self.url_of(path))
+            head = self.retry.run(
+                self.fs, "call_s3", "head_object", Bucket=bucket, Key=key, url=self.url_of(path)
+            )
         except FileNotFoundError:
             return None
         except DcpFsspecError:
@@ -186,7 +209,11 @@ class S3Backend(FsspecBackend):
 
     def remove_files(self, paths: Sequence[str], *, within: str) -> None:
         """DeleteObjects: 1,000 keys a request, a few requests at once (no listing)."""
-        self._run(lambda: S3Removal(self).delete_keys([self.fs.split_path(p)[1] for p in paths], within), within, "delete")
+        self._run(
+            lambda: S3Removal(self).delete_keys([self.fs.split_path(p)[1] for p in paths], within),
+            within,
+            "delete",
+        )
 
     def remove_trees(self, paths: Sequence[str], *, within: str) -> None:
         """Two round trips: a listing of each path (or for many paths one of ``within``) and one
@@ -240,7 +267,9 @@ class S3Backend(FsspecBackend):
 def _refused_by_condition(error: BaseException) -> bool:
     """412 Precondition Failed, or 409 for a conditional write that raced another one."""
     return any(
-        isinstance(e, FileExistsError) or http_status(e)[0] in (409, 412) or http_status(e)[1] == "PreconditionFailed"
+        isinstance(e, FileExistsError)
+        or http_status(e)[0] in (409, 412)
+        or http_status(e)[1] == "PreconditionFailed"
         for e in causes(error)
     )
 

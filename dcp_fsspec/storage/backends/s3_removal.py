@@ -86,7 +86,9 @@ class S3Removal:
         try:
             listing = await self._request("list_multipart_uploads", within, Bucket=bucket, Prefix=prefix)
         except (OSError, DcpFsspecError) as e:
-            logger.warning("could not list the unfinished uploads under %s: %s", self.backend.url_of(within), e)
+            logger.warning(
+                "could not list the unfinished uploads under %s: %s", self.backend.url_of(within), e
+            )
             return []
         return [u for u in listing.get("Uploads", []) if u["Key"].startswith(under)]
 
@@ -94,12 +96,18 @@ class S3Removal:
         """Abort ``uploads`` (from :meth:`uploads_under`; best effort, logged)."""
         bucket = self.fs.split_path(within)[0]
         try:
-            await _bounded([
-                self._request("abort_multipart_upload", within, Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
-                for u in uploads
-            ])  # fmt: skip
+            await _bounded(
+                [
+                    self._request(
+                        "abort_multipart_upload", within, Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]
+                    )
+                    for u in uploads
+                ]
+            )
         except (OSError, DcpFsspecError) as e:
-            logger.warning("could not abort the unfinished uploads under %s: %s", self.backend.url_of(within), e)
+            logger.warning(
+                "could not abort the unfinished uploads under %s: %s", self.backend.url_of(within), e
+            )
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         return await self.backend.retry.call_async(

@@ -17,10 +17,10 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from dcp_fsspec.storage.backends.s3_client import checksummed_bodies
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from dcp_fsspec.storage.format.crc import COMBINE_ABOVE, crc32, crc32_combine
 from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
-from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
-from dcp_fsspec.storage.backends.s3_client import checksummed_bodies
 
 # S3's checksum of a body: CRC-32, the checksum tensor records store too, so the pass that
 # computes one gives the other (:mod:`~dcp_fsspec.storage.format.crc`).
@@ -154,13 +154,17 @@ class S3MultipartUpload(FileUpload):
             lambda: self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs), url=self._url
         )
 
-    async def _send(self, method: str, views: Sequence[memoryview], checksum: dict[str, str], **kwargs: Any) -> Any:
+    async def _send(
+        self, method: str, views: Sequence[memoryview], checksum: dict[str, str], **kwargs: Any
+    ) -> Any:
         """``method`` with ``views`` as its body; every attempt reads its own stream of them."""
         bodies: list[_Body] = []
 
         def attempt() -> Any:
             bodies.append(_Body(views))
-            return self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, Body=bodies[-1], **checksum, **kwargs)
+            return self.fs._call_s3(
+                method, Bucket=self._bucket, Key=self._key, Body=bodies[-1], **checksum, **kwargs
+            )
 
         try:
             return await self._retry.call_async(attempt, url=self._url)
@@ -243,7 +247,9 @@ class S3MultipartUpload(FileUpload):
 
         async def upload() -> dict[str, Any]:
             try:
-                out = await self._send("upload_part", part.views, checksum, UploadId=self._upload_id, PartNumber=number)
+                out = await self._send(
+                    "upload_part", part.views, checksum, UploadId=self._upload_id, PartNumber=number
+                )
                 return {"PartNumber": number, "ETag": out["ETag"], **checksum}
             except BaseException as e:
                 self._failed = self._failed or e

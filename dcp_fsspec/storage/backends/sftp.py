@@ -14,24 +14,36 @@ from collections.abc import Iterable
 
 import fsspec
 
+from dcp_fsspec.storage.backends.generic import FsspecBackend
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload, publish_whole
 from dcp_fsspec.storage.format import names
 from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.file_syncs import FileSyncs
-from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload, publish_whole
-from dcp_fsspec.storage.backends.generic import FsspecBackend
 
 
 class SftpBackend(FsspecBackend):
     real_folders = True
 
     def new_upload(
-        self, path: str, *, part_size: int, budget: ByteBudget, fsync: bool = True, multipart_threshold: int = 0,
+        self,
+        path: str,
+        *,
+        part_size: int,
+        budget: ByteBudget,
+        fsync: bool = True,
+        multipart_threshold: int = 0,
         syncs: FileSyncs | None = None,
     ) -> FileUpload:
         return RenameUpload(self.fs, path)
 
     def write_small_atomic(
-        self, path: str, data: bytes, *, fsync: bool = True, sync_folder: bool = True, syncs: FileSyncs | None = None
+        self,
+        path: str,
+        data: bytes,
+        *,
+        fsync: bool = True,
+        sync_folder: bool = True,
+        syncs: FileSyncs | None = None,
     ) -> None:
         # asyncssh raises its own SFTPError types (not OSError) for some refusals, e.g. a file
         # standing where the folder should be.

@@ -21,10 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError, StorageError
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
-from dcp_fsspec.storage.read.fetch import fetch_in_order, plan_spans
-from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME, METADATA_NAME, POINTER_NAME, is_temporary, relative_path_problem
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.format.names import (
+    COMMIT_RECORD_NAME,
+    METADATA_NAME,
+    POINTER_NAME,
+    is_temporary,
+    relative_path_problem,
+)
+from dcp_fsspec.storage.read.fetch import fetch_in_order, plan_spans
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.urls import Location
 
 MiB = 1024 * 1024
@@ -151,7 +157,11 @@ def copy_files(
 
 class _Copier:
     def __init__(
-        self, source: Location, dest: Location, chunk_bytes: int, on_bytes: Callable[[int], None] | None,
+        self,
+        source: Location,
+        dest: Location,
+        chunk_bytes: int,
+        on_bytes: Callable[[int], None] | None,
         rename: Callable[[str], str] | None = None,
     ) -> None:
         self.source = source
@@ -184,16 +194,22 @@ class _Copier:
         ranged reads streamed into an atomic upload."""
         try:
             _, dst_path = self._paths(name)
-            upload: FileUpload = self.dest.backend.new_upload(dst_path, part_size=16 * MiB, budget=self.budget)
+            upload: FileUpload = self.dest.backend.new_upload(
+                dst_path, part_size=16 * MiB, budget=self.budget
+            )
         except OSError as e:
             raise self._failed(name, e) from e
         try:
             # Pieces in order and apart: each span is within one piece, so the spans come in order.
             spans = [
-                span for path, start, end in pieces if end > start
+                span
+                for path, start, end in pieces
+                if end > start
                 for span in plan_spans([(path, start, end)], max_gap=0, max_span=self.chunk_bytes)
-            ]  # fmt: skip
-            for span, data in fetch_in_order(self.source.fs, spans, window_bytes=2 * self.chunk_bytes, threads=2):
+            ]
+            for span, data in fetch_in_order(
+                self.source.fs, spans, window_bytes=2 * self.chunk_bytes, threads=2
+            ):
                 if len(data) != span.size:
                     raise StorageError(
                         f"{self.source.url_of(span.path)} changed while being copied: bytes [{span.start}, "

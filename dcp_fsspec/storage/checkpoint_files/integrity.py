@@ -44,16 +44,34 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import fsspec
 
-from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingDriverError, StorageError
-from dcp_fsspec.storage.read.record_stream import RecordDecoder, RecordFault, RecordPlace, crc_note, feed_records
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
-from dcp_fsspec.storage.read.fetch import Span, fetch_in_order, plan_spans
+from dcp_fsspec.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingDriverError,
+    StorageError,
+)
+from dcp_fsspec.storage.checkpoint_files.self_contained import folder_sizes
 from dcp_fsspec.storage.format.metadata_file import read_metadata
-from dcp_fsspec.storage.format.metadata_standins import BytesStorageMetadata, DType, Metadata, MetadataIndex, TensorStorageMetadata, dtype_name
+from dcp_fsspec.storage.format.metadata_standins import (
+    BytesStorageMetadata,
+    DType,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+    dtype_name,
+)
 from dcp_fsspec.storage.format.names import METADATA_NAME
 from dcp_fsspec.storage.format.references import is_reference, referenced_folders
+from dcp_fsspec.storage.read.fetch import Span, fetch_in_order, plan_spans
+from dcp_fsspec.storage.read.record_stream import (
+    RecordDecoder,
+    RecordFault,
+    RecordPlace,
+    crc_note,
+    feed_records,
+)
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
-from dcp_fsspec.storage.checkpoint_files.self_contained import folder_sizes
 from dcp_fsspec.storage.transport.urls import Location, resolve
 
 if TYPE_CHECKING:
@@ -241,7 +259,9 @@ class _Checkpoint:
     def metadata_url(self) -> str:
         return self.location.url_of(self.location.join(METADATA_NAME))
 
-    def problem(self, url: str, item: str | None, what: str, *, error: type[Exception] = CorruptCheckpointError) -> None:
+    def problem(
+        self, url: str, item: str | None, what: str, *, error: type[Exception] = CorruptCheckpointError
+    ) -> None:
         self.report.problems.append(VerifyProblem(url, item, what, error=error.__name__))
 
     def verify(self) -> None:
@@ -254,13 +274,19 @@ class _Checkpoint:
         self._check_records(records)
         logger.info(
             "verified %s: %d items, %d problems (%.2f s)",
-            self.location.url, self.report.items, len(self.report.problems), time.perf_counter() - start,
-        )  # fmt: skip
+            self.location.url,
+            self.report.items,
+            len(self.report.problems),
+            time.perf_counter() - start,
+        )
 
     def _metadata(self) -> Metadata | None:
         try:
             metadata = read_metadata(
-                self.location, trust_checkpoint=self.trust_checkpoint, references=self.references, stand_ins=True
+                self.location,
+                trust_checkpoint=self.trust_checkpoint,
+                references=self.references,
+                stand_ins=True,
             )
         except CheckpointNotFoundError:
             self.problem(self.metadata_url, None, "does not exist", error=CheckpointNotFoundError)
@@ -284,7 +310,9 @@ class _Checkpoint:
             found = {}
         sizes = {path: int(info.get("size") or 0) for path, info in found.items()}
         names = (info.relative_path for info in metadata.storage_data.values())
-        return sizes | folder_sizes(self.location, (self.location.join(name) for name in referenced_folders(names)))
+        return sizes | folder_sizes(
+            self.location, (self.location.join(name) for name in referenced_folders(names))
+        )
 
     def _records(self, metadata: Metadata, sizes: dict[str, int]) -> list[_TensorRecord]:
         """The tensor records to read; problems for entries that are missing or do not fit."""
@@ -293,9 +321,10 @@ class _Checkpoint:
         # Every chunk .metadata describes must have a place in a data file.
         for fqn, meta in metadata.state_dict_metadata.items():
             indices = (
-                [MetadataIndex(fqn)] if isinstance(meta, BytesStorageMetadata)
+                [MetadataIndex(fqn)]
+                if isinstance(meta, BytesStorageMetadata)
                 else [MetadataIndex(fqn, chunk.offsets) for chunk in meta.chunks]
-            )  # fmt: skip
+            )
             for index in indices:
                 if index not in storage:
                     self.problem(self.metadata_url, fqn, "has no storage entry")
@@ -317,24 +346,34 @@ class _Checkpoint:
             end = info.offset + info.length
             if sizes[path] < end:
                 self.problem(
-                    url, index.fqn,
+                    url,
+                    index.fqn,
                     f"the file is {sizes[path]} bytes, too short for this item at bytes [{info.offset}, {end})",
-                )  # fmt: skip
+                )
                 continue
             tensor_meta = metadata.state_dict_metadata.get(index.fqn)
             if not isinstance(tensor_meta, TensorStorageMetadata):
                 self.report.unchecked += 1  # a pickled object: nothing to compare
                 self.report.objects += 1
                 continue
-            chunk = next((c for c in tensor_meta.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
+            chunk = next(
+                (c for c in tensor_meta.chunks if tuple(c.offsets) == tuple(index.offset or ())), None
+            )
             key = (path, info.offset, info.length)
             if key not in by_place:
                 transforms = tuple(info.transform_descriptors or ())
                 by_place[key] = _TensorRecord(
-                    path, url, info.offset, info.length, index.fqn, tensor_meta.properties.dtype,
-                    None if chunk is None else tuple(chunk.sizes), index, transforms,
+                    path,
+                    url,
+                    info.offset,
+                    info.length,
+                    index.fqn,
+                    tensor_meta.properties.dtype,
+                    None if chunk is None else tuple(chunk.sizes),
+                    index,
+                    transforms,
                     _limit(tensor_meta, index) if transforms else 0,
-                )  # fmt: skip
+                )
         for path, fqns in missing_files.items():
             shown = ", ".join(sorted(fqns)[:5]) + (f" and {len(fqns) - 5} more" if len(fqns) > 5 else "")
             what = f"{self._missing(path, sizes)}; .metadata places {len(fqns)} item(s) in it: {shown}"
@@ -350,10 +389,14 @@ class _Checkpoint:
         """What is wrong with the data file at ``path``, which is not there to read."""
         if path.startswith(self.location.path.rstrip("/") + "/"):
             return "does not exist"
-        why = "does not exist" if path not in sizes else (
-            f"is in {self.location.url_of(posixpath.dirname(path))}, which is not a committed checkpoint "
-            f"(no {METADATA_NAME})"
-        )  # fmt: skip
+        why = (
+            "does not exist"
+            if path not in sizes
+            else (
+                f"is in {self.location.url_of(posixpath.dirname(path))}, which is not a committed checkpoint "
+                f"(no {METADATA_NAME})"
+            )
+        )
         return f"{why}, but the checkpoint {self.location.url} refers to it (an incremental save's base)"
 
     def _check_records(self, records: list[_TensorRecord]) -> None:
@@ -367,31 +410,48 @@ class _Checkpoint:
         def start(i: int) -> RecordDecoder:
             rec = records[i]
             decoders[i] = (
-                _TransformedDecoder(rec, self.transforms) if rec.transforms else RecordDecoder(rec, max_whole=_MAX_WHOLE)
+                _TransformedDecoder(rec, self.transforms)
+                if rec.transforms
+                else RecordDecoder(rec, max_whole=_MAX_WHOLE)
             )
             return decoders[i]
 
         fetched = fetch_in_order(
-            self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
+            self.location.fs,
+            spans,
+            window_bytes=self.window_bytes,
+            threads=self.threads,
+            retry=self.location.retry,
         )
         try:
             with storage_errors("read the data files of", self.location.url):
                 feed_records(records, self._counted(fetched), start)
         except FileNotFoundError as e:
-            raise StorageError(f"a data file of {self.location.url} disappeared while verifying it: {e}") from e
+            raise StorageError(
+                f"a data file of {self.location.url} disappeared while verifying it: {e}"
+            ) from e
         for i, rec in enumerate(records):
             decoder = decoders.get(i)
             fault = _judge(rec, decoder)
             if fault is not None:
                 self.report.problems.append(
-                    VerifyProblem(rec.url, rec.fqn, fault.what, fault.stored_crc32, fault.actual_crc32, fault.error.__name__)
+                    VerifyProblem(
+                        rec.url,
+                        rec.fqn,
+                        fault.what,
+                        fault.stored_crc32,
+                        fault.actual_crc32,
+                        fault.error.__name__,
+                    )
                 )
             elif decoder is not None and decoder.compared:
                 self.report.tensors_checked += 1
             else:
                 self.report.unchecked += 1
 
-    def _counted(self, fetched: Iterator[tuple[Span, bytes | bytearray]]) -> Iterator[tuple[Span, bytes | bytearray]]:
+    def _counted(
+        self, fetched: Iterator[tuple[Span, bytes | bytearray]]
+    ) -> Iterator[tuple[Span, bytes | bytearray]]:
         for span, data in fetched:
             self.report.bytes_read += len(data)
             if self.progress is not None:
@@ -436,7 +496,9 @@ class _TransformedDecoder(RecordDecoder):
         try:
             raw = untransform(self.transforms, _read_item(rec), rec.transforms, data, rec.limit)
         except Exception as e:  # noqa: BLE001 - an unknown descriptor or undecodable bytes: damage
-            self.fault = RecordFault(f"cannot undo the transforms {list(rec.transforms)} ({type(e).__name__}: {e})")
+            self.fault = RecordFault(
+                f"cannot undo the transforms {list(rec.transforms)} ({type(e).__name__}: {e})"
+            )
             return
         tensor = self.decode(memoryview(raw))
         if isinstance(tensor, RecordFault):
@@ -455,9 +517,13 @@ def _read_item(rec: _TensorRecord) -> ReadItem:
     zeros = torch.Size([0] * len(rec.sizes or ()))
     index = TorchIndex(rec.index.fqn, rec.index.offset, rec.index.index)
     return ReadItem(
-        type=LoadItemType.TENSOR, dest_index=index, dest_offsets=zeros,
-        storage_index=index, storage_offsets=zeros, lengths=torch.Size(rec.sizes or ()),
-    )  # fmt: skip
+        type=LoadItemType.TENSOR,
+        dest_index=index,
+        dest_offsets=zeros,
+        storage_index=index,
+        storage_offsets=zeros,
+        lengths=torch.Size(rec.sizes or ()),
+    )
 
 
 def _judge(rec: _TensorRecord, decoder: RecordDecoder | None) -> RecordFault | None:
@@ -481,4 +547,8 @@ def _judge(rec: _TensorRecord, decoder: RecordDecoder | None) -> RecordFault | N
     if dtype_name(dtype) != dtype_name(rec.dtype) or (rec.sizes is not None and size != rec.sizes):
         expected = "?" if rec.sizes is None else list(rec.sizes)
         return RecordFault(f"the record holds {dtype} {list(size)} but .metadata says {rec.dtype} {expected}")
-    return None if decoder.whole is not None or isinstance(decoder, _TransformedDecoder) else decoder.check_streamed()
+    return (
+        None
+        if decoder.whole is not None or isinstance(decoder, _TransformedDecoder)
+        else decoder.check_streamed()
+    )

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 from dcp_fsspec.errors import CorruptCheckpointError
 from dcp_fsspec.storage.checkpoint_files.copying import Piece
 from dcp_fsspec.storage.format.metadata_file import read_metadata
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME, DATA_SUFFIX, METADATA_NAME
 from dcp_fsspec.storage.format.references import is_reference
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.urls import Location
 
 if TYPE_CHECKING:
@@ -60,7 +60,9 @@ def folder_sizes(location: Location, folders: Iterable[str]) -> dict[str, int]:
             continue
         for entry in entries:
             if entry.get("type") != "directory":
-                sizes[posixpath.join(folder, posixpath.basename(str(entry["name"]).rstrip("/")))] = int(entry.get("size") or 0)
+                sizes[posixpath.join(folder, posixpath.basename(str(entry["name"]).rstrip("/")))] = int(
+                    entry.get("size") or 0
+                )
     return sizes
 
 
@@ -114,7 +116,9 @@ def plan_self_contained(
     rewritten = {}
     for index, info in storage.items():
         place = moved.get((info.relative_path, info.offset))
-        rewritten[index] = info if place is None else dataclasses.replace(info, relative_path=place[0], offset=place[1])
+        rewritten[index] = (
+            info if place is None else dataclasses.replace(info, relative_path=place[0], offset=place[1])
+        )
     return SelfContained(pickle.dumps(dataclasses.replace(metadata, storage_data=rewritten)), files)
 
 
@@ -149,7 +153,9 @@ def self_contained_files(
     written: dict[str, bytes] = {}
     # Only an incremental save (content hashes beside its .metadata) refers to other checkpoints.
     hashed = {posixpath.dirname(n) for n in files if posixpath.basename(n) == CONTENT_HASHES_NAME}
-    for name in sorted(n for n in files if posixpath.basename(n) == METADATA_NAME and posixpath.dirname(n) in hashed):
+    for name in sorted(
+        n for n in files if posixpath.basename(n) == METADATA_NAME and posixpath.dirname(n) in hashed
+    ):
         folder = posixpath.dirname(name)
         key = source.at(source.join(folder)) if folder else source
         metadata = read_metadata(key, references=references, trust_checkpoint=trust_checkpoint)
@@ -164,7 +170,9 @@ def self_contained_files(
 def _require_present(location: Location, ref: str, path: str, end: int, sizes: dict[str, int]) -> None:
     folder = posixpath.dirname(path)
     if posixpath.join(folder, METADATA_NAME) not in sizes:
-        raise _corrupt(location, path, f"{location.url_of(folder)} is not a committed checkpoint (no {METADATA_NAME})")
+        raise _corrupt(
+            location, path, f"{location.url_of(folder)} is not a committed checkpoint (no {METADATA_NAME})"
+        )
     size = sizes.get(path)
     if size is None:
         raise _corrupt(location, path, "it does not exist")

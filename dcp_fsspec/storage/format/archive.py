@@ -8,9 +8,9 @@ local header carries an ``FB`` extra field padding its data to a 64-byte boundar
 is followed by a data descriptor; a central directory, a zip64 end record, its locator and the
 end record close the archive.
 
-Running torch.save costs about 100 µs per tensor (its zip writer, pickler and config lookups),
+Running torch.save has a fixed cost per tensor (its zip writer, pickler and config lookups),
 which dominates checkpoints of many small tensors. :class:`ArchiveFormat` writes the same bytes
-in a few µs. It learns the constant entries from one ``torch.save`` of a sample tensor per
+without it. It learns the constant entries from one ``torch.save`` of a sample tensor per
 dtype and is used only if the archive it writes for that sample is byte for byte torch's
 (:meth:`ArchiveFormat.learn`), so a torch that changes its format costs speed, never
 compatibility: the caller then keeps using torch.save.
@@ -100,9 +100,19 @@ def pickle_tensor(tensor: torch.Tensor) -> bytes:
         extra: tuple[Any, ...] = (tensor.dtype,)
     else:
         storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[tensor.dtype])
-        storage = _Storage(("storage", storage_type, "0", "cpu", tensor.untyped_storage().nbytes() // tensor.element_size()))
+        storage = _Storage(
+            ("storage", storage_type, "0", "cpu", tensor.untyped_storage().nbytes() // tensor.element_size())
+        )
         rebuild, extra = torch._utils._rebuild_tensor_v2, ()
-    args = (storage, tensor.storage_offset(), tuple(tensor.size()), tensor.stride(), False, OrderedDict(), *extra)
+    args = (
+        storage,
+        tensor.storage_offset(),
+        tuple(tensor.size()),
+        tensor.stride(),
+        False,
+        OrderedDict(),
+        *extra,
+    )
     out = io.BytesIO()
     _TensorPickler(out, protocol=2).dump(_Rebuild(rebuild, args))
     return out.getvalue()
@@ -140,11 +150,21 @@ class ArchiveFormat:
                     contents = archive.read(info)
                     if name == _ID_NAME:
                         serialization_id = contents
-                    entries.append((name.encode(), None if name in (_PICKLE_NAME, _DATA_NAME, _ID_NAME) else contents))
+                    entries.append(
+                        (name.encode(), None if name in (_PICKLE_NAME, _DATA_NAME, _ID_NAME) else contents)
+                    )
             fmt = cls(prefix.encode(), tuple(entries))
             data = bytes(sample.reshape(-1).view(torch.uint8).tolist())  # a small sample; no numpy
             header, trailer = fmt.frame(pickle_tensor(sample), len(data), zlib.crc32(data), serialization_id)
-        except (zipfile.BadZipFile, IndexError, KeyError, AttributeError, ValueError, RuntimeError, struct.error):
+        except (
+            zipfile.BadZipFile,
+            IndexError,
+            KeyError,
+            AttributeError,
+            ValueError,
+            RuntimeError,
+            struct.error,
+        ):
             return None
         if header + data + trailer != expected:
             return None
@@ -181,7 +201,25 @@ class ArchiveFormat:
                 out.append(body)
             out.append(_DESCRIPTOR.pack(0x08074B50, entry_crc, size, size))
             central.append(
-                _CENTRAL.pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, entry_crc, size, size, len(full_name), 0, 0, 0, 0, 0, offset)
+                _CENTRAL.pack(
+                    0x02014B50,
+                    0,
+                    0,
+                    _FLAGS,
+                    0,
+                    0,
+                    0,
+                    entry_crc,
+                    size,
+                    size,
+                    len(full_name),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    offset,
+                )
             )
             central.append(full_name)
             offset = start + pad + size + _DESCRIPTOR.size
@@ -190,7 +228,16 @@ class ArchiveFormat:
         tail += central
         tail.append(
             _ZIP64_END.pack(
-                0x06064B50, _ZIP64_END.size - 12, _ZIP64_MADE_BY, _ZIP64_NEEDED, 0, 0, count, count, central_size, offset
+                0x06064B50,
+                _ZIP64_END.size - 12,
+                _ZIP64_MADE_BY,
+                _ZIP64_NEEDED,
+                0,
+                0,
+                count,
+                count,
+                central_size,
+                offset,
             )
         )
         tail.append(_ZIP64_LOCATOR.pack(0x07064B50, 0, offset + central_size, 1))

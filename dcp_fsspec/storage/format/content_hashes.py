@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_fsspec.storage.format.metadata_file import read_metadata
 from dcp_fsspec.storage.format.names import CONTENT_HASHES_NAME
-from dcp_fsspec.storage.format.tensor_records import FramedTensor
 from dcp_fsspec.storage.format.references import is_reference, reference_prefix, reference_problem
+from dcp_fsspec.storage.format.tensor_records import FramedTensor
 from dcp_fsspec.storage.transport.retry import RetryPolicy
 from dcp_fsspec.storage.transport.urls import Location, resolve
 
@@ -57,7 +57,13 @@ def encode_hashes(digests: Mapping[MetadataIndex, bytes], transforms: list[str],
         [index.fqn, None if index.offset is None else list(index.offset), digest.hex()]
         for index, digest in digests.items()
     ]
-    doc = {"format": _FORMAT, "algorithm": ALGORITHM, "save_id": save_id, "transforms": transforms, "entries": entries}
+    doc = {
+        "format": _FORMAT,
+        "algorithm": ALGORITHM,
+        "save_id": save_id,
+        "transforms": transforms,
+        "entries": entries,
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -99,7 +105,9 @@ def _parse_entry(entry: object) -> tuple[MetadataIndex, bytes]:
     fqn, offset, digest = entry
     if not isinstance(fqn, str) or not isinstance(digest, str) or len(digest) != 2 * _DIGEST_BYTES:
         raise TypeError(f"entry {entry!r:.80} is not [name, offsets, digest]")
-    if offset is not None and not (isinstance(offset, list) and all(type(o) is int and o >= 0 for o in offset)):
+    if offset is not None and not (
+        isinstance(offset, list) and all(type(o) is int and o >= 0 for o in offset)
+    ):
         raise TypeError(f"entry {fqn!r:.80} has offsets {offset!r:.80}")
     return MetadataIndex(fqn, offset), bytes.fromhex(digest)
 
@@ -134,11 +142,15 @@ def read_base(base: Location, folder: str, transforms: list[str]) -> dict[Metada
     try:
         metadata = read_metadata(base, references=True)
     except CheckpointNotFoundError as e:
-        raise CheckpointNotFoundError(f"the base {base.url} holds no checkpoint (no .metadata); give a committed one") from e
+        raise CheckpointNotFoundError(
+            f"the base {base.url} holds no checkpoint (no .metadata); give a committed one"
+        ) from e
     path = base.join(CONTENT_HASHES_NAME)
     raw = base.backend.read_versioned(path).data
     if raw is None:
-        logger.warning("the base %s stored no content hashes (not an incremental save): writing every record", base.url)
+        logger.warning(
+            "the base %s stored no content hashes (not an incremental save): writing every record", base.url
+        )
         return {}
     try:
         hashes = parse_hashes(raw, base.url_of(path))
@@ -147,13 +159,17 @@ def read_base(base: Location, folder: str, transforms: list[str]) -> dict[Metada
         return {}
     if hashes.save_id != getattr(metadata.storage_meta, "save_id", None):
         # Left by another save into the base's folder: its digests say nothing of these records.
-        logger.warning("the content hashes of the base %s belong to another save: writing every record", base.url)
+        logger.warning(
+            "the content hashes of the base %s belong to another save: writing every record", base.url
+        )
         return {}
     if hashes.transforms != transforms:
         logger.warning(
             "the base %s was written with transforms %s, this save uses %s: writing every record",
-            base.url, hashes.transforms, transforms,
-        )  # fmt: skip
+            base.url,
+            hashes.transforms,
+            transforms,
+        )
         return {}
     records = {}
     for index, info in (metadata.storage_data or {}).items():
@@ -167,14 +183,19 @@ def read_base(base: Location, folder: str, transforms: list[str]) -> dict[Metada
             name = prefix + name
         elif reference_problem(name, folder) is not None:
             continue
-        records[index] = BaseRecord(digest, _StorageInfo(name, info.offset, info.length, info.transform_descriptors))
+        records[index] = BaseRecord(
+            digest, _StorageInfo(name, info.offset, info.length, info.transform_descriptors)
+        )
     return records
 
 
 def base_of(
-    location: Location, base: str | os.PathLike[str], storage_options: dict[str, Any] | None,
-    fs: fsspec.AbstractFileSystem | None, retry: RetryPolicy | None,
-) -> Location:  # fmt: skip
+    location: Location,
+    base: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    fs: fsspec.AbstractFileSystem | None,
+    retry: RetryPolicy | None,
+) -> Location:
     """The base checkpoint at ``base`` of a save into ``location``, on the same filesystem.
 
     Raises:

@@ -8,7 +8,7 @@ body's (:func:`crc32_combine`: the GF(2) polynomial arithmetic of zlib's ``crc32
 which Python's ``zlib`` does not expose).
 
 The pass itself is :data:`crc32`: ISA-L's (the ``isal`` package, a dependency on the CPUs it
-has wheels for; ~4× zlib's speed here), else zlib's, the same values.
+has wheels for, several times faster), else zlib's, the same values.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _x_to_8n(n: int) -> int:
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of ``A + B`` from ``crc1`` = CRC-32 of ``A``, ``crc2`` of ``B`` and ``len2`` = ``len(B)``.
 
-    About 10 µs in Python whatever the lengths, the cost of a CRC pass over ~10 KB: worth it
-    only for larger pieces (:data:`COMBINE_ABOVE`).
+    It costs as much as a CRC pass over a few kilobytes, whatever the lengths: worth it only for
+    larger pieces (:data:`COMBINE_ABOVE`).
     """
     if not crc1:  # the CRC of an empty A, or of any A whose CRC is 0: either way A adds nothing
         return crc2

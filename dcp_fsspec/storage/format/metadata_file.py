@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_fsspec.storage.format import metadata_standins
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.format.metadata_unpickler import unpickle_metadata
 from dcp_fsspec.storage.format.names import metadata_name, relative_path_problem
 from dcp_fsspec.storage.format.references import is_reference, reference_problem
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.urls import Location
 
 if TYPE_CHECKING:
@@ -43,10 +43,16 @@ class _Classes:
 
 
 _STAND_IN_CLASSES = _Classes(
-    metadata_standins.Metadata, metadata_standins.TensorStorageMetadata, metadata_standins.BytesStorageMetadata,
-    metadata_standins.ChunkStorageMetadata, (metadata_standins.TensorProperties,), metadata_standins.MetadataIndex,
-    metadata_standins.StorageInfo, metadata_standins.StorageMeta, metadata_standins.DType,
-)  # fmt: skip
+    metadata_standins.Metadata,
+    metadata_standins.TensorStorageMetadata,
+    metadata_standins.BytesStorageMetadata,
+    metadata_standins.ChunkStorageMetadata,
+    (metadata_standins.TensorProperties,),
+    metadata_standins.MetadataIndex,
+    metadata_standins.StorageInfo,
+    metadata_standins.StorageMeta,
+    metadata_standins.DType,
+)
 
 
 @functools.cache
@@ -59,10 +65,16 @@ def _torch_classes() -> _Classes:
     # Older DCP metadata pickled the sharded-tensor module's TensorProperties (same fields);
     # torch still loads it (its test_compatibility.py::test_sharded_tensor_dependency).
     return _Classes(
-        metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
-        metadata.ChunkStorageMetadata, (metadata.TensorProperties, LegacyTensorProperties), metadata.MetadataIndex,
-        _StorageInfo, metadata.StorageMeta, torch.dtype,
-    )  # fmt: skip
+        metadata.Metadata,
+        metadata.TensorStorageMetadata,
+        metadata.BytesStorageMetadata,
+        metadata.ChunkStorageMetadata,
+        (metadata.TensorProperties, LegacyTensorProperties),
+        metadata.MetadataIndex,
+        _StorageInfo,
+        metadata.StorageMeta,
+        torch.dtype,
+    )
 
 
 def _classes_of(metadata: object) -> _Classes:
@@ -76,15 +88,27 @@ def metadata_url(location: Location, rank: int | None = None) -> str:
 
 @overload
 def read_metadata(
-    location: Location, rank: int | None = None, *, trust_checkpoint: bool = False, extents: bool = True,
-    max_entries: int | None = None, references: bool = False, stand_ins: Literal[False] = False,
+    location: Location,
+    rank: int | None = None,
+    *,
+    trust_checkpoint: bool = False,
+    extents: bool = True,
+    max_entries: int | None = None,
+    references: bool = False,
+    stand_ins: Literal[False] = False,
 ) -> Metadata: ...
 
 
 @overload
 def read_metadata(
-    location: Location, rank: int | None = None, *, trust_checkpoint: bool = False, extents: bool = True,
-    max_entries: int | None = None, references: bool = False, stand_ins: Literal[True],
+    location: Location,
+    rank: int | None = None,
+    *,
+    trust_checkpoint: bool = False,
+    extents: bool = True,
+    max_entries: int | None = None,
+    references: bool = False,
+    stand_ins: Literal[True],
 ) -> metadata_standins.Metadata: ...
 
 
@@ -130,22 +154,39 @@ def read_metadata(
         )
         raise CheckpointNotFoundError(f"no checkpoint at {location.url!r}: {why}") from e
     return parse_metadata(
-        raw, url, trust_checkpoint=trust_checkpoint, extents=extents, max_entries=max_entries, references=references,
+        raw,
+        url,
+        trust_checkpoint=trust_checkpoint,
+        extents=extents,
+        max_entries=max_entries,
+        references=references,
         stand_ins=stand_ins,
-    )  # fmt: skip
+    )
 
 
 @overload
 def parse_metadata(
-    raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True, max_entries: int | None = None,
-    references: bool = False, stand_ins: Literal[False] = False,
+    raw: bytes,
+    url: str,
+    *,
+    trust_checkpoint: bool = False,
+    extents: bool = True,
+    max_entries: int | None = None,
+    references: bool = False,
+    stand_ins: Literal[False] = False,
 ) -> Metadata: ...
 
 
 @overload
 def parse_metadata(
-    raw: bytes, url: str, *, trust_checkpoint: bool = False, extents: bool = True, max_entries: int | None = None,
-    references: bool = False, stand_ins: Literal[True],
+    raw: bytes,
+    url: str,
+    *,
+    trust_checkpoint: bool = False,
+    extents: bool = True,
+    max_entries: int | None = None,
+    references: bool = False,
+    stand_ins: Literal[True],
 ) -> metadata_standins.Metadata: ...
 
 
@@ -202,16 +243,7 @@ def check_metadata(metadata: Any, url: str, *, extents: bool = True, references:
     def bad(entry: object, what: str) -> CorruptCheckpointError:
         return _corrupt(url, entry, what)
 
-    entries = metadata.state_dict_metadata
-    if not isinstance(entries, dict):
-        raise bad("state_dict_metadata", f"is a {type(entries).__name__}, not a dict")
-    for fqn, meta in entries.items():
-        if not isinstance(fqn, str):
-            raise bad(fqn, "is not named by a string")
-        if isinstance(meta, classes.tensor):
-            _check_tensor(fqn, meta, classes, bad)
-        elif not isinstance(meta, classes.bytes):
-            raise bad(fqn, f"is described by a {type(meta).__name__}, not a tensor's or an object's metadata")
+    _check_entries(metadata.state_dict_metadata, classes, bad)
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, classes.storage_meta):
         raise bad("storage_meta", f"is a {type(metadata.storage_meta).__name__}, not DCP's StorageMeta")
     storage = metadata.storage_data
@@ -223,23 +255,43 @@ def check_metadata(metadata: Any, url: str, *, extents: bool = True, references:
     for index, info in storage.items():
         if not isinstance(index, classes.index) or not isinstance(index.fqn, str):
             raise bad(getattr(index, "fqn", index), "has a storage key that is not a MetadataIndex")
-        fqn = index.fqn
         if not isinstance(info, classes.storage_info):
-            raise bad(fqn, f"has storage info of type {type(info).__name__}")
-        path = info.relative_path
-        if path not in checked_paths:
-            problem = _stored_path_problem(path, url, references)
+            raise bad(index.fqn, f"has storage info of type {type(info).__name__}")
+        if info.relative_path not in checked_paths:
+            problem = _stored_path_problem(info.relative_path, url, references)
             if problem is not None:
-                raise bad(fqn, f"names the data file {path!r}, which is outside the checkpoint folder: {problem}")
-            checked_paths.add(path)
-        problem = _extent_problem(info) if extents else None
+                raise bad(
+                    index.fqn,
+                    f"names the data file {info.relative_path!r}, which is outside the checkpoint folder: "
+                    f"{problem}",
+                )
+            checked_paths.add(info.relative_path)
+        problem = (_extent_problem(info) if extents else None) or _descriptors_problem(info)
         if problem is not None:
-            raise bad(fqn, problem)
-        descriptors = info.transform_descriptors
-        if descriptors is not None and (
-            not isinstance(descriptors, (list, tuple)) or not all(isinstance(d, str) for d in descriptors)
-        ):
-            raise bad(fqn, f"has transform descriptors {descriptors!r}, not a list of strings")
+            raise bad(index.fqn, problem)
+
+
+def _check_entries(entries: Any, classes: Any, bad: Callable[[object, str], CorruptCheckpointError]) -> None:
+    """Each entry of ``state_dict_metadata`` is named by a string and described as DCP does."""
+    if not isinstance(entries, dict):
+        raise bad("state_dict_metadata", f"is a {type(entries).__name__}, not a dict")
+    for fqn, meta in entries.items():
+        if not isinstance(fqn, str):
+            raise bad(fqn, "is not named by a string")
+        if isinstance(meta, classes.tensor):
+            _check_tensor(fqn, meta, classes, bad)
+        elif not isinstance(meta, classes.bytes):
+            raise bad(fqn, f"is described by a {type(meta).__name__}, not a tensor's or an object's metadata")
+
+
+def _descriptors_problem(info: Any) -> str | None:
+    """Why a record's transform descriptors are not a list of strings; None if they are (or absent)."""
+    descriptors = info.transform_descriptors
+    if descriptors is None:
+        return None
+    if isinstance(descriptors, (list, tuple)) and all(isinstance(d, str) for d in descriptors):
+        return None
+    return f"has transform descriptors {descriptors!r}, not a list of strings"
 
 
 def _stored_path_problem(path: object, metadata_url: str, siblings: bool) -> str | None:
@@ -272,7 +324,9 @@ def _extent_problem(info: _StorageInfo) -> str | None:
 
 
 def _corrupt(url: str, entry: object, what: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{url!r} is corrupt: entry {entry!r} {what}; restore it or load another checkpoint")
+    return CorruptCheckpointError(
+        f"{url!r} is corrupt: entry {entry!r} {what}; restore it or load another checkpoint"
+    )
 
 
 def _is_int(value: object) -> bool:
@@ -280,10 +334,15 @@ def _is_int(value: object) -> bool:
 
 
 def _check_tensor(
-    fqn: str, meta: TensorStorageMetadata, classes: _Classes, bad: Callable[[object, str], CorruptCheckpointError]
+    fqn: str,
+    meta: TensorStorageMetadata,
+    classes: _Classes,
+    bad: Callable[[object, str], CorruptCheckpointError],
 ) -> None:
     properties = getattr(meta, "properties", None)
-    if not isinstance(properties, classes.properties) or not isinstance(getattr(properties, "dtype", None), classes.dtype):
+    if not isinstance(properties, classes.properties) or not isinstance(
+        getattr(properties, "dtype", None), classes.dtype
+    ):
         raise bad(fqn, "has no tensor dtype")
     size = getattr(meta, "size", None)
     if not _is_shape(size):
@@ -295,11 +354,15 @@ def _check_tensor(
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
         if (
             not isinstance(chunk, classes.chunk)
-            or not _is_shape(offsets) or not _is_shape(sizes)
+            or not _is_shape(offsets)
+            or not _is_shape(sizes)
             or not len(offsets) == len(sizes) == len(size)
             or any(o + s > whole for o, s, whole in zip(offsets, sizes, size))
-        ):  # fmt: skip
-            raise bad(fqn, f"has a chunk at {offsets!r} of {sizes!r} that does not lie within its shape {tuple(size)}")
+        ):
+            raise bad(
+                fqn,
+                f"has a chunk at {offsets!r} of {sizes!r} that does not lie within its shape {tuple(size)}",
+            )
 
 
 def _is_shape(value: object) -> TypeGuard[tuple[int, ...]]:

@@ -28,36 +28,90 @@ class DType:
 # Every torch dtype: its name in torch's namespace (aliases too) → canonical name, bytes per
 # element. tests/test_cli_startup.py checks it against the installed torch.
 _DTYPES: dict[str, tuple[str, int]] = {
-    "bfloat16": ("bfloat16", 2), "bit": ("uint1", 1), "bits16": ("bits16", 2), "bits1x8": ("bits1x8", 1),
-    "bits2x4": ("bits2x4", 1), "bits4x2": ("bits4x2", 1), "bits8": ("bits8", 1), "bool": ("bool", 1),
-    "cdouble": ("complex128", 16), "cfloat": ("complex64", 8), "chalf": ("complex32", 4),
-    "complex128": ("complex128", 16), "complex32": ("complex32", 4), "complex64": ("complex64", 8),
-    "double": ("float64", 8), "float": ("float32", 4), "float16": ("float16", 2), "float32": ("float32", 4),
-    "float4_e2m1fn_x2": ("float4_e2m1fn_x2", 1), "float64": ("float64", 8),
-    "float8_e4m3fn": ("float8_e4m3fn", 1), "float8_e4m3fnuz": ("float8_e4m3fnuz", 1),
-    "float8_e5m2": ("float8_e5m2", 1), "float8_e5m2fnuz": ("float8_e5m2fnuz", 1),
-    "float8_e8m0fnu": ("float8_e8m0fnu", 1), "half": ("float16", 2), "int": ("int32", 4),
-    "int1": ("int1", 1), "int2": ("int2", 1), "int3": ("int3", 1), "int4": ("int4", 1), "int5": ("int5", 1),
-    "int6": ("int6", 1), "int7": ("int7", 1), "int8": ("int8", 1), "int16": ("int16", 2), "int32": ("int32", 4),
-    "int64": ("int64", 8), "long": ("int64", 8), "qint32": ("qint32", 4), "qint8": ("qint8", 1),
-    "quint2x4": ("quint2x4", 1), "quint4x2": ("quint4x2", 1), "quint8": ("quint8", 1), "short": ("int16", 2),
-    "uint1": ("uint1", 1), "uint2": ("uint2", 1), "uint3": ("uint3", 1), "uint4": ("uint4", 1),
-    "uint5": ("uint5", 1), "uint6": ("uint6", 1), "uint7": ("uint7", 1), "uint8": ("uint8", 1),
-    "uint16": ("uint16", 2), "uint32": ("uint32", 4), "uint64": ("uint64", 8),
-}  # fmt: skip
+    "bfloat16": ("bfloat16", 2),
+    "bit": ("uint1", 1),
+    "bits16": ("bits16", 2),
+    "bits1x8": ("bits1x8", 1),
+    "bits2x4": ("bits2x4", 1),
+    "bits4x2": ("bits4x2", 1),
+    "bits8": ("bits8", 1),
+    "bool": ("bool", 1),
+    "cdouble": ("complex128", 16),
+    "cfloat": ("complex64", 8),
+    "chalf": ("complex32", 4),
+    "complex128": ("complex128", 16),
+    "complex32": ("complex32", 4),
+    "complex64": ("complex64", 8),
+    "double": ("float64", 8),
+    "float": ("float32", 4),
+    "float16": ("float16", 2),
+    "float32": ("float32", 4),
+    "float4_e2m1fn_x2": ("float4_e2m1fn_x2", 1),
+    "float64": ("float64", 8),
+    "float8_e4m3fn": ("float8_e4m3fn", 1),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", 1),
+    "float8_e5m2": ("float8_e5m2", 1),
+    "float8_e5m2fnuz": ("float8_e5m2fnuz", 1),
+    "float8_e8m0fnu": ("float8_e8m0fnu", 1),
+    "half": ("float16", 2),
+    "int": ("int32", 4),
+    "int1": ("int1", 1),
+    "int2": ("int2", 1),
+    "int3": ("int3", 1),
+    "int4": ("int4", 1),
+    "int5": ("int5", 1),
+    "int6": ("int6", 1),
+    "int7": ("int7", 1),
+    "int8": ("int8", 1),
+    "int16": ("int16", 2),
+    "int32": ("int32", 4),
+    "int64": ("int64", 8),
+    "long": ("int64", 8),
+    "qint32": ("qint32", 4),
+    "qint8": ("qint8", 1),
+    "quint2x4": ("quint2x4", 1),
+    "quint4x2": ("quint4x2", 1),
+    "quint8": ("quint8", 1),
+    "short": ("int16", 2),
+    "uint1": ("uint1", 1),
+    "uint2": ("uint2", 1),
+    "uint3": ("uint3", 1),
+    "uint4": ("uint4", 1),
+    "uint5": ("uint5", 1),
+    "uint6": ("uint6", 1),
+    "uint7": ("uint7", 1),
+    "uint8": ("uint8", 1),
+    "uint16": ("uint16", 2),
+    "uint32": ("uint32", 4),
+    "uint64": ("uint64", 8),
+}
 DTYPES: dict[str, DType] = {name: DType(*canonical) for name, canonical in _DTYPES.items()}
 
 # torch's typed storage classes, as a tensor record's data.pkl names them → their dtype.
 STORAGE_DTYPES: dict[str, DType] = {
     f"{prefix}Storage": DTYPES[name]
     for prefix, name in (
-        ("BFloat16", "bfloat16"), ("Bool", "bool"), ("Byte", "uint8"), ("Char", "int8"),
-        ("ComplexDouble", "complex128"), ("ComplexFloat", "complex64"), ("Double", "float64"),
-        ("Float", "float32"), ("Half", "float16"), ("Int", "int32"), ("Long", "int64"), ("QInt32", "qint32"),
-        ("QInt8", "qint8"), ("QUInt2x4", "quint2x4"), ("QUInt4x2", "quint4x2"), ("QUInt8", "quint8"),
-        ("Short", "int16"), ("Untyped", "uint8"), ("", "float32"),
+        ("BFloat16", "bfloat16"),
+        ("Bool", "bool"),
+        ("Byte", "uint8"),
+        ("Char", "int8"),
+        ("ComplexDouble", "complex128"),
+        ("ComplexFloat", "complex64"),
+        ("Double", "float64"),
+        ("Float", "float32"),
+        ("Half", "float16"),
+        ("Int", "int32"),
+        ("Long", "int64"),
+        ("QInt32", "qint32"),
+        ("QInt8", "qint8"),
+        ("QUInt2x4", "quint2x4"),
+        ("QUInt4x2", "quint4x2"),
+        ("QUInt8", "quint8"),
+        ("Short", "int16"),
+        ("Untyped", "uint8"),
+        ("", "float32"),
     )
-}  # fmt: skip
+}
 
 
 def dtype_name(dtype: object) -> str:
@@ -72,7 +126,9 @@ class _Named:
     name: str
 
 
-_LAYOUTS = frozenset({"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"})
+_LAYOUTS = frozenset(
+    {"strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"}
+)
 _MEMORY_FORMATS = frozenset(
     {"contiguous_format", "channels_last", "channels_last_3d", "preserve_format", "legacy_contiguous_format"}
 )

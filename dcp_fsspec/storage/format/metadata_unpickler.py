@@ -17,8 +17,8 @@ import pickle
 from typing import Any
 
 from dcp_fsspec.errors import CorruptCheckpointError, UsageError
-from dcp_fsspec.storage.transport.gc_pause import collector_paused
 from dcp_fsspec.storage.format.metadata_standins import STAND_INS, torch_constant
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
 
 # module → names a DCP ``.metadata`` may refer to, each harmless to call with any arguments:
 # dataclasses and an enum of DCP's own, torch.Size, torch's layout lookup, plain containers, and a
@@ -26,26 +26,34 @@ from dcp_fsspec.storage.format.metadata_standins import STAND_INS, torch_constan
 # by unpickling what our writer, FileSystemWriter and FsspecWriter write for every dtype, DTensor
 # shards and optimizer state (tests/security/test_code_execution.py loads each).
 METADATA_CLASSES: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata",  # the whole file
-        "TensorStorageMetadata",  # a tensor entry: properties, size, chunks
-        "ChunkStorageMetadata",  # one saved piece of a tensor (a rank's shard, a DTensor's local part)
-        "BytesStorageMetadata",  # a non-tensor entry
-        "TensorProperties",  # a tensor's dtype, layout, requires_grad, pinning
-        "_MEM_FORMAT_ENCODING",  # the enum TensorProperties pickles its memory format as
-        "MetadataIndex",  # the key of storage_data: entry name and chunk offset
-        "StorageMeta",  # checkpoint_id, save_id, load_id, modules
-    }),
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",  # the whole file
+            "TensorStorageMetadata",  # a tensor entry: properties, size, chunks
+            "ChunkStorageMetadata",  # one saved piece of a tensor (a rank's shard, a DTensor's local part)
+            "BytesStorageMetadata",  # a non-tensor entry
+            "TensorProperties",  # a tensor's dtype, layout, requires_grad, pinning
+            "_MEM_FORMAT_ENCODING",  # the enum TensorProperties pickles its memory format as
+            "MetadataIndex",  # the key of storage_data: entry name and chunk offset
+            "StorageMeta",  # checkpoint_id, save_id, load_id, modules
+        }
+    ),
     # Older metadata's TensorProperties: the same dataclass, from before DCP had its own.
-    "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties", "MEM_FORMAT_ENCODING"}),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),  # file, offset, length, transforms
+    "torch.distributed._shard.sharded_tensor.metadata": frozenset(
+        {"TensorProperties", "MEM_FORMAT_ENCODING"}
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset(
+        {"_StorageInfo"}
+    ),  # file, offset, length, transforms
     "torch": frozenset({"Size"}),  # shapes and offsets
     "torch.serialization": frozenset({"_get_layout"}),  # how torch.layout pickles: a lookup by name
     "collections": frozenset({"OrderedDict"}),
     "builtins": frozenset({"set", "frozenset", "list", "dict", "tuple"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
-    "pathlib._local": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),  # Python 3.13+
-}  # fmt: skip
+    "pathlib._local": frozenset(
+        {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+    ),  # Python 3.13+
+}
 
 TRUST_HINT = (
     "if you wrote this checkpoint yourself, load it with trust_checkpoint=True (CLI: --trust), "
@@ -122,7 +130,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def unpickle_metadata(
-    data: bytes, url: str, *, trust_checkpoint: bool = False, max_entries: int | None = None, stand_ins: bool = False
+    data: bytes,
+    url: str,
+    *,
+    trust_checkpoint: bool = False,
+    max_entries: int | None = None,
+    stand_ins: bool = False,
 ) -> Any:
     """Unpickle ``.metadata``'s bytes (read from ``url``), admitting only DCP metadata's classes.
 

@@ -69,7 +69,9 @@ def _parse_layout(buf: memoryview) -> RecordLayout | None:
             return None
         if bytes(buf[pos : pos + 4]) != _LOCAL_HEADER:
             raise RecordFormatError(f"no zip entry at byte {pos} of the record")
-        flags, method, crc, csize, _usize, name_len, extra_len = struct.unpack_from("<HHxxxxIIIHH", buf, pos + 6)
+        flags, method, crc, csize, _usize, name_len, extra_len = struct.unpack_from(
+            "<HHxxxxIIIHH", buf, pos + 6
+        )
         if method != 0:
             raise RecordFormatError("compressed zip entry")
         start = pos + _LOCAL_HEADER_SIZE + name_len + extra_len
@@ -97,7 +99,6 @@ def _parse_layout(buf: memoryview) -> RecordLayout | None:
         if end is None:
             return None
         pos = end
-
 
 
 def _find_descriptor(buf: memoryview, start: int) -> int | None:

@@ -54,7 +54,9 @@ def reference_problem(name: str, folder: str, *, siblings: bool = True) -> str |
             f"it names a file of the sibling checkpoint {_resolved(folder, posixpath.dirname(name))} (an "
             "incremental save's base); pass references=True (--references in the CLI) to follow it"
         )
-    if depth == 2 and not (rest[1] == own[-1] and ITERATION_RE.fullmatch(rest[0]) and ITERATION_RE.fullmatch(own[-2])):
+    if depth == 2 and not (
+        rest[1] == own[-1] and ITERATION_RE.fullmatch(rest[0]) and ITERATION_RE.fullmatch(own[-2])
+    ):
         return "two levels up it may only name the same key of another iteration ('../../iter_N/key/file')"
     return None
 
@@ -67,7 +69,11 @@ def reference_prefix(folder: str, base: str) -> str | None:
     other = [p for p in _path_of(base).split("/") if p]
     for depth in (1, 2):
         prefix = _UP * depth + "/".join(other[-depth:]) + "/"
-        if len(own) == len(other) and own[:-depth] == other[:-depth] and reference_problem(prefix + "f", folder) is None:
+        if (
+            len(own) == len(other)
+            and own[:-depth] == other[:-depth]
+            and reference_problem(prefix + "f", folder) is None
+        ):
             return prefix
     return None
 

@@ -5,7 +5,7 @@ zip: ``data.pkl``, a few small entries, the raw storage bytes as ``data/0``, the
 directory) at an offset in a ``.distcp`` file. We keep that format exactly, so torch's readers
 load what we write, but avoid its two costs:
 
-* Encoding: ``torch.save`` copies every tensor into the archive and costs ~100 µs a tensor. We
+* Encoding: ``torch.save`` copies every tensor into the archive, at a fixed cost per tensor. We
   write the archive's small header and trailer ourselves (:mod:`archive`, checked against
   torch.save once per dtype) and stream the tensor's own memory in between, with the CRC-32 of
   ``data/0`` where torch's own writer puts it, so the record carries a checksum torch defines.
@@ -35,7 +35,6 @@ from dcp_fsspec.storage.format.archive import ArchiveFormat, can_write, pickle_t
 from dcp_fsspec.storage.format.crc import crc32
 from dcp_fsspec.storage.format.record_layout import RecordLayout, parse_layout
 
-
 _DESCRIPTOR = b"PK\x07\x08"
 _CENTRAL_HEADER = b"PK\x01\x02"
 _EOCD = b"PK\x05\x06"
@@ -58,7 +57,9 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
-        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor, got {tensor.device} strides {tensor.stride()}")
+        raise ValueError(
+            f"tensor_bytes needs a contiguous CPU tensor, got {tensor.device} strides {tensor.stride()}"
+        )
     array = _ANY_BYTES.from_address(tensor.data_ptr())
     setattr(array, "_owner", tensor)  # the memory lives as long as the view
     return memoryview(array)[:nbytes].cast("B")
@@ -73,7 +74,11 @@ def storage_ready(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    if not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    if (
+        not t.is_contiguous()
+        or t.storage_offset() != 0
+        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    ):
         t = t.contiguous() if not t.is_contiguous() else t.clone()
     return t
 
@@ -182,7 +187,9 @@ def frame_tensor(tensor: torch.Tensor) -> FramedTensor:
             # The archive's local headers carry no CRC (it is in the data descriptor), so the
             # header is the same whatever the CRC: frame once with 0, then find where it goes.
             head, tail = fmt.frame(pickle_tensor(t), len(data), 0)
-            return FramedTensor(head, data, t, tail, _data_crc_offsets(bytearray(tail), data_end=len(head) + len(data)))
+            return FramedTensor(
+                head, data, t, tail, _data_crc_offsets(bytearray(tail), data_end=len(head) + len(data))
+            )
     key = (t.dtype, tuple(t.shape))
     template = _TEMPLATES.get(key)
     if template is None:

@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
 from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms, _StorageWriterTransforms
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem
 
 from dcp_fsspec.errors import CorruptCheckpointError, MissingDriverError
@@ -82,7 +82,9 @@ def compression_extensions(compression: str | None, level: int | None) -> list[S
             raise ValueError(f"compression_level={level!r} needs compression='zstd'")
         return []
     if compression not in COMPRESSIONS:
-        raise ValueError(f"compression={compression!r} is not supported; choose one of {list(COMPRESSIONS)} or None")
+        raise ValueError(
+            f"compression={compression!r} is not supported; choose one of {list(COMPRESSIONS)} or None"
+        )
     return [LeveledZStandard(DEFAULT_ZSTD_LEVEL if level is None else level)]
 
 
@@ -223,9 +225,10 @@ def untransform(
     cannot undo (:class:`CorruptCheckpointError` for a record too big); the caller reports that
     as damage to the record.
     """
-    if list(descriptors) == [_ZSTD_DESCRIPTOR] and transforms.extension_registry.extensions.get(
-        ZStandard.registry_name()
-    ) is ZStandard:
+    if (
+        list(descriptors) == [_ZSTD_DESCRIPTOR]
+        and transforms.extension_registry.extensions.get(ZStandard.registry_name()) is ZStandard
+    ):
         whole = _one_zstd_frame(data, limit)
         if whole is not None:
             return whole

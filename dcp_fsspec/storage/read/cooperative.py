@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_fsspec import errors
 from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError
-from dcp_fsspec.storage.read.record_stream import RecordDecoder, RecordPlace, feed_records
 from dcp_fsspec.storage.read.fetch import Span, fetch_in_order
+from dcp_fsspec.storage.read.record_stream import RecordDecoder, RecordPlace, feed_records
 from dcp_fsspec.storage.transport.urls import Location
 
 RecordKey = tuple[str, int, int]  # relative path, offset, length
@@ -126,7 +126,9 @@ def _pieces(
     return pieces
 
 
-def _rounds(pieces: list[tuple[Span, frozenset[int]]], ranks: int, round_bytes: int) -> tuple[tuple[Piece, ...], ...]:
+def _rounds(
+    pieces: list[tuple[Span, frozenset[int]]], ranks: int, round_bytes: int
+) -> tuple[tuple[Piece, ...], ...]:
     rounds: list[tuple[Piece, ...]] = []
     current: list[Piece] = []
     in_round = [0] * ranks
@@ -180,7 +182,9 @@ class Group:
         The failing rank raises its own exception; the others raise the same class of our
         error tree with the same message.
         """
-        flag = torch.tensor([self.rank if error is not None else self.size], dtype=torch.int64, device=self.device)
+        flag = torch.tensor(
+            [self.rank if error is not None else self.size], dtype=torch.int64, device=self.device
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         source = int(flag.item())
         if source == self.size:
@@ -235,7 +239,9 @@ def _rebuild(told: memoryview, source: int) -> DcpFsspecError:
     return DcpFsspecError(f"rank {source} failed: {name}: {message}")
 
 
-def share_metadata(read: Callable[[], Metadata], parse: Callable[[bytes], Metadata], group: Group) -> Metadata:
+def share_metadata(
+    read: Callable[[], Metadata], parse: Callable[[bytes], Metadata], group: Group
+) -> Metadata:
     """``.metadata``, read by rank 0 of ``group`` and broadcast; the others ``parse`` its bytes.
 
     Raises: on every rank, what ``read`` raised on rank 0.
@@ -281,7 +287,9 @@ def read_shared(
     Raises:
         On every rank, the first failing rank's error.
     """
-    exchange = _Exchange(shared, group, location, decoder, to_error, window_bytes=window_bytes, threads=threads)
+    exchange = _Exchange(
+        shared, group, location, decoder, to_error, window_bytes=window_bytes, threads=threads
+    )
     try:
         everything = records()
     except Exception as e:  # noqa: BLE001 - carried into the exchange, which raises it on every rank
@@ -289,7 +297,11 @@ def read_shared(
         everything = []
     mine = {(location.join(path), offset, length) for path, offset, length in shared.mine}
     alone = [r for r in everything if (r.path, r.offset, r.length) not in mine]
-    exchange.run(sorted((r for r in everything if (r.path, r.offset, r.length) in mine), key=lambda r: (r.path, r.offset)))
+    exchange.run(
+        sorted(
+            (r for r in everything if (r.path, r.offset, r.length) in mine), key=lambda r: (r.path, r.offset)
+        )
+    )
     return alone
 
 
@@ -358,7 +370,11 @@ class _Exchange(Generic[R]):
         spans = [Span(self.location.join(p.path), p.start, p.end) for p in pieces]
         data: dict[Piece, bytes | bytearray] = {}
         fetched = fetch_in_order(
-            self.location.fs, spans, window_bytes=self.window_bytes, threads=self.threads, retry=self.location.retry
+            self.location.fs,
+            spans,
+            window_bytes=self.window_bytes,
+            threads=self.threads,
+            retry=self.location.retry,
         )
         for piece, (span, got) in zip(pieces, fetched):
             if len(got) != span.size:

@@ -19,13 +19,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from dcp_fsspec.errors import CheckpointMismatchError, CorruptCheckpointError, MissingDriverError
 from dcp_fsspec.storage.backends.base import InPlaceFiles
-from dcp_fsspec.storage.read.cooperative import NeededRecord, record_fqns
 from dcp_fsspec.storage.format.crc import crc32
-from dcp_fsspec.storage.read.record_stream import CRC_TAIL, RecordDecoder, RecordFault
-from dcp_fsspec.storage.format.tensor_records import tensor_bytes
 from dcp_fsspec.storage.format.record_layout import RecordLayout
-from dcp_fsspec.storage.format.transforms import UndoQueue, missing_package, untransform, untransformed_limit
 from dcp_fsspec.storage.format.safe_entries import load_object
+from dcp_fsspec.storage.format.tensor_records import tensor_bytes
+from dcp_fsspec.storage.format.transforms import UndoQueue, missing_package, untransform, untransformed_limit
+from dcp_fsspec.storage.read.cooperative import NeededRecord, record_fqns
+from dcp_fsspec.storage.read.record_stream import CRC_TAIL, RecordDecoder, RecordFault
 
 
 class DecodingOptions(Protocol):
@@ -33,7 +33,9 @@ class DecodingOptions(Protocol):
 
     verify_checksums: bool
     trust_checkpoint: bool
-    transforms: Any  # torch's reader transforms (see :func:`~dcp_fsspec.storage.format.transforms.reader_transforms`)
+    transforms: (
+        Any  # torch's reader transforms (see :func:`~dcp_fsspec.storage.format.transforms.reader_transforms`)
+    )
     state_dict_metadata: dict[str, STORAGE_TYPES]
     _undo_queue: UndoQueue | None
 
@@ -78,7 +80,11 @@ class LoadDecoder(RecordDecoder):
         whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == spec.size
         if whole and spec.is_dense:
             target = self.planner.resolve_tensor(item).detach()
-            if target.is_contiguous() and target.dtype == spec.torch_dtype and tuple(target.shape) == spec.size:
+            if (
+                target.is_contiguous()
+                and target.dtype == spec.torch_dtype
+                and tuple(target.shape) == spec.size
+            ):
                 self._target = target
                 self.stream_into(tensor_bytes(target) if spec.nbytes else None)
                 return
@@ -138,7 +144,9 @@ class LoadDecoder(RecordDecoder):
     def _finish_held(self, data: memoryview) -> None:
         if self.record.transforms:
             if self.undo_queue is not None:  # decompress on the pool, deliver here later
-                self.undo_queue.submit(lambda: self._untransform(data), lambda raw: self._deliver_all(memoryview(raw)))
+                self.undo_queue.submit(
+                    lambda: self._untransform(data), lambda raw: self._deliver_all(memoryview(raw))
+                )
                 return
             data = memoryview(self._untransform(data))
         self._deliver_all(data)

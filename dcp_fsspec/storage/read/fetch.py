@@ -39,9 +39,7 @@ class Span:
         return self.end - self.start
 
 
-def plan_spans(
-    ranges: list[tuple[str, int, int]], *, max_gap: int, max_span: int
-) -> list[Span]:
+def plan_spans(ranges: list[tuple[str, int, int]], *, max_gap: int, max_span: int) -> list[Span]:
     """Sort ranges by file and offset, merge neighbours closer than ``max_gap``, cut at ``max_span``.
 
     Merging saves requests for the many small records of a checkpoint; the gap bound keeps the
@@ -63,7 +61,9 @@ def plan_spans(
 
 
 def _cut(span: Span, max_span: int) -> list[Span]:
-    return [Span(span.path, s, min(s + max_span, span.end)) for s in range(span.start, span.end, max_span)] or [span]
+    return [
+        Span(span.path, s, min(s + max_span, span.end)) for s in range(span.start, span.end, max_span)
+    ] or [span]
 
 
 class _Fetcher:
@@ -84,7 +84,9 @@ class _Fetcher:
             return asyncio.run_coroutine_threadsafe(self.retry.call_async(read, url=url), self.fs.loop)
         assert self._pool is not None and self._reader is not None
         reader = self._reader
-        return self._pool.submit(self.retry.call, lambda: reader.read(span.path, span.size, span.start), url=url)
+        return self._pool.submit(
+            self.retry.call, lambda: reader.read(span.path, span.size, span.start), url=url
+        )
 
     def close(self) -> None:
         if self._pool is not None:

@@ -23,25 +23,37 @@ from typing import Any
 
 import fsspec
 import torch.distributed as dist
-from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
-from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError, DcpFsspecError, RecordFormatError, StorageError
-from dcp_fsspec.storage.transport.gc_pause import collector_paused
-from dcp_fsspec.storage.read.cooperative import Group, SharedReads, plan_shared_reads, read_shared, share_metadata
-from dcp_fsspec.storage.read.record_stream import feed_records
-from dcp_fsspec.storage.format.metadata_file import extent_error, metadata_url, parse_metadata, read_metadata
+from dcp_fsspec.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpFsspecError,
+    RecordFormatError,
+    StorageError,
+)
 from dcp_fsspec.storage.backends.base import InPlaceFiles
-from dcp_fsspec.storage.read.fetch import Span, fetch_in_order, plan_spans
-from dcp_fsspec.storage.read.delivery import LoadDecoder, LoadRecord
+from dcp_fsspec.storage.format.metadata_file import extent_error, metadata_url, parse_metadata, read_metadata
 from dcp_fsspec.storage.format.names import METADATA_NAME
 from dcp_fsspec.storage.format.references import referenced_folders
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
-from dcp_fsspec.storage.settings import ReaderSettings, split_keywords
 from dcp_fsspec.storage.format.transforms import UndoQueue, reader_transforms
+from dcp_fsspec.storage.read.cooperative import (
+    Group,
+    SharedReads,
+    plan_shared_reads,
+    read_shared,
+    share_metadata,
+)
+from dcp_fsspec.storage.read.delivery import LoadDecoder, LoadRecord
+from dcp_fsspec.storage.read.fetch import Span, fetch_in_order, plan_spans
+from dcp_fsspec.storage.read.record_stream import feed_records
+from dcp_fsspec.storage.settings import ReaderSettings, split_keywords
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
 from dcp_fsspec.storage.transport.urls import UrlBound
 from dcp_fsspec.storage.transport.workers import Workers
 
@@ -157,16 +169,27 @@ class FsspecStorageReader(UrlBound, StorageReader):
             # is there but damaged or refused is not a reason to read another file instead.
             raise self.metadata_failure
         rank = kwargs.get("rank")
-        read = partial(read_metadata, self.location, rank, trust_checkpoint=self.settings.trust_checkpoint, extents=False,
-                       references=self.references)  # fmt: skip
+        read = partial(
+            read_metadata,
+            self.location,
+            rank,
+            trust_checkpoint=self.settings.trust_checkpoint,
+            extents=False,
+            references=self.references,
+        )
         group = self._group() if rank is None else None
         try:
             if group is None:
                 metadata = read()
             else:
                 url = metadata_url(self.location)
-                parse = partial(parse_metadata, url=url, trust_checkpoint=self.settings.trust_checkpoint, extents=False,
-                                references=self.references)  # fmt: skip
+                parse = partial(
+                    parse_metadata,
+                    url=url,
+                    trust_checkpoint=self.settings.trust_checkpoint,
+                    extents=False,
+                    references=self.references,
+                )
                 metadata = share_metadata(read, parse, group)
         except CheckpointNotFoundError:
             raise
@@ -179,7 +202,9 @@ class FsspecStorageReader(UrlBound, StorageReader):
         metadata.storage_meta = storage_meta
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         """Take the records ``metadata`` lists.
 
         Raises:
@@ -221,8 +246,13 @@ class FsspecStorageReader(UrlBound, StorageReader):
         if group is None or len(plans) != group.size:
             return plans  # DCP runs over another group, or none: each rank reads alone
         round_bytes = max(self.settings.max_request_bytes, self.settings.window_bytes // group.size)
-        return plan_shared_reads(plans, self.storage_data, piece_bytes=self.settings.max_request_bytes,
-                                 round_bytes=round_bytes, max_gap=self.settings.max_gap_bytes)  # fmt: skip
+        return plan_shared_reads(
+            plans,
+            self.storage_data,
+            piece_bytes=self.settings.max_request_bytes,
+            round_bytes=round_bytes,
+            max_gap=self.settings.max_gap_bytes,
+        )
 
     @collector_paused()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -233,16 +263,27 @@ class FsspecStorageReader(UrlBound, StorageReader):
         if isinstance(plan.storage_data, SharedReads):
             group = self._group()
             assert group is not None  # prepare_global_plan shared reads over it
-            records = read_shared(plan.storage_data, group, self.location, partial(self._records_for, plan),
-                                  lambda r: LoadDecoder(r, planner, self), self._load_error,
-                                  window_bytes=self.settings.window_bytes // group.size, threads=self.settings.threads)  # fmt: skip
+            records = read_shared(
+                plan.storage_data,
+                group,
+                self.location,
+                partial(self._records_for, plan),
+                lambda r: LoadDecoder(r, planner, self),
+                self._load_error,
+                window_bytes=self.settings.window_bytes // group.size,
+                threads=self.settings.threads,
+            )
         else:
             records = self._records_for(plan)
         undo = self._undo_queue = UndoQueue(_UNDO_THREADS) if any(r.transforms for r in records) else None
         files = self.location.backend.in_place_files()
         small_here = self.location.answers_locally and sum(r.length for r in records) <= _ON_THIS_THREAD_MAX
         threads = 0 if small_here else self.settings.threads
-        pools = (Workers("read", threads), Workers("crc", threads and _CHECKSUM_THREADS)) if files is not None else ()
+        pools = (
+            (Workers("read", threads), Workers("crc", threads and _CHECKSUM_THREADS))
+            if files is not None
+            else ()
+        )
         try:
             in_place: list[ThreadFuture[Callable[[], None]]] = []
             if files is not None:
@@ -281,9 +322,13 @@ class FsspecStorageReader(UrlBound, StorageReader):
     def _load_error(self, e: Exception) -> Exception:
         """The error of ours a failure of :meth:`read_data` is raised as (``e`` itself if none)."""
         if isinstance(e, FileNotFoundError) and not isinstance(e, DcpFsspecError):
-            error: Exception = CorruptCheckpointError(f"a data file of checkpoint {self.location.url!r} is missing: {e}")
+            error: Exception = CorruptCheckpointError(
+                f"a data file of checkpoint {self.location.url!r} is missing: {e}"
+            )
         elif isinstance(e, RecordFormatError):  # the decoder's own; never the user's to see
-            error = CorruptCheckpointError(f"a record of checkpoint {self.location.url!r} cannot be decoded: {e}")
+            error = CorruptCheckpointError(
+                f"a record of checkpoint {self.location.url!r} cannot be decoded: {e}"
+            )
         elif isinstance(e, OSError) and not isinstance(e, DcpFsspecError):
             error = StorageError(f"cannot read checkpoint data from {self.location.url!r}: {e}")
         else:
@@ -356,7 +401,11 @@ class FsspecStorageReader(UrlBound, StorageReader):
         it must buffer (a resharded read, say) is read whole into its buffer instead.
         """
         reads, checks = pools
-        at_least = _IN_PLACE_MIN if self.location.answers_locally else max(_IN_PLACE_MIN, self.settings.max_request_bytes)
+        at_least = (
+            _IN_PLACE_MIN
+            if self.location.answers_locally
+            else max(_IN_PLACE_MIN, self.settings.max_request_bytes)
+        )
         big = [r for r in records if r.length >= at_least]
         heads = [reads.submit(files.read, r.path, min(r.length, _HEAD_BYTES), r.offset) for r in big]
         started = []
@@ -369,7 +418,15 @@ class FsspecStorageReader(UrlBound, StorageReader):
             decoder.feed(memoryview(head))
             dest, start = decoder.rest_in_place()
             pieces = [
-                (p, reads.submit(files.read_into, rec.path, rec.offset + start + p, dest[p : p + self.settings.max_request_bytes]))
+                (
+                    p,
+                    reads.submit(
+                        files.read_into,
+                        rec.path,
+                        rec.offset + start + p,
+                        dest[p : p + self.settings.max_request_bytes],
+                    ),
+                )
                 for p in range(0, len(dest), self.settings.max_request_bytes)
             ]
             started.append(checks.submit(self._checksum_when_read, decoder, pieces, files))
@@ -380,7 +437,9 @@ class FsspecStorageReader(UrlBound, StorageReader):
     ) -> Callable[[], None]:
         dest, _ = decoder.rest_in_place()
         for piece, read in pieces:
-            self._check_read(decoder.record, read.result(), min(self.settings.max_request_bytes, len(dest) - piece))
+            self._check_read(
+                decoder.record, read.result(), min(self.settings.max_request_bytes, len(dest) - piece)
+            )
         return decoder.checksum_in_place(files)
 
     def _check_read(self, rec: LoadRecord, got: int, wanted: int) -> None:
@@ -399,11 +458,17 @@ class FsspecStorageReader(UrlBound, StorageReader):
         )
         records.sort(key=lambda r: (r.path, r.offset))
         fetched = fetch_in_order(
-            self.location.fs, spans, window_bytes=self.settings.window_bytes, threads=threads, retry=self.location.retry
+            self.location.fs,
+            spans,
+            window_bytes=self.settings.window_bytes,
+            threads=threads,
+            retry=self.location.retry,
         )
         feed_records(records, self._whole_spans(fetched), lambda i: LoadDecoder(records[i], planner, self))
 
-    def _whole_spans(self, fetched: Iterator[tuple[Span, bytes | bytearray]]) -> Iterator[tuple[Span, bytes | bytearray]]:
+    def _whole_spans(
+        self, fetched: Iterator[tuple[Span, bytes | bytearray]]
+    ) -> Iterator[tuple[Span, bytes | bytearray]]:
         for span, data in fetched:
             if len(data) != span.size:
                 raise CorruptCheckpointError(
@@ -434,7 +499,6 @@ class FsspecStorageReader(UrlBound, StorageReader):
                 )
             rec.items.append(item)
         return list(by_location.values())
-
 
     def _storage_info(self, item: ReadItem) -> _StorageInfo:
         info = self.storage_data.get(item.storage_index)

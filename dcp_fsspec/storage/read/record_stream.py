@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from dcp_fsspec.errors import ChecksumMismatchError, CorruptCheckpointError, RecordFormatError
 from dcp_fsspec.storage.format.crc import crc32
-from dcp_fsspec.storage.read.fetch import Span
 from dcp_fsspec.storage.format.record_layout import RecordLayout, descriptor_crc, parse_layout
+from dcp_fsspec.storage.read.fetch import Span
 
 if TYPE_CHECKING:
     import torch
@@ -215,7 +215,9 @@ class RecordDecoder:
         layout = self.layout
         assert layout is not None
         if layout.data_end > self.place.length:
-            return RecordFault(f"the record is {self.place.length} bytes but its tensor data ends at byte {layout.data_end}")
+            return RecordFault(
+                f"the record is {self.place.length} bytes but its tensor data ends at byte {layout.data_end}"
+            )
         if not self.checksum or not layout.spec.nbytes:
             return None
         return self._compare(layout, self._tail, self.crc)
@@ -226,8 +228,15 @@ class RecordDecoder:
             layout = parse_layout(data)
         except RecordFormatError:
             layout = None
-        if layout is not None and len(data) >= layout.data_end + CRC_TAIL and self.checksum and layout.spec.nbytes:
-            fault = self._compare(layout, data[layout.data_end :], crc32(data[layout.data_start : layout.data_end], 0))
+        if (
+            layout is not None
+            and len(data) >= layout.data_end + CRC_TAIL
+            and self.checksum
+            and layout.spec.nbytes
+        ):
+            fault = self._compare(
+                layout, data[layout.data_end :], crc32(data[layout.data_start : layout.data_end], 0)
+            )
             if fault is not None:
                 return fault
         import torch
@@ -242,7 +251,9 @@ class RecordDecoder:
             return RecordFault(f"the record holds a {type(tensor).__name__}, not a tensor")
         return tensor
 
-    def _compare(self, layout: RecordLayout, tail: bytes | bytearray | memoryview, actual: int) -> RecordFault | None:
+    def _compare(
+        self, layout: RecordLayout, tail: bytes | bytearray | memoryview, actual: int
+    ) -> RecordFault | None:
         if layout.crc_in_header is not None:
             stored = layout.crc_in_header
         else:
@@ -281,7 +292,10 @@ def feed_records(
         view = memoryview(data)[: span.size]
         got_end = span.start + len(view)
         # Records before this span are finished; walk those that overlap it.
-        while cursor < len(records) and (records[cursor].path, records[cursor].end) <= (span.path, span.start):
+        while cursor < len(records) and (records[cursor].path, records[cursor].end) <= (
+            span.path,
+            span.start,
+        ):
             cursor += 1
         i = cursor
         while i < len(records) and records[i].path == span.path and records[i].offset < span.end:

@@ -40,10 +40,19 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,13 @@ class SafetensorsStorageReader(UrlBound, StorageReader):
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
-        threads: int = 8, window_bytes: int = 256 * MiB,
-    ) -> None:  # fmt: skip
+        self,
+        path: str | os.PathLike[str],
+        storage_options: dict[str, Any] | None = None,
+        *,
+        threads: int = 8,
+        window_bytes: int = 256 * MiB,
+    ) -> None:
         super().__init__()
         self._bind(path, storage_options, None, None)
         self.threads = max(1, threads)
@@ -102,7 +115,9 @@ class SafetensorsStorageReader(UrlBound, StorageReader):
                 storage_data[MetadataIndex(name, zeros)] = stored
         return Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -138,14 +153,18 @@ class SafetensorsStorageReader(UrlBound, StorageReader):
         done.set_result(None)
         return done
 
-    def _read(self, stored: _Stored, item: ReadItem, target: torch.Tensor, files: InPlaceFiles | None) -> torch.Tensor:
+    def _read(
+        self, stored: _Stored, item: ReadItem, target: torch.Tensor, files: InPlaceFiles | None
+    ) -> torch.Tensor:
         """``item``'s slice: ``target`` itself, filled in place where it can be, else a new tensor."""
         rows = _row_range(stored, item)
         if rows is None or files is None or not target.is_contiguous() or target.dtype != stored.dtype:
             return self._read_slice(stored, item, rows)
         start, end = rows
         if end > start:
-            got = files.read_into(stored.path, start, target.view(-1).view(torch.uint8).numpy().data.cast("B"))
+            got = files.read_into(
+                stored.path, start, target.view(-1).view(torch.uint8).numpy().data.cast("B")
+            )
             if got != end - start:
                 raise CorruptCheckpointError(
                     f"{self.location.url_of(stored.path)} is truncated: needed bytes [{start}, {end}); restore or re-export it"
@@ -159,7 +178,9 @@ class SafetensorsStorageReader(UrlBound, StorageReader):
         with storage_errors("read", url):
             data: bytes = self.location.fs.cat_file(path, start=start, end=end)
         if len(data) != end - start:
-            raise CorruptCheckpointError(f"{url} is truncated: needed bytes [{start}, {end}); restore or re-export it")
+            raise CorruptCheckpointError(
+                f"{url} is truncated: needed bytes [{start}, {end}); restore or re-export it"
+            )
         return data
 
     def _shards(self) -> list[str]:
@@ -177,16 +198,22 @@ class SafetensorsStorageReader(UrlBound, StorageReader):
         try:
             names = sorted(set(json.loads(raw)["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CorruptCheckpointError(f"{self.location.url_of(index)} is not a safetensors index ({e}); re-export it") from e
+            raise CorruptCheckpointError(
+                f"{self.location.url_of(index)} is not a safetensors index ({e}); re-export it"
+            ) from e
         if not all(isinstance(n, str) and n and "/" not in n and n not in (".", "..") for n in names):
-            raise CorruptCheckpointError(f"{self.location.url_of(index)} names a shard outside its folder; re-export it")
+            raise CorruptCheckpointError(
+                f"{self.location.url_of(index)} names a shard outside its folder; re-export it"
+            )
         return [posixpath.join(folder, n) for n in names]
 
     def _header(self, path: str) -> dict[str, _Stored]:
         url = self.location.url_of(path)
         (length,) = struct.unpack("<Q", self._cat(path, 0, 8))
         if length > _MAX_HEADER:
-            raise CorruptCheckpointError(f"{url} claims a {length}-byte header; it is damaged or not safetensors")
+            raise CorruptCheckpointError(
+                f"{url} claims a {length}-byte header; it is damaged or not safetensors"
+            )
         try:
             header = json.loads(self._cat(path, 8, 8 + length))
             header.pop("__metadata__", None)
@@ -213,7 +240,9 @@ class SafetensorsStorageReader(UrlBound, StorageReader):
         nbytes = stored.dtype.itemsize
         for d in stored.shape:
             nbytes *= d
-        whole = _tensor(self._cat(stored.path, stored.offset, stored.offset + nbytes), stored.dtype, stored.shape)
+        whole = _tensor(
+            self._cat(stored.path, stored.offset, stored.offset + nbytes), stored.dtype, stored.shape
+        )
         for dim, (o, n) in enumerate(zip(item.storage_offsets, item.lengths)):
             whole = whole.narrow(dim, o, n)
         return whole
@@ -231,7 +260,9 @@ def _row_range(stored: _Stored, item: ReadItem) -> tuple[int, int] | None:
     return start, start + lengths[0] * row
 
 
-def _deliver(item: ReadItem, target: torch.Tensor, read: ThreadFuture[torch.Tensor], planner: LoadPlanner) -> int:
+def _deliver(
+    item: ReadItem, target: torch.Tensor, read: ThreadFuture[torch.Tensor], planner: LoadPlanner
+) -> int:
     """Commit a finished read (on the calling thread: the planner is not shared); its bytes."""
     source = read.result()
     if source is not target:

@@ -16,13 +16,19 @@ from dcp_fsspec.errors import DcpFsspecError
 
 # (module, class, advice)
 NO_CREDENTIALS = (
-    ("botocore.exceptions", "NoCredentialsError",
-     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), pass '{\"key\": …, \"secret\": …}' "
-     "in --storage-options, or '{\"anon\": true}' for a public bucket"),
-    ("botocore.exceptions", "PartialCredentialsError",
-     "the credentials found are incomplete: set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-     "(or fix the profile in ~/.aws)"),
-)  # fmt: skip
+    (
+        "botocore.exceptions",
+        "NoCredentialsError",
+        'set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), pass \'{"key": …, "secret": …}\' '
+        "in --storage-options, or '{\"anon\": true}' for a public bucket",
+    ),
+    (
+        "botocore.exceptions",
+        "PartialCredentialsError",
+        "the credentials found are incomplete: set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(or fix the profile in ~/.aws)",
+    ),
+)
 UNREACHABLE = (
     ("botocore.exceptions", "EndpointConnectionError"),
     ("botocore.exceptions", "ConnectTimeoutError"),
@@ -50,7 +56,11 @@ def is_unreachable(error: BaseException) -> bool:
     """Whether ``error`` says a connection to the endpoint never got through."""
     if isinstance(error, (ConnectionRefusedError, socket.gaierror)):
         return True
-    if isinstance(error, OSError) and not isinstance(error, DcpFsspecError) and error.errno in UNREACHABLE_ERRNOS:
+    if (
+        isinstance(error, OSError)
+        and not isinstance(error, DcpFsspecError)
+        and error.errno in UNREACHABLE_ERRNOS
+    ):
         return True
     types = tuple(cls for cls in (_loaded(m, n) for m, n in UNREACHABLE) if cls is not None)
     return bool(types) and isinstance(error, types)

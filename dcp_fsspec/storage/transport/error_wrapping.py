@@ -12,7 +12,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from dcp_fsspec.errors import CheckpointMismatchError, CorruptCheckpointError, DcpFsspecError, RecordFormatError, StorageError
+from dcp_fsspec.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    DcpFsspecError,
+    RecordFormatError,
+    StorageError,
+)
 
 if TYPE_CHECKING:  # only for a type: tools that never run DCP (ls, prune, cp) must not import torch
     from torch.distributed.checkpoint.api import CheckpointException

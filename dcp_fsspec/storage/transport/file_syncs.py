@@ -5,7 +5,7 @@ needs its files durable before that record, not before the next file is written.
 finished file's fsync to a thread lets the writing thread go on to the next key while the disk
 flushes the last one: a small save of four keys on local disk writes them one after another
 (four key threads contending for the GIL cost more CPU than they hid) and overlaps every flush
-with the next key's planning instead (~1 ms of ~16 measured, benchmarks/README.md).
+with the next key's planning instead.
 
 The files are renamed into place before their fsync (a file written through one is renamed at
 once, as an object store publishes it): only the caller's commit, after :meth:`FileSyncs.wait`,

@@ -1,9 +1,9 @@
 """Retrying storage calls that failed for a passing reason, within a bounded time.
 
 fsspec drivers already retry: s3fs repeats a call up to 5 times on dropped connections, timeouts
-and ``503 SlowDown``, each over botocore's own 5 attempts for 5xx and throttling (measured
-against a fault-injecting proxy: 25 PUTs and ~40 s before a never-clearing ``SlowDown``
-surfaces; 5 attempts for ``500 InternalError``, which s3fs itself does not retry). What they do
+and ``503 SlowDown``, each over botocore's own 5 attempts for 5xx and throttling (so a
+never-clearing ``SlowDown`` surfaces only after many requests and tens of seconds; ``500
+InternalError`` gets botocore's attempts only, which s3fs itself does not retry). What they do
 not give is a bound on the time one call may take, nor one place to set the limits. A
 :class:`RetryPolicy` adds both around every storage call of a save or load (each part upload,
 ranged read, metadata, commit record and pointer write): a few more attempts, with exponential
@@ -173,7 +173,11 @@ class _Tries:
             else f"all {policy.attempts} attempts failed"
         )
         timed_out = isinstance(error, TimeoutError) and not str(error)
-        last = "the last attempt was still running" if timed_out else f"last error: {type(error).__name__}: {error}"
+        last = (
+            "the last attempt was still running"
+            if timed_out
+            else f"last error: {type(error).__name__}: {error}"
+        )
         raise StorageError(
             f"giving up on {self.url} after {self.count} attempt(s) in {elapsed:.1f} s: {why} with "
             f"transient errors (throttling, server errors or dropped connections); {last}. Check that "

@@ -128,7 +128,9 @@ def normalize_url(url: str | os.PathLike[str]) -> str:
     """
     text = os.fspath(url)
     if not isinstance(text, str) or not text.strip():
-        raise InvalidURLError(f"checkpoint URL {url!r} is empty; pass a local path or a URL like s3://bucket/ckpt")
+        raise InvalidURLError(
+            f"checkpoint URL {url!r} is empty; pass a local path or a URL like s3://bucket/ckpt"
+        )
     if "://" in text or "::" in text:
         _refuse_empty_segments(text)
         return text.rstrip("/") if not text.endswith("://") else text
@@ -249,7 +251,9 @@ class UrlBound:
 
     def _rebind(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
         if checkpoint_id:
-            self.location = resolve(checkpoint_id, self.storage_options, self._fs_override, retry=self.location.retry)
+            self.location = resolve(
+                checkpoint_id, self.storage_options, self._fs_override, retry=self.location.retry
+            )
 
     @property
     def checkpoint_id(self) -> str:

@@ -1,6 +1,6 @@
 """Threads kept between loads (and a local save's fsyncs, :mod:`~dcp_fsspec.storage.transport.file_syncs`): a small load
-takes a few milliseconds, and starting its threads anew each time was a third of them (three
-pools per key, measured on a 4-key local load).
+takes a few milliseconds, and starting its threads anew each time was a large part of them
+(three pools per key).
 
 A :class:`Workers` is one read's share of a process-wide pool: what it submits runs on the
 pool's threads, and :meth:`Workers.close` cancels what has not started and waits for what has —
@@ -92,5 +92,7 @@ def _shared_pool(role: str, threads: int) -> ThreadPoolExecutor:
             _pools_pid = os.getpid()
         pool = _pools.get((role, threads))
         if pool is None:
-            pool = _pools[(role, threads)] = ThreadPoolExecutor(threads, thread_name_prefix=f"dcp-fsspec-{role}")
+            pool = _pools[(role, threads)] = ThreadPoolExecutor(
+                threads, thread_name_prefix=f"dcp-fsspec-{role}"
+            )
         return pool

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-
 import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from dcp_fsspec.storage.transport.file_syncs import FileSyncs
+from dcp_fsspec.storage.backends.uploads import FileUpload
 from dcp_fsspec.storage.format.tensor_records import FramedTensor, frame_tensor
 from dcp_fsspec.storage.settings import WriterSettings
-from dcp_fsspec.storage.backends.uploads import FileUpload
+from dcp_fsspec.storage.transport.file_syncs import FileSyncs
 
 MiB = 1024 * 1024
 FILES_PER_RANK = WriterSettings.files_per_rank

@@ -20,30 +20,47 @@ from typing import Any
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from dcp_fsspec.errors import CheckpointExistsError, DcpFsspecError, StorageError
-from dcp_fsspec.storage.format import names
-from dcp_fsspec.storage.transport.gc_pause import collector_paused
-from dcp_fsspec.storage.format.content_hashes import BaseRecord, BaseRecords, Hashed, IncrementalPrefix, base_of, content_digest, encode_hashes, read_base, unhashed
-from dcp_fsspec.storage.format.tensor_records import FramedTensor, encode_framed
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
-from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
 from dcp_fsspec.storage.backends import Versioned
-from dcp_fsspec.storage.settings import WriterSettings, split_keywords
-from dcp_fsspec.storage.format.transforms import compression_extensions, write_transformed, writer_transforms
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.format import names
+from dcp_fsspec.storage.format.content_hashes import (
+    BaseRecord,
+    BaseRecords,
+    Hashed,
+    IncrementalPrefix,
+    base_of,
+    content_digest,
+    encode_hashes,
+    read_base,
+    unhashed,
+)
+from dcp_fsspec.storage.format.tensor_records import FramedTensor, encode_framed
+from dcp_fsspec.storage.format.transforms import compression_extensions, write_transformed, writer_transforms
+from dcp_fsspec.storage.settings import WriterSettings, split_keywords
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.transport.gc_pause import collector_paused
+from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, RetryPolicy
 from dcp_fsspec.storage.transport.urls import UrlBound
-from dcp_fsspec.storage.write.file_plan import TORCH_WRITER_DEFAULTS, WriteContext, check_context, frame_item, split_into_files, with_torch_keywords, write_tensor_record
+from dcp_fsspec.storage.write.file_plan import (
+    TORCH_WRITER_DEFAULTS,
+    WriteContext,
+    check_context,
+    frame_item,
+    split_into_files,
+    with_torch_keywords,
+    write_tensor_record,
+)
 
 # torch writes this version into .metadata; keep in step so its readers see the same thing.
 DCP_VERSION = "1.0.0"
-
 
 
 class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
@@ -176,7 +193,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         if not self.cache_staged_state_dict:
             return super().stage(state_dict)
         if self.state_dict_cache is None:
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.accelerator.is_available())
+            self.state_dict_cache = _create_cpu_state_dict(
+                state_dict, pin_memory=torch.accelerator.is_available()
+            )
         return _copy_state_dict(state_dict, self.state_dict_cache, type_check=self.type_check)
 
     # --- DCP protocol -----------------------------------------------------------------------
@@ -210,7 +229,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 "overwrite=True to replace it or choose another URL"
             )
         if self.rank is not None and not self.use_collectives:
-            plan = dataclasses.replace(plan, storage_data=self._storage_prefix(self.rank, plan, self._base_records()))
+            plan = dataclasses.replace(
+                plan, storage_data=self._storage_prefix(self.rank, plan, self._base_records())
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -223,7 +244,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                     backend.call("rm_file", metadata_path)
         base = self._base_records()
         return [
-            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=self._storage_prefix(i, plan, base))
+            plan
+            if plan.storage_data is not None
+            else dataclasses.replace(plan, storage_data=self._storage_prefix(i, plan, base))
             for i, plan in enumerate(plans)
         ]
 
@@ -255,12 +278,19 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         return done
 
     def _write_files_at_once(
-        self, workers: int, budget: ByteBudget, jobs: list[tuple[str, list[WriteItem], BaseRecords]], planner: SavePlanner
+        self,
+        workers: int,
+        budget: ByteBudget,
+        jobs: list[tuple[str, list[WriteItem], BaseRecords]],
+        planner: SavePlanner,
     ) -> list[WriteResult]:
         """Write each job's file on ``workers`` threads; raise the first failure once all finished."""
         results: list[WriteResult] = []
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcp-fsspec-write") as pool:
-            futures = [pool.submit(self._write_file, budget, name, items, planner, base) for name, items, base in jobs]
+            futures = [
+                pool.submit(self._write_file, budget, name, items, planner, base)
+                for name, items, base in jobs
+            ]
             errors = []
             for f in futures:
                 try:
@@ -286,12 +316,19 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             # any data was written, so one that is here now is another save's, finished first
             # (or ours: a write that landed although its answer was lost, then retried).
             with backend.exclusive(self.location.path):
-                created = backend.conditional_writes and backend.replace_if_unchanged(path, data, Versioned(None))
+                created = backend.conditional_writes and backend.replace_if_unchanged(
+                    path, data, Versioned(None)
+                )
                 if not created:
                     existing = backend.read_versioned(path).data
                     if existing is None and not backend.conditional_writes:
-                        backend.write_small_atomic(path, data, fsync=self.settings.sync_files,
-                                                   sync_folder=self.metadata_commits, syncs=self.file_syncs)
+                        backend.write_small_atomic(
+                            path,
+                            data,
+                            fsync=self.settings.sync_files,
+                            sync_folder=self.metadata_commits,
+                            syncs=self.file_syncs,
+                        )
                     created = existing is None and not backend.conditional_writes or existing == data
         if not created:
             raise CheckpointExistsError(
@@ -333,7 +370,11 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 digest = content_digest(data, framed) if self.incremental else None
                 known = base.get(item.index)
                 if known is not None and known.digest == digest:
-                    results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=Hashed(known.info, known.digest)))
+                    results.append(
+                        WriteResult(
+                            index=item.index, size_in_bytes=0, storage_data=Hashed(known.info, known.digest)
+                        )
+                    )
                     continue
                 if upload is None:
                     upload = self._new_upload(path, budget)
@@ -364,7 +405,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
                 syncs=self.file_syncs,
             )
 
-    def _write_record(self, upload: FileUpload, item: WriteItem, data: Any, framed: FramedTensor | None) -> list[str] | None:
+    def _write_record(
+        self, upload: FileUpload, item: WriteItem, data: Any, framed: FramedTensor | None
+    ) -> list[str] | None:
         """Append one item's record to ``upload``, through the transforms if there are any.
 
         ``framed``: the tensor's record as :func:`~dcp_fsspec.storage.write.file_plan.frame_item` made it; ``None`` for an object's bytes.
@@ -392,12 +435,16 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         with storage_errors("read the base", self.base.url):
             return read_base(self.base, self.location.path, self._transform_names)
 
-    def _storage_prefix(self, rank: int, plan: SavePlan, base: dict[MetadataIndex, BaseRecord]) -> _StoragePrefix:
+    def _storage_prefix(
+        self, rank: int, plan: SavePlan, base: dict[MetadataIndex, BaseRecord]
+    ) -> _StoragePrefix:
         """Rank ``rank``'s file prefix, with the base's records of the items it writes."""
         prefix = self._prefix(rank)
         if not self.incremental:
             return _StoragePrefix(prefix)
-        return IncrementalPrefix(prefix, {item.index: base[item.index] for item in plan.items if item.index in base})
+        return IncrementalPrefix(
+            prefix, {item.index: base[item.index] for item in plan.items if item.index in base}
+        )
 
     def _write_content_hashes(self, digests: dict[MetadataIndex, bytes]) -> None:
         """The coordinator, just before ``.metadata``: every entry's digest, bound to this save."""
@@ -405,7 +452,9 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         data = encode_hashes(digests, self._transform_names, self.save_id)
         with storage_errors("write", self.location.url_of(path), also=(ValueError,)):
             # Its folder is synced with .metadata's, which is written next.
-            self.location.backend.write_small_atomic(path, data, fsync=self.settings.sync_files, sync_folder=False, syncs=self.file_syncs)
+            self.location.backend.write_small_atomic(
+                path, data, fsync=self.settings.sync_files, sync_folder=False, syncs=self.file_syncs
+            )
 
     @property
     def _transform_names(self) -> list[str]:

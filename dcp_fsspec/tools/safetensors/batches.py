@@ -23,15 +23,25 @@ from dcp_fsspec.storage.read.reader import FsspecStorageReader
 MiB = 1024 * 1024
 _ALIGN = 64  # each tensor's offset in a batch's buffer
 _ALWAYS_MAPPED = 33 * MiB  # above glibc's largest mmap threshold (32 MiB)
-_CAST_PIECE = 1 << 20  # elements cast and checked at once: isinf of a half-precision piece makes a float32 copy
+_CAST_PIECE = (
+    1 << 20
+)  # elements cast and checked at once: isinf of a half-precision piece makes a float32 copy
 
 # The safetensors name of each dtype the format holds.
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}  # fmt: skip
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,11 @@ def header(shard: list[Entry]) -> bytes:
     fields: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in shard:
-        fields[e.name] = {"dtype": DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        fields[e.name] = {
+            "dtype": DTYPE_NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     text = json.dumps(fields, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -86,7 +100,9 @@ def batches(shard: list[Entry], buffer_bytes: int) -> Iterator[list[Entry]]:
         yield batch
 
 
-def read_batch(reader: FsspecStorageReader, metadata: Metadata, batch: list[Entry], url: str) -> list[torch.Tensor]:
+def read_batch(
+    reader: FsspecStorageReader, metadata: Metadata, batch: list[Entry], url: str
+) -> list[torch.Tensor]:
     """Load ``batch``'s tensors, and only those, with DCP's planner and our ranged reader.
 
     Returns them in the output dtype, all views of one buffer.

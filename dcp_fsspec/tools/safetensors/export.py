@@ -14,7 +14,7 @@ import logging
 import os
 import posixpath
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcp_fsspec.checkpoint.commit import layout, run_listing
 from dcp_fsspec.checkpoint.collectives import Collectives
+from dcp_fsspec.checkpoint.commit import layout, run_listing
 from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
-from dcp_fsspec.storage.transport.error_wrapping import storage_errors
+from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload, publish_whole
+from dcp_fsspec.storage.format.tensor_records import tensor_bytes
 from dcp_fsspec.storage.read.reader import FsspecStorageReader
 from dcp_fsspec.storage.settings import ReaderSettings
-from dcp_fsspec.storage.format.tensor_records import tensor_bytes
-from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload, publish_whole
+from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.urls import Location, resolve
 from dcp_fsspec.tools import targets
 from dcp_fsspec.tools.convert import check_claimed_sizes
@@ -54,9 +54,13 @@ _UPLOAD_BUDGET = 32 * MiB
 
 # Output dtypes ``dtype=`` accepts, by the names the CLI takes.
 OUTPUT_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-}  # fmt: skip
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 KeyMap = Callable[[str], "str | None"]
 T = TypeVar("T")
@@ -73,7 +77,8 @@ class ExportResult(WrittenFiles):
         return self._lines(f"{self.out}: {len(self.shards)} shards, ", "tensors")
 
 
-def export_safetensors(
+# The library face of to-safetensors: one keyword per flag of the command.
+def export_safetensors(  # noqa: PLR0913
     url: str | os.PathLike[str],
     out: str | os.PathLike[str],
     storage_options: dict[str, Any] | None = None,
@@ -115,19 +120,34 @@ def export_safetensors(
     """
     start = time.perf_counter()
     ranks = Collectives(process_group, alone=process_group is None)
-    plan = _agreed(ranks, partial(
-        _plan, url, out, storage_options, out_storage_options,
-        max_shard_size=max_shard_size, dtype=dtype, key_map=key_map, trust_checkpoint=trust_checkpoint,
-    ))  # fmt: skip
+    plan = _agreed(
+        ranks,
+        partial(
+            _plan,
+            url,
+            out,
+            storage_options,
+            out_storage_options,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+            key_map=key_map,
+            trust_checkpoint=trust_checkpoint,
+        ),
+    )
     # Nothing is written before here: every check above leaves ``out`` as it was.
     existed, config_bytes = ranks.run_on_rank0(partial(_prepare_output, plan.target, overwrite, config))
     extra = [CONFIG_NAME] if config_bytes is not None else []
-    remove = lambda names: _remove_partial(plan.target, [*names, *extra], remove_folder=not existed)
+
+    def remove(names: Sequence[str]) -> None:
+        _remove_partial(plan.target, [*names, *extra], remove_folder=not existed)
+
     _write_agreed(plan, ranks, buffer_bytes, progress, remove)
     ranks.run_on_rank0(partial(_write_index, plan, config_bytes, remove))
     plan.result.tensors = len(plan.entries)
     plan.result.seconds = time.perf_counter() - start
-    logger.info("exported %s to %s (%s)", plan.result.src, plan.target.url, human_bytes(plan.result.bytes_written))
+    logger.info(
+        "exported %s to %s (%s)", plan.result.src, plan.target.url, human_bytes(plan.result.bytes_written)
+    )
     return plan.result
 
 
@@ -148,15 +168,23 @@ class _Plan:
 
 
 def _plan(
-    url: str | os.PathLike[str], out: str | os.PathLike[str], storage_options: dict[str, Any] | None,
-    out_storage_options: dict[str, Any] | None, *, max_shard_size: int, dtype: torch.dtype | None,
-    key_map: KeyMap | None, trust_checkpoint: bool,
-) -> _Plan:  # fmt: skip
+    url: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    out_storage_options: dict[str, Any] | None,
+    *,
+    max_shard_size: int,
+    dtype: torch.dtype | None,
+    key_map: KeyMap | None,
+    trust_checkpoint: bool,
+) -> _Plan:
     """Every check that needs no write: the options, the source, its ``.metadata``, the names."""
     _check_options(out, dtype, max_shard_size)
     source = _source(resolve(url, storage_options))
     target = resolve(out, out_storage_options)
-    reader = FsspecStorageReader(source.url, settings=ReaderSettings(trust_checkpoint=trust_checkpoint), _fs=source.fs)
+    reader = FsspecStorageReader(
+        source.url, settings=ReaderSettings(trust_checkpoint=trust_checkpoint), _fs=source.fs
+    )
     metadata = reader.read_metadata()
     check_claimed_sizes(metadata, source.url, None)
     reader.set_up_storage_reader(metadata, True)
@@ -182,7 +210,9 @@ def _agreed(ranks: Collectives, make: Callable[[], T]) -> T:
     return value
 
 
-def _prepare_output(target: Location, overwrite: bool, config: str | os.PathLike[str] | None) -> tuple[bool, bytes | None]:
+def _prepare_output(
+    target: Location, overwrite: bool, config: str | os.PathLike[str] | None
+) -> tuple[bool, bytes | None]:
     """On rank 0: refuse or clear an existing ``out``, read the config, make the folder.
 
     Returns whether ``out`` existed, and the config's bytes.
@@ -197,7 +227,11 @@ def _prepare_output(target: Location, overwrite: bool, config: str | os.PathLike
 
 
 def _write_agreed(
-    plan: _Plan, ranks: Collectives, buffer_bytes: int, progress: Progress | None, remove: Callable[[list[str]], None]
+    plan: _Plan,
+    ranks: Collectives,
+    buffer_bytes: int,
+    progress: Progress | None,
+    remove: Callable[[list[str]], None],
 ) -> None:
     """Write this rank's shards (r, r + W, ...); if any rank failed, rank 0 removes every shard and all raise.
 
@@ -212,7 +246,9 @@ def _write_agreed(
     try:
         for number in mine:
             name = plan.file_name(number)
-            nbytes += _write_shard(plan.reader, plan.metadata, plan.shards[number], plan.target, name, buffer_bytes, progress)
+            nbytes += _write_shard(
+                plan.reader, plan.metadata, plan.shards[number], plan.target, name, buffer_bytes, progress
+            )
             names.append(name)
     except BaseException as e:  # noqa: BLE001 - raised below, once what was written is removed
         error = e
@@ -230,13 +266,18 @@ def _check_options(out: str | os.PathLike[str], dtype: torch.dtype | None, max_s
     if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise UsageError(f"exporting to {os.fspath(out)}: dtype {dtype} is not float32, float16 or bfloat16")
     if max_shard_size <= 0:
-        raise UsageError(f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}")
+        raise UsageError(
+            f"exporting to {os.fspath(out)}: the max shard size must be positive, not {max_shard_size}"
+        )
 
 
 def _write_index(plan: _Plan, config_bytes: bytes | None, remove: Callable[[list[str]], None]) -> None:
     """On rank 0, after every shard: ``config.json`` if given, then the index, which marks the export complete."""
     weight_map = {e.name: plan.file_name(n) for n, shard in enumerate(plan.shards) for e in shard}
-    index = {"metadata": {"total_size": sum(e.nbytes for e in plan.entries)}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(e.nbytes for e in plan.entries)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     try:
         if config_bytes is not None:
             _write_small(plan.target, CONFIG_NAME, config_bytes)
@@ -276,7 +317,9 @@ def _check_output(target: Location, overwrite: bool) -> bool:
     with storage_errors("check", target.url):
         exists: bool = target.fs.exists(target.path)
     if exists and not overwrite:
-        raise CheckpointExistsError(f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)")
+        raise CheckpointExistsError(
+            f"{target.url} exists; choose another output or pass --overwrite (overwrite=True)"
+        )
     return exists
 
 
@@ -335,7 +378,9 @@ def _entries(
         by_name[name] = fqn
         source_dtype = meta.properties.dtype
         if source_dtype not in DTYPE_NAMES:
-            raise UsageError(f"exporting to {url}: {fqn!r} is {source_dtype}, which safetensors does not hold")
+            raise UsageError(
+                f"exporting to {url}: {fqn!r} is {source_dtype}, which safetensors does not hold"
+            )
         out_dtype = dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
         entries.append(Entry(fqn, name, tuple(meta.size), source_dtype, out_dtype))
     return entries
@@ -355,9 +400,14 @@ def _plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]
 
 
 def _write_shard(
-    reader: FsspecStorageReader, metadata: Metadata, shard: list[Entry], target: Location, file_name: str,
-    buffer_bytes: int, progress: Progress | None,
-) -> int:  # fmt: skip
+    reader: FsspecStorageReader,
+    metadata: Metadata,
+    shard: list[Entry],
+    target: Location,
+    file_name: str,
+    buffer_bytes: int,
+    progress: Progress | None,
+) -> int:
     """Write one shard: its header, then its tensors a batch (or a big tensor's piece) at a time. Returns its size."""
     path = posixpath.join(target.path, file_name)
     url = target.url_of(path)
@@ -378,9 +428,13 @@ def _write_shard(
 
 
 def _send_batch(
-    reader: FsspecStorageReader, metadata: Metadata, batch: list[Entry], buffer_bytes: int, url: str,
+    reader: FsspecStorageReader,
+    metadata: Metadata,
+    batch: list[Entry],
+    buffer_bytes: int,
+    url: str,
     send: Callable[[Entry, torch.Tensor], None],
-) -> None:  # fmt: skip
+) -> None:
     """Hand ``batch``'s output bytes to ``send`` in order: a tensor bigger than the buffer in pieces, where it can be.
 
     Each buffer is freed on return, before the next batch is read.
@@ -404,7 +458,9 @@ def _send(upload: FileUpload, url: str, progress: Progress | None, entry: Entry,
 def _write_small(target: Location, name: str, data: bytes) -> None:
     path = posixpath.join(target.path, name)
     with storage_errors("write", target.url_of(path)):
-        publish_whole(target.backend.new_upload(path, part_size=_PART_SIZE, budget=ByteBudget(_UPLOAD_BUDGET)), [data])
+        publish_whole(
+            target.backend.new_upload(path, part_size=_PART_SIZE, budget=ByteBudget(_UPLOAD_BUDGET)), [data]
+        )
 
 
 def load_key_map(url: str | os.PathLike[str]) -> KeyMap:
@@ -421,7 +477,11 @@ def load_key_map(url: str | os.PathLike[str]) -> KeyMap:
     try:
         mapping = json.loads(data)
     except ValueError as e:
-        raise UsageError(f"{location.url} is not JSON ({e}); give {{\"checkpoint name\": \"output name\"}}") from e
+        raise UsageError(
+            f'{location.url} is not JSON ({e}); give {{"checkpoint name": "output name"}}'
+        ) from e
     if not isinstance(mapping, dict) or not all(v is None or isinstance(v, str) for v in mapping.values()):
-        raise UsageError(f"{location.url} is not a JSON object of names; give {{\"checkpoint name\": \"output name\"}}")
+        raise UsageError(
+            f'{location.url} is not a JSON object of names; give {{"checkpoint name": "output name"}}'
+        )
     return lambda name: mapping.get(name, name)

@@ -47,10 +47,17 @@ class SafetensorsExport:
     """
 
     def __init__(
-        self, dst_url: str, *, every: int = 1, dtype: torch.dtype | None = None, key_map: KeyMap | None = None,
-        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, storage_options: dict[str, Any] | None = None,
-        out_storage_options: dict[str, Any] | None = None, rank: int = 0,
-    ) -> None:  # fmt: skip
+        self,
+        dst_url: str,
+        *,
+        every: int = 1,
+        dtype: torch.dtype | None = None,
+        key_map: KeyMap | None = None,
+        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        storage_options: dict[str, Any] | None = None,
+        out_storage_options: dict[str, Any] | None = None,
+        rank: int = 0,
+    ) -> None:
         if every < 1:
             raise ValueError(f"every={every!r} must be at least 1 (exporting to {dst_url})")
         self.dst_url = dst_url
@@ -76,13 +83,21 @@ class SafetensorsExport:
             return
         with self._cond:
             if self._closed:
-                logger.warning("not exporting %s to %s: the SafetensorsExport is closed", event.url, self.out_url(event.iteration))
+                logger.warning(
+                    "not exporting %s to %s: the SafetensorsExport is closed",
+                    event.url,
+                    self.out_url(event.iteration),
+                )
                 return
             if self._queued is not None:
-                logger.info("not exporting %s: %s committed before its export began", self._queued.url, event.url)
+                logger.info(
+                    "not exporting %s: %s committed before its export began", self._queued.url, event.url
+                )
             self._queued = event
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="dcp-fsspec-safetensors-export", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="dcp-fsspec-safetensors-export", daemon=True
+                )
                 self._thread.start()
             self._cond.notify_all()
 
@@ -130,5 +145,7 @@ class SafetensorsExport:
 
     def _export(self, event: CheckpointEvent) -> None:
         out = self.out_url(event.iteration)
-        export_safetensors(event.url, out, self._storage_options, self._out_storage_options, overwrite=True, **self._options)
+        export_safetensors(
+            event.url, out, self._storage_options, self._out_storage_options, overwrite=True, **self._options
+        )
         logger.info("exported %s to %s", event.url, out)

@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_fsspec.errors import CorruptCheckpointError, RecordFormatError
 from dcp_fsspec.storage.backends.base import InPlaceFiles, RangeReader
-from dcp_fsspec.storage.read.record_stream import CRC_TAIL, RecordDecoder, RecordPlace
-from dcp_fsspec.storage.read.reader import FsspecStorageReader
-from dcp_fsspec.storage.format.tensor_records import tensor_bytes
 from dcp_fsspec.storage.format.record_layout import RecordLayout, parse_layout
+from dcp_fsspec.storage.format.tensor_records import tensor_bytes
+from dcp_fsspec.storage.read.reader import FsspecStorageReader
+from dcp_fsspec.storage.read.record_stream import CRC_TAIL, RecordDecoder, RecordPlace
 from dcp_fsspec.storage.transport.workers import Workers
 from dcp_fsspec.tools.safetensors.batches import Entry, carve, cast_into, numel
 
@@ -59,9 +59,14 @@ class TensorPieces:
     """
 
     def __init__(
-        self, entry: Entry, shape: tuple[int, ...], records: list[_Record], files: RangeReader,
-        reader: FsspecStorageReader, url: str,
-    ) -> None:  # fmt: skip
+        self,
+        entry: Entry,
+        shape: tuple[int, ...],
+        records: list[_Record],
+        files: RangeReader,
+        reader: FsspecStorageReader,
+        url: str,
+    ) -> None:
         self.entry = entry
         self.shape = shape
         self.records = records
@@ -79,7 +84,9 @@ class TensorPieces:
 
     def _piece(self, r0: int, r1: int) -> torch.Tensor:
         e = self.entry
-        (source,), (output,) = carve([Entry(e.fqn, e.name, (r1 - r0, *self.shape[1:]), e.source_dtype, e.dtype)])
+        (source,), (output,) = carve(
+            [Entry(e.fqn, e.name, (r1 - r0, *self.shape[1:]), e.source_dtype, e.dtype)]
+        )
         self._fill(source, r0, r1)
         if output is not source:
             cast_into(e, source, output, self.url)
@@ -103,9 +110,14 @@ class TensorPieces:
             view = tensor_bytes(buf)
             start = rec.data_start + (a - rec.offsets[0]) * rec.row_bytes
             reads = [
-                (p, self._pool.submit(_read_into, self.files, rec.decoder.place.path, start + p, view[p : p + self._request]))
+                (
+                    p,
+                    self._pool.submit(
+                        _read_into, self.files, rec.decoder.place.path, start + p, view[p : p + self._request]
+                    ),
+                )
                 for p in range(0, len(view), self._request)
-            ]  # fmt: skip
+            ]
             started.append((rec, dest, buf, view, reads, b == rec.end_row))
         for rec, dest, buf, view, reads, last in started:
             for p, read in reads:
@@ -132,7 +144,9 @@ class TensorPieces:
             raise fault.exception(place, repr(self.entry.fqn))
 
 
-def open_pieces(reader: FsspecStorageReader, metadata: Metadata, entry: Entry, url: str) -> TensorPieces | None:
+def open_pieces(
+    reader: FsspecStorageReader, metadata: Metadata, entry: Entry, url: str
+) -> TensorPieces | None:
     """``entry``'s tensor ready to stream in pieces, or None where a record cannot be read in ranges.
 
     Raises:
@@ -144,7 +158,9 @@ def open_pieces(reader: FsspecStorageReader, metadata: Metadata, entry: Entry, u
     stored = [i for i in infos if i is not None and not i.transform_descriptors]
     if not entry.shape or len(stored) != len(infos):
         return None
-    shape, blocks = _blocks(entry, [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks], reader.location.url)
+    shape, blocks = _blocks(
+        entry, [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks], reader.location.url
+    )
     location = reader.location
     paths = [location.join(i.relative_path) for i in stored]
     places = [RecordPlace(path, location.url_of(path), i.offset, i.length) for path, i in zip(paths, stored)]
@@ -158,7 +174,15 @@ def open_pieces(reader: FsspecStorageReader, metadata: Metadata, entry: Entry, u
                 if layout is None:
                     files.close()
                     return None
-                records.append(_record(place, head.result()[: layout.data_start], layout, block, reader.settings.verify_checksums))
+                records.append(
+                    _record(
+                        place,
+                        head.result()[: layout.data_start],
+                        layout,
+                        block,
+                        reader.settings.verify_checksums,
+                    )
+                )
     except BaseException:
         files.close()
         raise
@@ -174,7 +198,10 @@ def check_tiling(entry: Entry, chunks: list[tuple[tuple[int, ...], tuple[int, ..
         CorruptCheckpointError: naming the tensor and ``url``.
     """
     shape = entry.shape
-    inside = all(len(o) == len(s) == len(shape) and all(0 <= a and a + n <= d for a, n, d in zip(o, s, shape)) for o, s in chunks)
+    inside = all(
+        len(o) == len(s) == len(shape) and all(0 <= a and a + n <= d for a, n, d in zip(o, s, shape))
+        for o, s in chunks
+    )
     if not inside or sum(numel(s) for _, s in chunks) != numel(shape):
         raise CorruptCheckpointError(
             f"the .metadata of {url} gives {entry.fqn!r} chunks that do not tile its {list(shape)} shape: "
@@ -203,13 +230,22 @@ def _layout(head: bytes, entry: Entry, sizes: tuple[int, ...]) -> RecordLayout |
         layout = parse_layout(head)
     except RecordFormatError:
         return None
-    if layout is None or layout.spec.torch_dtype != entry.source_dtype or layout.spec.size != sizes or not layout.spec.is_dense:
+    if (
+        layout is None
+        or layout.spec.torch_dtype != entry.source_dtype
+        or layout.spec.size != sizes
+        or not layout.spec.is_dense
+    ):
         return None
     return layout
 
 
 def _record(
-    place: RecordPlace, header: bytes, layout: RecordLayout, block: tuple[tuple[int, ...], tuple[int, ...]], checksum: bool
+    place: RecordPlace,
+    header: bytes,
+    layout: RecordLayout,
+    block: tuple[tuple[int, ...], tuple[int, ...]],
+    checksum: bool,
 ) -> _Record:
     """The record, its decoder fed its ``header`` (the bytes before its tensor's)."""
     if layout.data_end > place.length:
@@ -220,7 +256,13 @@ def _record(
     decoder = RecordDecoder(place, checksum=checksum)
     decoder.feed(memoryview(header))
     offsets, sizes = block
-    return _Record(offsets, sizes, place.offset + layout.data_start, numel(sizes[1:]) * layout.spec.dtype.itemsize, decoder)
+    return _Record(
+        offsets,
+        sizes,
+        place.offset + layout.data_start,
+        numel(sizes[1:]) * layout.spec.dtype.itemsize,
+        decoder,
+    )
 
 
 def _read_into(files: RangeReader, path: str, offset: int, view: memoryview) -> int:
