@@ -537,10 +537,11 @@ def test_a_failed_delete_is_logged_and_retried_at_the_next_save(
     real_rm = fs.rm
 
     def broken_rm(path: str | list[str], recursive: bool = False, maxdepth: int | None = None) -> None:
-        # Deletes come one path at a time or as a list (a bulk delete): the old iteration's
-        # folder is refused either way; its commit record is not.
+        # Deletes come one path at a time or as a list (a bulk delete), a folder whole or file
+        # by file: the old iteration's folder and files are refused; its commit record is not.
         paths = [path] if isinstance(path, str) else path
-        if any(p.rstrip("/").endswith("iter_000000001") for p in paths):
+        old = [p for p in paths if "iter_000000001" in p and not p.endswith(COMMIT_RECORD_NAME)]
+        if old:
             raise PermissionError(f"denied: {path}")
         real_rm(path, recursive=recursive, maxdepth=maxdepth)
 

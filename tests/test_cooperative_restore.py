@@ -93,11 +93,16 @@ def _load_and_compare(
     """Load cooperatively through this rank's proxy; compare with a load without cooperation."""
     expected = replicated_state()
     alone = zeros_like(expected)
-    dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
+    dcp.load(
+        alone,
+        storage_reader=FsspecStorageReader(
+            url, storage_options=direct, settings=ReaderSettings(**SMALL_READS)
+        ),
+    )
     dist.barrier()
     together = zeros_like(expected)
     reader = FsspecStorageReader(
-        url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)
+        url, storage_options=options[rank], settings=ReaderSettings(cooperative=True, **SMALL_READS)
     )
     dcp.load(together, storage_reader=reader)
     for key, value in expected.items():
@@ -143,8 +148,7 @@ def _load_expecting_failure(
         url,
         storage_options=options[rank],
         retry=retry,
-        **SMALL_READS,
-        settings=ReaderSettings(cooperative=True),
+        settings=ReaderSettings(cooperative=True, **SMALL_READS),
     )
     with pytest.raises(CheckpointException) as raised:
         dcp.load(zeros_like(replicated_state()), storage_reader=reader)
@@ -268,12 +272,17 @@ def _load_dtensors(
         return {**state, "step": torch.tensor(0), "extra": {"epoch": None}}
 
     alone = targets()
-    dcp.load(alone, storage_reader=FsspecStorageReader(url, storage_options=direct, **SMALL_READS))
+    dcp.load(
+        alone,
+        storage_reader=FsspecStorageReader(
+            url, storage_options=direct, settings=ReaderSettings(**SMALL_READS)
+        ),
+    )
     together = targets()
     dcp.load(
         together,
         storage_reader=FsspecStorageReader(
-            url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)
+            url, storage_options=options[rank], settings=ReaderSettings(cooperative=True, **SMALL_READS)
         ),
     )
     for key, value in full.items():
@@ -348,7 +357,7 @@ def _fsdp2_round_trip(rank: int, world_size: int, url: str, options: list[dict[s
     dcp.load(
         state,
         storage_reader=FsspecStorageReader(
-            url, storage_options=options[rank], **SMALL_READS, settings=ReaderSettings(cooperative=True)
+            url, storage_options=options[rank], settings=ReaderSettings(cooperative=True, **SMALL_READS)
         ),
     )
     set_model_state_dict(loaded, state)

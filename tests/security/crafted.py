@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from dcp_fsspec import FsspecStorageReader
+from dcp_fsspec import FsspecStorageReader, ReaderSettings
 from dcp_fsspec.storage.transport.error_wrapping import unwrap_dcp
 from tests.conftest import Backend
 
@@ -102,7 +102,9 @@ def load_failure(
     (torch >= 2.9 reports a failed ``.metadata`` read as an ``AssertionError`` of its own; the
     reader keeps ours, and ``unwrap_dcp`` raises it.)
     """
-    reader = FsspecStorageReader(url or backend.url, storage_options=backend.storage_options, **options)
+    reader = FsspecStorageReader(
+        url or backend.url, storage_options=backend.storage_options, settings=ReaderSettings(**options)
+    )
     try:
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as e:

@@ -1,8 +1,8 @@
 """``memory://``: fsspec's in-process store, as a backend that implements the core and nothing else.
 
-It works on the store's own dict (``MemoryFileSystem.store``: path → ``MemoryFile``), so fsspec's
-calls on the filesystem see the same files. A file enters the store only when its upload
-commits (fsspec's ``open("wb")`` puts it there at once, half written). No other process sees the
+It reads, lists and removes through fsspec's own calls, retried as every backend's are. A file
+enters the store only when its upload commits (fsspec's ``open("wb")`` puts it there at once,
+half written). No other process sees the
 store: asynchronous saves run in a thread, and the default lock, within this process, holds off
 every writer there is.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
-from contextlib import suppress
 from typing import Any
 
 import fsspec
 from fsspec.implementations.memory import MemoryFile
 
+from dcp_fsspec.errors import StorageError
 from dcp_fsspec.storage.backends.base import Backend, Versioned
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
 from dcp_fsspec.storage.transport.file_syncs import FileSyncs
@@ -30,15 +30,11 @@ class MemoryBackend(Backend):
     exclusive_across_processes = True  # every writer is in this process
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
-        view = self._file(path).getbuffer()
-        try:
-            return bytes(view[start:end])
-        finally:
-            view.release()
+        return bytes(self.call("cat_file", path, start=start, end=end))
 
     def read_versioned(self, path: str) -> Versioned:
         try:
-            return Versioned(self._file(path).getvalue())
+            return Versioned(bytes(self.call("cat_file", path)))
         except FileNotFoundError:
             return Versioned(None)
 
@@ -52,30 +48,23 @@ class MemoryBackend(Backend):
         multipart_threshold: int = 0,
         syncs: FileSyncs | None = None,
     ) -> FileUpload:
-        return MemoryUpload(self.fs, self.fs._strip_protocol(path))
+        try:
+            return MemoryUpload(self.fs, self.fs._strip_protocol(path))
+        except OSError as e:
+            raise StorageError(f"cannot create {self.url_of(path)}: {e}") from e
 
     def find(self, path: str, *, withdirs: bool = False) -> dict[str, dict[str, Any]]:
-        key = self.fs._strip_protocol(path)
-        under = key.rstrip("/") + "/"
-        sizes = {
-            name: file.size
-            for name, file in list(self.fs.store.items())
-            if name == key or name.startswith(under)
-        }
-        found = {name: {"name": name, "size": size, "type": "file"} for name, size in sizes.items()}
-        if withdirs:
-            folders = {d for d in self.fs.pseudo_dirs if d == key or d.startswith(under)}
-            for name in sizes.keys() - {key}:
-                parts = name[len(under) :].split("/")[:-1]
-                folders |= {key, *(under + "/".join(parts[:i]) for i in range(1, len(parts) + 1))}
-            found |= {d: {"name": d, "size": 0, "type": "directory"} for d in folders}
-        return dict(sorted(found.items()))
+        try:
+            return dict(self.call("find", path, withdirs=withdirs, detail=True))
+        except FileNotFoundError:
+            return {}
 
     def remove_files(self, paths: Sequence[str], *, within: str) -> None:
-        for key in map(self.fs._strip_protocol, paths):
-            self.fs.store.pop(key, None)
-            with suppress(ValueError):  # a folder made by fsspec's makedirs, if it is one
-                self.fs.pseudo_dirs.remove(key)
+        for path in sorted(paths, key=len, reverse=True):  # a folder's files before the folder
+            try:
+                self.call("rm", path)
+            except FileNotFoundError:
+                pass  # already gone
 
     def replace_if_unchanged(self, path: str, data: bytes, expected: Versioned) -> bool:
         with _SWAPS:  # a compare-and-swap of its own: it holds without the caller's lock too
@@ -83,13 +72,6 @@ class MemoryBackend(Backend):
                 return False
             MemoryFile(self.fs, self.fs._strip_protocol(path), data).commit()
             return True
-
-    def _file(self, path: str) -> MemoryFile:
-        try:
-            file: MemoryFile = self.fs.store[self.fs._strip_protocol(path)]
-        except KeyError:
-            raise FileNotFoundError(f"no such file: {self.url_of(path)}") from None
-        return file
 
 
 class MemoryUpload(FileUpload):
@@ -100,6 +82,11 @@ class MemoryUpload(FileUpload):
         super().__init__(fs, path)
         if path in fs.pseudo_dirs:
             raise IsADirectoryError(path)
+        parent = fs._parent(path)
+        while parent and parent != fs.root_marker:
+            if parent in fs.store:  # a file where a folder of the path should be
+                raise NotADirectoryError(f"{parent} is a file")
+            parent = fs._parent(parent)
         self._file: MemoryFile | None = MemoryFile(fs, path)
 
     def write(self, buffers: Iterable[bytes | memoryview]) -> None:
