@@ -37,7 +37,7 @@ _ROUND_TRIP = textwrap.dedent(
         assert ckpt.load(model=fresh, optim=fresh_optim) == 5
     assert torch.equal(fresh.weight, model.weight)
     assert sys.modules.get("isal") is None  # nothing got it some other way
-    from dcp_fsspec.storage import crc
+    from dcp_fsspec.storage.format import crc
     assert crc.crc32 is zlib.crc32
     print("round trip ok")
     """
