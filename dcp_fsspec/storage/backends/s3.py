@@ -23,6 +23,7 @@ from dcp_fsspec.storage.backends.s3_client import hook_client
 from dcp_fsspec.storage.backends.s3_removal import S3Removal
 from dcp_fsspec.storage.backends.s3_uploads import S3MultipartUpload
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.transport.concurrency import store_limit
 from dcp_fsspec.storage.transport.file_syncs import FileSyncs
 from dcp_fsspec.storage.transport.retry import RetryPolicy, causes, http_status
 
@@ -132,7 +133,9 @@ class S3Backend(FsspecBackend):
                 response["Body"].close()
 
         try:
-            return fsspec.asyn.sync(self.fs.loop, self.retry.call_async, get, url=url)
+            return fsspec.asyn.sync(
+                self.fs.loop, self.retry.call_async, get, url=url, kind="GET", limit=store_limit(self.fs)
+            )
         except FileNotFoundError as e:
             self.raise_if_no_container(e, url)
             return Versioned(None)

@@ -1,7 +1,10 @@
 """Hooks on the botocore client that s3fs makes, registered once per client.
 
-A body under 16 MiB goes without ``Expect: 100-continue``. A body that carries our CRC-32
-header goes unsigned: the server checks that checksum, and no byte is read twice.
+A body under 16 MiB goes without ``Expect: 100-continue``. A body of ours starts again from
+its first byte when s3fs calls again with it. A body that carries our CRC-32
+header goes unsigned: the server checks that checksum, and no byte is read twice. Every
+throttled answer, even one botocore or s3fs retries by itself, lowers the store's requests at
+once (:mod:`~dcp_fsspec.storage.transport.concurrency`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ import weakref
 from typing import Any
 
 import fsspec.asyn
+
+from dcp_fsspec.storage.transport.concurrency import throttled_now
+from dcp_fsspec.storage.transport.retry import is_throttling_answer
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +46,31 @@ def hook_client(fs: Any) -> None:
     client.meta.events.register_last(
         "before-call.s3", _continue_only_for_large_bodies, unique_id="dcp-fsspec-expect"
     )
+    client.meta.events.register("before-call.s3", _whole_body_each_call, unique_id="dcp-fsspec-rewind")
+    client.meta.events.register("needs-retry.s3", _note_throttling, unique_id="dcp-fsspec-throttling")
     _HOOKED_CLIENTS.add(client)
+
+
+def _whole_body_each_call(params: dict[str, Any], **_: Any) -> None:
+    """botocore's before-call hook: a body of ours is sent from its start by every call.
+
+    botocore rewinds a body between its own attempts, but s3fs retries a failed call with the
+    same body, now read to its end: botocore would then send it empty (a 0-byte part).
+    """
+    body = params.get("body")
+    if getattr(body, "whole_each_call", False):
+        body.seek(0)
+
+
+def _note_throttling(response: Any = None, **_: Any) -> None:
+    """botocore's hook after each attempt: a throttled answer lowers the store's limit at once,
+    not after the driver's own retries ran out."""
+    if response is None:
+        return
+    http, parsed = response
+    error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
+    if is_throttling_answer(http.status_code, error.get("Code")):
+        throttled_now()
 
 
 def _continue_only_for_large_bodies(params: dict[str, Any], **_: Any) -> None:

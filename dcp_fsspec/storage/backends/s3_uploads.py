@@ -20,6 +20,7 @@ from typing import Any
 from dcp_fsspec.storage.backends.s3_client import checksummed_bodies
 from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from dcp_fsspec.storage.format.crc import COMBINE_ABOVE, crc32, crc32_combine
+from dcp_fsspec.storage.transport.concurrency import store_limit
 from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
 
 # S3's checksum of a body: CRC-32, the checksum tensor records store too, so the pass that
@@ -56,8 +57,11 @@ class _Body(io.BytesIO):
     length, then sends the body in 256 KiB ``read``s. Each read here is a view of one of the
     buffers, never crossing into the next (a shorter read is still a chunk to aiohttp and to
     botocore), which aiohttp and the socket take as they take bytes; botocore seeks back to the
-    start for a retried attempt.
+    start for a retried attempt, and :mod:`~dcp_fsspec.storage.backends.s3_client` for a call
+    that s3fs makes again with it (``whole_each_call``).
     """
+
+    whole_each_call = True
 
     def __init__(self, views: Sequence[memoryview]) -> None:
         super().__init__()
@@ -134,6 +138,8 @@ class S3MultipartUpload(FileUpload):
         self._budget = budget
         self._retry = retry
         self._url = fs.unstrip_protocol(path)
+        # Requests at once to the store, shared with every upload and read of this process.
+        self._limit = store_limit(fs)
         # Parts are cut at multiples of the part size as the bytes arrive: complete ones wait in
         # _ready until the upload is known to be multipart, the last one fills in _open.
         self._ready: deque[_Part] = deque()
@@ -151,7 +157,9 @@ class S3MultipartUpload(FileUpload):
 
     async def _request(self, method: str, **kwargs: Any) -> Any:
         return await self._retry.call_async(
-            lambda: self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs), url=self._url
+            lambda: self.fs._call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs),
+            url=self._url,
+            limit=self._limit,
         )
 
     async def _send(
@@ -167,7 +175,7 @@ class S3MultipartUpload(FileUpload):
             )
 
         try:
-            return await self._retry.call_async(attempt, url=self._url)
+            return await self._retry.call_async(attempt, url=self._url, kind="PUT", limit=self._limit)
         finally:
             # Requests and responses can sit in reference cycles, and the collector is paused
             # during a save: closing the streams lets go of the views now, not at the next pass.

@@ -22,6 +22,7 @@ from typing import Any
 import fsspec
 
 from dcp_fsspec.storage.backends import backend_for
+from dcp_fsspec.storage.transport.concurrency import store_limit
 from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
 from dcp_fsspec.storage.transport.workers import Workers
 
@@ -74,6 +75,8 @@ class _Fetcher:
         self.retry = retry
         self.backend = backend_for(fs, retry)
         self._async = self.backend.async_reads
+        # Reads at once to the store, lowered while it throttles (shared with its uploads).
+        self._limit = store_limit(fs) if self._async else None
         self._reader = None if self._async else self.backend.range_reader()
         self._pool = None if self._async else Workers("fetch", threads)
 
@@ -81,7 +84,8 @@ class _Fetcher:
         url = self.backend.url_of(span.path)
         if self._async:
             read = lambda: self.backend.read_range_async(span.path, span.start, span.end)  # noqa: E731
-            return asyncio.run_coroutine_threadsafe(self.retry.call_async(read, url=url), self.fs.loop)
+            reading = self.retry.call_async(read, url=url, kind="GET", limit=self._limit)
+            return asyncio.run_coroutine_threadsafe(reading, self.fs.loop)
         assert self._pool is not None and self._reader is not None
         reader = self._reader
         return self._pool.submit(

@@ -13,6 +13,8 @@ call that cancels an attempt still running on an async filesystem (s3fs, gcsfs, 
 :func:`is_transient` is the one classification: throttling, 5xx and dropped connections are
 transient; everything else (403, 404, bad credentials, a bad request, a local disk error) is
 permanent, is never retried by this layer, and reaches the caller unchanged and at once.
+Where the caller gives an :class:`~dcp_fsspec.storage.transport.concurrency.AdaptiveLimit`,
+each attempt waits for a place under it, and throttling lowers it (``RetryPolicy.adaptive``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from dcp_fsspec.errors import DcpFsspecError, StorageError
+from dcp_fsspec.storage.transport.concurrency import AdaptiveLimit, Ticket, running
 from dcp_fsspec.storage.transport.driver_errors import is_network_error
 
 T = TypeVar("T")
@@ -45,6 +48,15 @@ _TRANSIENT_CODES = {
     "InternalError",
     "ServiceUnavailable",
 }
+# The codes and statuses that mean "too many requests": the store asks for fewer.
+_THROTTLING_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+}
+_THROTTLING_STATUSES = {429, 503}
 # Built-in types that say what is wrong with the request, not with the network.
 _PERMANENT_TYPES = (
     FileNotFoundError,
@@ -73,12 +85,15 @@ class RetryPolicy:
         max_delay: the longest wait between two tries, in seconds.
         deadline: the most seconds one call may take, its retries included; an attempt still
             running then is cancelled where the filesystem is async. ``None``: no limit.
+        adaptive: lower the requests sent at once to a store that throttles, and raise them
+            back slowly after (S3 uploads and ranged reads); False keeps them as configured.
     """
 
     attempts: int = 4
     base_delay: float = 0.2
     max_delay: float = 5.0
     deadline: float | None = 120.0
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
@@ -109,14 +124,30 @@ class RetryPolicy:
             return self._retry(lambda remaining: call(*args, timeout=remaining, **kwargs), url)
         return self.call(lambda: call(*args, **kwargs), url=url)
 
-    async def call_async(self, make: Callable[[], Awaitable[T]], *, url: str) -> T:
-        """``await make()``, retried; an attempt still running at the deadline is cancelled."""
-        if not self.enabled:
+    async def call_async(
+        self,
+        make: Callable[[], Awaitable[T]],
+        *,
+        url: str,
+        kind: str = "",
+        limit: AdaptiveLimit | None = None,
+    ) -> T:
+        """``await make()``, retried; an attempt still running at the deadline is cancelled.
+
+        Args:
+            make: one attempt.
+            url: what the call is about, for the error.
+            kind: the request's kind (``GET``, ``PUT``), for the error where the driver's does not say.
+            limit: the store's requests at once; each attempt waits for a place under it
+                (with ``adaptive``), and throttling lowers it.
+        """
+        limit = limit if self.adaptive else None
+        if not self.enabled and limit is None:
             return await make()
-        tries = _Tries(self, url)
+        tries = _Tries(self, url, kind)
         for remaining in tries:
             try:
-                return await asyncio.wait_for(make(), remaining)
+                return await _attempt(make, remaining, limit, tries)
             except Exception as e:  # noqa: BLE001 - classified by is_transient, re-raised if permanent
                 await asyncio.sleep(tries.failed(e))
         raise AssertionError("unreachable")  # pragma: no cover - _Tries.failed raises when done
@@ -127,9 +158,12 @@ class RetryPolicy:
             return attempt(None)
         tries = _Tries(self, url)
         for remaining in tries:
+            witness = Ticket()  # notes throttling the driver retried by itself (s3fs's hook)
             try:
-                return attempt(remaining)
+                with running(witness):
+                    return attempt(remaining)
             except Exception as e:  # noqa: BLE001 - classified by is_transient, re-raised if permanent
+                tries.throttled = tries.throttled or witness.throttled
                 time.sleep(tries.failed(e))
         raise AssertionError("unreachable")  # pragma: no cover - _Tries.failed raises when done
 
@@ -138,14 +172,35 @@ NO_RETRY = RetryPolicy(attempts=1, deadline=None)
 DEFAULT_RETRY = RetryPolicy()
 
 
+async def _attempt(
+    make: Callable[[], Awaitable[T]], remaining: float | None, limit: AdaptiveLimit | None, tries: _Tries
+) -> T:
+    """One attempt, under ``limit`` where there is one: throttling seen during it lowers the limit."""
+    if limit is None:
+        return await asyncio.wait_for(make(), remaining)
+    ticket = await asyncio.wait_for(limit.acquire(), remaining)
+    try:
+        with running(ticket):
+            return await asyncio.wait_for(make(), remaining)
+    except Exception as e:
+        if is_throttling(e):
+            ticket.throttle()
+        raise
+    finally:
+        tries.throttled = tries.throttled or ticket.throttled
+        limit.release(ticket)
+
+
 class _Tries:
     """One call's attempts: yields the seconds left for each; decides after each failure."""
 
-    def __init__(self, policy: RetryPolicy, url: str) -> None:
+    def __init__(self, policy: RetryPolicy, url: str, kind: str = "") -> None:
         self.policy = policy
         self.url = url
+        self.kind = kind
         self.start = time.monotonic()
         self.count = 0
+        self.throttled = False  # the store throttled an attempt (its own error, or the driver's retries)
 
     def __iter__(self) -> Iterator[float | None]:
         while True:
@@ -172,6 +227,8 @@ class _Tries:
             if out_of_time
             else f"all {policy.attempts} attempts failed"
         )
+        if self.throttled or is_throttling(error):
+            raise self._throttled_error(error, elapsed, why) from error
         timed_out = isinstance(error, TimeoutError) and not str(error)
         last = (
             "the last attempt was still running"
@@ -183,6 +240,35 @@ class _Tries:
             f"transient errors (throttling, server errors or dropped connections); {last}. Check that "
             "the storage is reachable, or allow more with RetryPolicy(attempts=..., deadline=...)"
         ) from error
+
+    def _throttled_error(self, error: Exception, elapsed: float, why: str) -> StorageError:
+        """One line: the store, the request kind, and what to do about throttling that never cleared."""
+        kind = request_kind(error) or self.kind or "its"
+        return StorageError(
+            f"giving up on {self.url} after {self.count} attempt(s) in {elapsed:.1f} s: the store "
+            f"throttled {kind} requests (503 SlowDown) until {why}. Lower the request rate (fewer "
+            "ranks writing or reading under one prefix, or fewer files per rank), allow more time "
+            "with RetryPolicy(deadline=..., attempts=...), or ask the provider for a higher limit"
+        )
+
+
+def is_throttling(error: BaseException) -> bool:
+    """Whether ``error`` is the store asking for fewer requests (``503 SlowDown``, 429)."""
+    return any(is_throttling_answer(*http_status(cause)) for cause in causes(error))
+
+
+def is_throttling_answer(status: int | None, code: str | None) -> bool:
+    """Whether an HTTP answer's status and error code ask for fewer requests."""
+    return code in _THROTTLING_CODES or status in _THROTTLING_STATUSES
+
+
+def request_kind(error: BaseException) -> str | None:
+    """The operation a driver's error names (botocore's ``operation_name``: ``UploadPart``)."""
+    for cause in causes(error):
+        name = getattr(cause, "operation_name", None)
+        if isinstance(name, str) and name:
+            return name
+    return None
 
 
 def is_transient(error: BaseException) -> bool:
