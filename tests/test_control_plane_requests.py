@@ -9,6 +9,7 @@ moto that records each request's method and object.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import re
 from collections import Counter
 from pathlib import Path
@@ -18,17 +19,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 
 from dcp_fsspec import Checkpointer, CheckpointExistsError, FsspecStorageWriter
+from dcp_fsspec.errors import UsageError
 from dcp_fsspec.local_s3 import LocalS3Server
 from tests.ckpt_fsdp import FsdpTraining
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.servers.counting import CountingProxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)
 
 _REQUEST_LINE = re.compile(rb"^([A-Z]+) (\S+) HTTP/1\.[01]\r\n")
 _SAVES = 3
@@ -117,6 +120,7 @@ def _counts(
         proxy.stop()
 
 
+@pytest.mark.slow
 def test_a_save_and_a_resume_make_the_same_control_plane_requests_at_two_and_four_ranks(
     s3_server: LocalS3Server, s3_backend: Backend, tmp_path: Path
 ) -> None:
@@ -147,6 +151,7 @@ def _save_twice_without_overwrite(rank: int, world_size: int, url: str, use_coll
     assert {p.name: p.read_bytes() for p in Path(url).iterdir()} == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_collectives", [True, False], ids=["coordinated", "each-rank-alone"])
 def test_a_save_over_a_checkpoint_without_overwrite_fails_every_rank_and_leaves_its_files_unchanged(
     tmp_path: Path, use_collectives: bool
@@ -156,3 +161,32 @@ def test_a_save_over_a_checkpoint_without_overwrite_fails_every_rank_and_leaves_
     url = str(tmp_path / "ckpt")
     run_ranks(_save_twice_without_overwrite, 2, tmp_path, url, use_collectives)
     assert len(list(Path(url).glob("*.distcp"))) == 2
+
+
+def _cached_planner() -> DefaultSavePlanner:
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
+def test_a_save_from_torchs_cached_plan_writes_the_metadata_of_a_full_plan(tmp_path: Path) -> None:
+    state = {"w": torch.arange(10.0), "b": torch.ones(3), "step": 3}
+    for name, planner in (("first", _cached_planner()), ("cached", _cached_planner()), ("full", None)):
+        dcp.save(
+            state, storage_writer=FsspecStorageWriter(str(tmp_path / name)), planner=planner, no_dist=True
+        )
+    cached, full = (pickle.loads((tmp_path / name / ".metadata").read_bytes()) for name in ("cached", "full"))
+    assert cached.state_dict_metadata == full.state_dict_metadata
+    assert cached.storage_data == full.storage_data
+
+
+def test_an_incremental_save_from_torchs_cached_plan_is_refused_naming_the_url(tmp_path: Path) -> None:
+    """A cached plan holds the base records of the save that cached it, not this save's base."""
+    state = {"w": torch.arange(10.0)}
+    first = FsspecStorageWriter(str(tmp_path / "s0"), incremental=True)
+    dcp.save(state, storage_writer=first, planner=_cached_planner(), no_dist=True)
+    url = str(tmp_path / "s1")
+    writer = FsspecStorageWriter(url, base=str(tmp_path / "s0"))
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save(state, storage_writer=writer, planner=_cached_planner(), no_dist=True)
+    (error, _), *_ = raised.value.failures.values()
+    assert isinstance(error, UsageError) and url in str(error)
+    assert not (tmp_path / "s1").exists()

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_fsspec.errors import CheckpointExistsError, DcpFsspecError, StorageError
+from dcp_fsspec.errors import CheckpointExistsError, DcpFsspecError, StorageError, UsageError
 from dcp_fsspec.storage.backends import Versioned
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
 from dcp_fsspec.storage.format import names
@@ -235,6 +235,7 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         here fails every rank's ``dcp.save``. Without collectives each rank runs it for itself,
         on its own ``.metadata``.
         """
+        self._refuse_cached_plans(plans)
         self._prepare_folder()
         if all(plan.storage_data is not None for plan in plans):
             return plans  # named in prepare_local_plan (without collectives)
@@ -245,6 +246,19 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             else dataclasses.replace(plan, storage_data=self._storage_prefix(i, plan, base))
             for i, plan in enumerate(plans)
         ]
+
+    def _refuse_cached_plans(self, plans: list[SavePlan]) -> None:
+        """Refuse torch's plan caching in an incremental save.
+
+        A cached plan (``usable=False``) makes each rank reuse its plan of an earlier save,
+        base records included: a save would refer to that save's base, not its own.
+        """
+        if self.incremental and not all(plan.usable for plan in plans):
+            raise UsageError(
+                f"cannot save {self.location.url!r} incrementally with a cached plan: the cached "
+                "plan holds an earlier save's base records. Pass a planner without "
+                "enable_plan_caching, or save without base and incremental"
+            )
 
     def _prepare_folder(self) -> None:
         """Create the folder where needed; refuse an existing ``.metadata``, or remove it with
