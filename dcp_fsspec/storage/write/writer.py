@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_fsspec.errors import CheckpointExistsError, DcpFsspecError, StorageError
+from dcp_fsspec.errors import CheckpointExistsError, DcpFsspecError, StorageError, UsageError
 from dcp_fsspec.storage.backends import Versioned
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
 from dcp_fsspec.storage.format import names
@@ -72,7 +72,8 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
 
     DCP calls, in order: :meth:`reset` → :meth:`set_up_storage_writer` →
     :meth:`prepare_local_plan` (every rank) → :meth:`prepare_global_plan` (coordinator) →
-    :meth:`write_data` (every rank) → :meth:`finish` (coordinator).
+    :meth:`write_data` (every rank) → :meth:`finish` (coordinator). Only the coordinator asks
+    storage anything before the data: the folder, the overwrite check, the base's records.
 
     Guarantees: data files are complete or absent (local: temp file, fsync, rename — with
     ``file_syncs``, rename and then fsync, before the caller's commit; object stores: one PUT or
@@ -214,20 +215,12 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Create the folder where needed and refuse to clobber a checkpoint unless ``overwrite``."""
-        backend, metadata_path = self.location.backend, self._metadata_path()
-        with storage_errors("prepare checkpoint folder", self.location.url, also=(Exception,)):
-            # Drivers raise their own types (asyncssh's SFTPFailure), hence also=Exception.
-            backend.make_folder(self.location.path)
-            # Only without overwrite (with it, prepare_global_plan removes an old .metadata), and
-            # as one read: on S3 one GET, where "exists" of a missing file is a HEAD and a LIST.
-            exists = not self.overwrite and backend.read_versioned(metadata_path).data is not None
-        if exists:
-            # "Checkpoint already exists": torch's words, which code written for torch matches.
-            raise CheckpointExistsError(
-                f"Checkpoint already exists at {self.location.url!r} and overwrite=False; pass "
-                "overwrite=True to replace it or choose another URL"
-            )
+        """Every rank: nothing to ask storage; without collectives, name this rank's files.
+
+        The folder and the overwrite check are :meth:`prepare_global_plan`'s: asked once by the
+        coordinator, not once per rank, so a save's requests before any data do not grow with
+        the ranks.
+        """
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(
                 plan, storage_data=self._storage_prefix(self.rank, plan, self._base_records())
@@ -235,13 +228,17 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Name each rank's files; when overwriting, un-commit the old checkpoint first."""
-        if self.overwrite:
-            backend, metadata_path = self.location.backend, self._metadata_path()
-            # Drivers raise their own types here too (azure-core's HttpResponseError on a 403).
-            with storage_errors("remove the old", self.location.url_of(metadata_path), also=(Exception,)):
-                if backend.call("exists", metadata_path):
-                    backend.call("rm_file", metadata_path)
+        """The coordinator: create the folder where needed, refuse to clobber a checkpoint unless
+        ``overwrite`` (else un-commit the old one), and name each rank's files.
+
+        It runs after every rank's local plan is gathered and before any rank writes. A refusal
+        here fails every rank's ``dcp.save``. Without collectives each rank runs it for itself,
+        on its own ``.metadata``.
+        """
+        self._refuse_cached_plans(plans)
+        self._prepare_folder()
+        if all(plan.storage_data is not None for plan in plans):
+            return plans  # named in prepare_local_plan (without collectives)
         base = self._base_records()
         return [
             plan
@@ -249,6 +246,41 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             else dataclasses.replace(plan, storage_data=self._storage_prefix(i, plan, base))
             for i, plan in enumerate(plans)
         ]
+
+    def _refuse_cached_plans(self, plans: list[SavePlan]) -> None:
+        """Refuse torch's plan caching in an incremental save.
+
+        A cached plan (``usable=False``) makes each rank reuse its plan of an earlier save,
+        base records included: a save would refer to that save's base, not its own.
+        """
+        if self.incremental and not all(plan.usable for plan in plans):
+            raise UsageError(
+                f"cannot save {self.location.url!r} incrementally with a cached plan: the cached "
+                "plan holds an earlier save's base records. Pass a planner without "
+                "enable_plan_caching, or save without base and incremental"
+            )
+
+    def _prepare_folder(self) -> None:
+        """Create the folder where needed; refuse an existing ``.metadata``, or remove it with
+        ``overwrite``."""
+        backend, metadata_path = self.location.backend, self._metadata_path()
+        with storage_errors("prepare checkpoint folder", self.location.url, also=(Exception,)):
+            # Drivers raise their own types (asyncssh's SFTPFailure), hence also=Exception.
+            backend.make_folder(self.location.path)
+            # Without overwrite, one read: on S3 one GET, where "exists" of a missing file is a
+            # HEAD and a LIST.
+            exists = not self.overwrite and backend.read_versioned(metadata_path).data is not None
+        if exists:
+            # "Checkpoint already exists": torch's words, which code written for torch matches.
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {self.location.url!r} and overwrite=False; pass "
+                "overwrite=True to replace it or choose another URL"
+            )
+        if self.overwrite:
+            # Drivers raise their own types here too (azure-core's HttpResponseError on a 403).
+            with storage_errors("remove the old", self.location.url_of(metadata_path), also=(Exception,)):
+                if backend.call("exists", metadata_path):
+                    backend.call("rm_file", metadata_path)
 
     @collector_paused()
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
