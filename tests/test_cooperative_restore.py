@@ -128,6 +128,8 @@ def test_two_ranks_read_each_byte_of_a_replicated_state_once_and_load_it_bit_exa
     sent, unique = _count_cooperative_load(s3_backend, proxies, tmp_path, 2)
     assert sent <= 1.05 * unique, (sent, unique)
     assert min(p.sent for p in proxies[:2]) > 0.3 * unique  # both ranks read a share
+    # The preflight's listing of the data files, like .metadata, is rank 0's, and shared.
+    assert sum(p.lists for p in proxies[:2]) == 1, [p.lists for p in proxies[:2]]
 
 
 @pytest.mark.slow

@@ -71,7 +71,8 @@ class ReaderSettings:
         threads: concurrent reads on filesystems without an async API.
         cooperative: when several ranks load with ``dcp.load``, each record several of them need
             is read from storage by one and broadcast to the others over the reader's
-            ``process_group``; ``.metadata`` is read by rank 0 and broadcast.
+            ``process_group``; ``.metadata`` and the listing of the data files are read by rank 0
+            and broadcast.
             ``None``: on in :meth:`Checkpointer.load <dcp_fsspec.Checkpointer.load>`, off in a
             plain reader; ``False`` turns it off there too.
         trust_checkpoint: what is read was written by you: unpickle ``.metadata`` and

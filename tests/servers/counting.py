@@ -13,7 +13,7 @@ from tests.servers.proxy import _CHUNK, LoopbackProxy
 
 class CountingProxy(LoopbackProxy):
     """Forwards to ``upstream``, counting bytes sent to clients, bytes received from them
-    (request heads and bodies: what a save uploads) and GET requests.
+    (request heads and bodies: what a save uploads), GET requests and listings among them.
 
     Args:
         upstream: the server's URL (``http://host:port``).
@@ -27,11 +27,12 @@ class CountingProxy(LoopbackProxy):
         self.sent = 0
         self.received = 0
         self.gets = 0
+        self.lists = 0
         self.cut = False
 
     def reset(self) -> None:
         """Start counting from zero."""
-        self.sent = self.received = self.gets = 0
+        self.sent = self.received = self.gets = self.lists = 0
 
     async def _connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         if self.cut:
@@ -52,6 +53,7 @@ class CountingProxy(LoopbackProxy):
             while chunk := await reader.read(_CHUNK):
                 # A request line starts a chunk: botocore writes each request's head in one go.
                 self.gets += chunk.startswith(b"GET ")
+                self.lists += chunk.startswith(b"GET ") and b"list-type=" in chunk.split(b"\r\n", 1)[0]
                 self.received += len(chunk)
                 writer.write(chunk)
                 await writer.drain()

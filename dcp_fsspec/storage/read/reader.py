@@ -13,6 +13,7 @@ them, while the small records stream.
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import uuid
@@ -234,8 +235,13 @@ class FsspecStorageReader(UrlBound, StorageReader):
             StorageError: the listing failed.
         """
         needed = self._needed_ends(plan)
-        if needed:
+        group = self._group()
+        sizes: dict[str, int] = {}
+        if group is not None:  # a collective: every rank enters it, whatever it needs
+            sizes = self._shared_sizes(group)
+        elif needed:
             sizes = self._listed_sizes({posixpath.dirname(rel) for rel in needed})
+        if needed:
             self._check_references(referenced_folders(needed), sizes)
             self._check_sizes(needed, sizes)
         return plan
@@ -346,6 +352,24 @@ class FsspecStorageReader(UrlBound, StorageReader):
             if end > needed.get(info.relative_path, (-1, ""))[0]:
                 needed[info.relative_path] = (end, item.storage_index.fqn)
         return needed
+
+    def _shared_sizes(self, group: Group) -> dict[str, int]:
+        """The sizes of every data file ``.metadata`` names, listed by rank 0 and broadcast: a
+        cooperative load lists each folder once, not once per rank.
+
+        Raises: on every rank, what the listing raised on rank 0.
+        """
+        sizes: dict[str, int] = {}
+        error: BaseException | None = None
+        if group.rank == 0:
+            folders = {posixpath.dirname(info.relative_path) for info in self.storage_data.values()}
+            try:
+                sizes = self._listed_sizes(folders)
+            except DcpFsspecError as e:
+                error = e
+        group.agree(error)
+        shared = group.broadcast_bytes(json.dumps(sizes).encode() if group.rank == 0 else b"", 0)
+        return sizes if group.rank == 0 else json.loads(bytes(shared))
 
     def _listed_sizes(self, folders: set[str]) -> dict[str, int]:
         """The size of every file in ``folders`` (relative to the checkpoint), by relative path:
