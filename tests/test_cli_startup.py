@@ -101,22 +101,25 @@ def test_inspect_and_verify_do_not_import_torch(tmp_path: Path) -> None:
     assert (inspected["torch"], verified["torch"]) == (False, False)
 
 
-@pytest.mark.parametrize("command", sorted(set(cli._COMMANDS) - {"demo"}))
+@pytest.mark.parametrize("command", sorted(cli._COMMANDS))
 def test_a_bad_storage_options_json_is_a_usage_error_before_torch_is_imported(
     tmp_path: Path, command: str
 ) -> None:
-    argv = [
-        command,
-        str(tmp_path / "run"),
-        *([str(tmp_path / "out")] if command in ("cp", "to-torch", "to-safetensors") else []),
-    ]
+    if command == "demo":
+        argv = [command, "--url", str(tmp_path / "run")]
+    else:
+        argv = [
+            command,
+            str(tmp_path / "run"),
+            *([str(tmp_path / "out")] if command in ("cp", "to-torch", "to-safetensors") else []),
+        ]
     argv += ["--keep", "1"] if command == "prune" else []
     result = _command(tmp_path, *argv, "--storage-options", "{key: 1}")
     assert result["code"] == 2
     assert result["torch"] is False
 
 
-@pytest.mark.parametrize("command", sorted(set(cli._COMMANDS) - {"demo"}))
+@pytest.mark.parametrize("command", sorted(cli._COMMANDS))
 def test_every_commands_help_does_not_import_torch(tmp_path: Path, command: str) -> None:
     result = _command(tmp_path, command, "--help")
     assert result["code"] == 0 and f"dcp-fsspec {command}" in str(result["out"])
