@@ -102,6 +102,22 @@ def test_save_returns_before_the_write_and_the_staged_copy_is_isolated(local_bac
     assert torch.equal(target["w"], torch.arange(10.0))
 
 
+def test_two_keys_of_the_same_shape_keep_their_own_values_and_buffers(local_backend: Backend) -> None:
+    """Each key is staged into buffers of its own, kept from save to save."""
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        for step in (1, 2):
+            ckpt.save(
+                step, first={"w": torch.full((8,), 1.0 * step)}, second={"w": torch.full((8,), -1.0 * step)}
+            )
+            ckpt.wait()
+        assert ckpt._async is not None and ckpt._async._stager is not None
+        assert ckpt._async._stager.staged_bytes == 2 * 8 * 4
+    with Checkpointer(local_backend.url) as ckpt:
+        first, second = {"w": torch.zeros(8)}, {"w": torch.zeros(8)}
+        assert ckpt.load(first=first, second=second) == 2
+    assert torch.equal(first["w"], torch.full((8,), 2.0)) and torch.equal(second["w"], torch.full((8,), -2.0))
+
+
 def test_an_error_in_the_background_surfaces_at_the_next_call(s3_backend: Backend) -> None:
     url = "s3://no-such-bucket-for-async/run"
     ckpt = Checkpointer(url, s3_backend.storage_options, async_mode=ASYNC)

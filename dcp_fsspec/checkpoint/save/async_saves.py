@@ -91,7 +91,9 @@ class AsyncSaves:
         saver = self.start()
         if self._stager is None:
             self._stager = Stager()
-        staged = {k: self._stager.stage(v) for k, v in state_dicts.items()}
+        # One stage over every key: a buffer's place includes its key, and each stage keeps only
+        # the buffers it used.
+        staged = self._stager.stage(state_dicts)
         self._surviving(lambda: saver.submit(iteration, staged, token))
         self.in_flight = done
 
