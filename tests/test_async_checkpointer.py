@@ -159,6 +159,43 @@ def test_finalize_waits_and_leaves_no_process_behind(local_backend: Backend) -> 
     assert Checkpointer(local_backend.url).latest_checkpoint() == "iter_000000007"
 
 
+def test_the_background_process_is_running_right_after_construction(local_backend: Backend) -> None:
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        assert ckpt._async is not None and ckpt._async.saver is not None
+        assert not _gone(ckpt._async.saver.pid)  # type: ignore[union-attr,arg-type]
+
+
+def test_a_checkpointer_finalized_without_a_save_leaves_no_process_and_nothing_saved(
+    local_backend: Backend,
+) -> None:
+    ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
+    pid = ckpt._async.saver.pid  # type: ignore[union-attr]
+    ckpt.finalize()
+    assert _wait_until_gone(pid, within=5.0)  # type: ignore[arg-type]
+    assert Checkpointer(local_backend.url).committed_iterations() == []
+
+
+def test_an_unguarded_script_is_built_at_once_and_its_first_save_says_what_to_add(tmp_path: Path) -> None:
+    """Construction does not wait for the background process; the save that needs it does."""
+    url = str(tmp_path / "run")
+    script = tmp_path / "train_unguarded.py"
+    script.write_text(
+        "import torch\n"
+        "from dcp_fsspec import Checkpointer\n"
+        f"ckpt = Checkpointer({url!r}, async_mode={ASYNC!r})\n"
+        "print('BUILT', flush=True)\n"
+        "ckpt.save(1, trainer={'w': torch.ones(4)})\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=200, check=False
+    )
+    assert done.returncode != 0 and done.stdout.count("BUILT") == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("dcp_fsspec.errors.BackgroundSaveError") and url in last, done.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last and str(script) in last
+
+
 # On S3 (~6.5 s each) under `slow` only: the kill and the cleanup are the same on every store; what
 # S3 adds, aborting the killed save's multipart uploads, is then checked in CI.
 @pytest.mark.parametrize(
