@@ -196,6 +196,38 @@ def test_an_unguarded_script_is_built_at_once_and_its_first_save_says_what_to_ad
     assert 'if __name__ == "__main__":' in last and str(script) in last
 
 
+def test_a_prepared_state_saves_and_loads_bit_exact(local_backend: Backend) -> None:
+    training = Training(seed=5)
+    training.run(2)
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        ckpt.prepare(**training.keys())
+        training.run(1)  # training goes on while the buffers are allocated
+        ckpt.save(3, **training.keys())
+    resumed = Training(seed=77)
+    with Checkpointer(local_backend.url) as ckpt:
+        assert ckpt.load(**resumed.keys()) == 3
+    assert_equal(resumed.model.state_dict(), training.model.state_dict())
+    assert_equal(resumed.optim.state_dict(), training.optim.state_dict())
+
+
+def test_prepare_refuses_a_bad_key_and_a_finalized_checkpointer_naming_the_url(
+    local_backend: Backend,
+) -> None:
+    ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
+    with pytest.raises(ValueError, match="bad/key"):
+        ckpt.prepare(**{"bad/key": {"w": torch.ones(2)}})
+    ckpt.finalize()
+    with pytest.raises(RuntimeError) as info:
+        ckpt.prepare(trainer={"w": torch.ones(2)})
+    assert local_backend.url in str(info.value)
+
+
+def test_prepare_without_async_saves_changes_nothing(local_backend: Backend) -> None:
+    with Checkpointer(local_backend.url) as ckpt:
+        ckpt.prepare(trainer={"w": torch.ones(2)})
+        assert ckpt.committed_iterations() == []
+
+
 # On S3 (~6.5 s each) under `slow` only: the kill and the cleanup are the same on every store; what
 # S3 adds, aborting the killed save's multipart uploads, is then checked in CI.
 @pytest.mark.parametrize(
@@ -265,6 +297,23 @@ def test_staging_reuses_its_buffers_while_shapes_stay_the_same() -> None:
     assert third["a"].data_ptr() != first["a"].data_ptr()
     assert stager.staged_bytes == (200 + 12) * 4  # the old buffer was dropped, not kept beside
     stager.close()
+
+
+def test_prepared_buffers_hold_the_state_before_the_first_stage_and_are_reused_by_it() -> None:
+    stager = Stager()
+    state = {
+        "a": torch.randn(1000),
+        "nested": {"b": torch.randn(3, 4), "c": [torch.ones(5, dtype=torch.int64)]},
+    }
+    stager.prepare(state)
+    assert stager.staged_bytes == (1000 + 12) * 4 + 5 * 8
+    state["a"].add_(1)  # training changed the values after prepare: the stage copies the new ones
+    staged = stager.stage(state)
+    assert torch.equal(staged["a"], state["a"]) and torch.equal(staged["nested"]["c"][0], torch.ones(5))
+    assert stager.staged_bytes == (1000 + 12) * 4 + 5 * 8  # prepare's buffers, not a second set
+    assert staged["a"].data_ptr() == stager.stage(state)["a"].data_ptr()
+    stager.close()
+    assert stager.staged_bytes == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
