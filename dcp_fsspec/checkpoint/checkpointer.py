@@ -68,7 +68,8 @@ class Checkpointer:
             buffers (shared memory, pinned for CUDA tensors) and returns; a background process
             writes every key, commits and applies retention. At most one save is in flight: a
             :meth:`save` waits for the previous one first. Errors from the background surface at
-            the next :meth:`save`, :meth:`wait` or :meth:`finalize`.
+            the next :meth:`save`, :meth:`wait` or :meth:`finalize`. The process starts here,
+            without waiting for it; :meth:`prepare` allocates the buffers before the first save.
         keep_last_n: keep this many newest committed iterations, delete older ones after each
             save; ``None`` keeps everything. An older iteration is uncommitted before ``save()``
             returns; its files are deleted on a thread of their own (done by the next
