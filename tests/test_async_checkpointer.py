@@ -330,6 +330,17 @@ def test_cuda_tensors_are_staged_into_pinned_shared_memory() -> None:
     stager.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepared_buffers_of_cuda_tensors_are_pinned_shared_memory() -> None:
+    stager = Stager()
+    source = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda")}
+    stager.prepare(source)
+    staged = stager.stage(source)
+    assert staged["w"].is_shared() and staged["w"].is_pinned()
+    assert torch.equal(staged["w"], source["w"].cpu()) and torch.equal(staged["b"], source["b"].cpu())
+    stager.close()
+
+
 @pytest.mark.slow
 def test_two_rank_fsdp2_async_saves_resume_bitwise(shared_backend: Backend, tmp_path: Path) -> None:
     def run(name: str, **kwargs: Any) -> dict[str, Any]:
