@@ -102,6 +102,22 @@ def test_save_returns_before_the_write_and_the_staged_copy_is_isolated(local_bac
     assert torch.equal(target["w"], torch.arange(10.0))
 
 
+def test_two_keys_of_the_same_shape_keep_their_own_values_and_buffers(local_backend: Backend) -> None:
+    """Each key is staged into buffers of its own, kept from save to save."""
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        for step in (1, 2):
+            ckpt.save(
+                step, first={"w": torch.full((8,), 1.0 * step)}, second={"w": torch.full((8,), -1.0 * step)}
+            )
+            ckpt.wait()
+        assert ckpt._async is not None and ckpt._async._stager is not None
+        assert ckpt._async._stager.staged_bytes == 2 * 8 * 4
+    with Checkpointer(local_backend.url) as ckpt:
+        first, second = {"w": torch.zeros(8)}, {"w": torch.zeros(8)}
+        assert ckpt.load(first=first, second=second) == 2
+    assert torch.equal(first["w"], torch.full((8,), 2.0)) and torch.equal(second["w"], torch.full((8,), -2.0))
+
+
 def test_an_error_in_the_background_surfaces_at_the_next_call(s3_backend: Backend) -> None:
     url = "s3://no-such-bucket-for-async/run"
     ckpt = Checkpointer(url, s3_backend.storage_options, async_mode=ASYNC)
@@ -141,6 +157,75 @@ def test_finalize_waits_and_leaves_no_process_behind(local_backend: Backend) -> 
     ckpt.finalize()
     assert _gone(pid)
     assert Checkpointer(local_backend.url).latest_checkpoint() == "iter_000000007"
+
+
+def test_the_background_process_is_running_right_after_construction(local_backend: Backend) -> None:
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        assert ckpt._async is not None and ckpt._async.saver is not None
+        assert not _gone(ckpt._async.saver.pid)  # type: ignore[union-attr,arg-type]
+
+
+def test_a_checkpointer_finalized_without_a_save_leaves_no_process_and_nothing_saved(
+    local_backend: Backend,
+) -> None:
+    ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
+    pid = ckpt._async.saver.pid  # type: ignore[union-attr]
+    ckpt.finalize()
+    assert _wait_until_gone(pid, within=5.0)  # type: ignore[arg-type]
+    assert Checkpointer(local_backend.url).committed_iterations() == []
+
+
+def test_an_unguarded_script_is_built_at_once_and_its_first_save_says_what_to_add(tmp_path: Path) -> None:
+    """Construction does not wait for the background process; the save that needs it does."""
+    url = str(tmp_path / "run")
+    script = tmp_path / "train_unguarded.py"
+    script.write_text(
+        "import torch\n"
+        "from dcp_fsspec import Checkpointer\n"
+        f"ckpt = Checkpointer({url!r}, async_mode={ASYNC!r})\n"
+        "print('BUILT', flush=True)\n"
+        "ckpt.save(1, trainer={'w': torch.ones(4)})\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=200, check=False
+    )
+    assert done.returncode != 0 and done.stdout.count("BUILT") == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("dcp_fsspec.errors.BackgroundSaveError") and url in last, done.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in last and str(script) in last
+
+
+def test_a_prepared_state_saves_and_loads_bit_exact(local_backend: Backend) -> None:
+    training = Training(seed=5)
+    training.run(2)
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        ckpt.prepare(**training.keys())
+        training.run(1)  # training goes on while the buffers are allocated
+        ckpt.save(3, **training.keys())
+    resumed = Training(seed=77)
+    with Checkpointer(local_backend.url) as ckpt:
+        assert ckpt.load(**resumed.keys()) == 3
+    assert_equal(resumed.model.state_dict(), training.model.state_dict())
+    assert_equal(resumed.optim.state_dict(), training.optim.state_dict())
+
+
+def test_prepare_refuses_a_bad_key_and_a_finalized_checkpointer_naming_the_url(
+    local_backend: Backend,
+) -> None:
+    ckpt = Checkpointer(local_backend.url, async_mode=ASYNC)
+    with pytest.raises(ValueError, match="bad/key"):
+        ckpt.prepare(**{"bad/key": {"w": torch.ones(2)}})
+    ckpt.finalize()
+    with pytest.raises(RuntimeError) as info:
+        ckpt.prepare(trainer={"w": torch.ones(2)})
+    assert local_backend.url in str(info.value)
+
+
+def test_prepare_without_async_saves_changes_nothing(local_backend: Backend) -> None:
+    with Checkpointer(local_backend.url) as ckpt:
+        ckpt.prepare(trainer={"w": torch.ones(2)})
+        assert ckpt.committed_iterations() == []
 
 
 # On S3 (~6.5 s each) under `slow` only: the kill and the cleanup are the same on every store; what
@@ -214,6 +299,23 @@ def test_staging_reuses_its_buffers_while_shapes_stay_the_same() -> None:
     stager.close()
 
 
+def test_prepared_buffers_hold_the_state_before_the_first_stage_and_are_reused_by_it() -> None:
+    stager = Stager()
+    state = {
+        "a": torch.randn(1000),
+        "nested": {"b": torch.randn(3, 4), "c": [torch.ones(5, dtype=torch.int64)]},
+    }
+    stager.prepare(state)
+    assert stager.staged_bytes == (1000 + 12) * 4 + 5 * 8
+    state["a"].add_(1)  # training changed the values after prepare: the stage copies the new ones
+    staged = stager.stage(state)
+    assert torch.equal(staged["a"], state["a"]) and torch.equal(staged["nested"]["c"][0], torch.ones(5))
+    assert stager.staged_bytes == (1000 + 12) * 4 + 5 * 8  # prepare's buffers, not a second set
+    assert staged["a"].data_ptr() == stager.stage(state)["a"].data_ptr()
+    stager.close()
+    assert stager.staged_bytes == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_are_staged_into_pinned_shared_memory() -> None:
     stager = Stager()
@@ -225,6 +327,17 @@ def test_cuda_tensors_are_staged_into_pinned_shared_memory() -> None:
     again = stager.stage(source)
     assert again["w"].data_ptr() == staged["w"].data_ptr()
     assert torch.equal(again["w"], source["w"].cpu())
+    stager.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prepared_buffers_of_cuda_tensors_are_pinned_shared_memory() -> None:
+    stager = Stager()
+    source = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda")}
+    stager.prepare(source)
+    staged = stager.stage(source)
+    assert staged["w"].is_shared() and staged["w"].is_pinned()
+    assert torch.equal(staged["w"], source["w"].cpu()) and torch.equal(staged["b"], source["b"].cpu())
     stager.close()
 
 

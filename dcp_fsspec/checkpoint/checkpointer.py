@@ -68,7 +68,8 @@ class Checkpointer:
             buffers (shared memory, pinned for CUDA tensors) and returns; a background process
             writes every key, commits and applies retention. At most one save is in flight: a
             :meth:`save` waits for the previous one first. Errors from the background surface at
-            the next :meth:`save`, :meth:`wait` or :meth:`finalize`.
+            the next :meth:`save`, :meth:`wait` or :meth:`finalize`. The process starts here,
+            without waiting for it; :meth:`prepare` allocates the buffers before the first save.
         keep_last_n: keep this many newest committed iterations, delete older ones after each
             save; ``None`` keeps everything. An older iteration is uncommitted before ``save()``
             returns; its files are deleted on a thread of their own (done by the next
@@ -176,8 +177,8 @@ class Checkpointer:
                 save_collectives,
                 lambda: EXIT_HOOK.register(self),
             )
-            # Start the background process now (a collective, like construction itself), so the
-            # first save() does not pay for spawning it.
+            # Start the background process now, without waiting for it: its imports overlap the
+            # training steps before the first save(), which waits only if it is not up yet.
             self._async.start()
 
     def _two_tiers(
@@ -239,6 +240,24 @@ class Checkpointer:
             return
         saved = self._pipeline.run(iteration, state_dicts, self._save_token())
         self._committed(dataclasses.replace(done, saved=saved))
+
+    def prepare(self, **state: Any) -> None:
+        """Allocate the staging buffers of an asynchronous save of ``state``, off this thread.
+
+        Call it once the state exists (after :meth:`load`, with the keywords of :meth:`save`);
+        it returns at once. The first save then copies into buffers already in memory, as later
+        ones do, and waits for the allocation only if it is not done yet. An optimizer's state
+        that does not exist yet (before its first step) gets its buffers at that first save.
+        Without ``async_mode="async_with_pinned_mem"`` it does nothing. Every rank calls it.
+
+        Raises:
+            ValueError, TypeError: a bad key name; asynchronously, a bad value too (on every rank).
+        """
+        self._check_open("prepare")
+        for key in state:
+            layout.check_key(key)
+        if self._async is not None:
+            self._async.prepare(self._stage(state))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the asynchronous save in flight (if any) is committed; raise its error.

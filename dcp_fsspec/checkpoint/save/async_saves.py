@@ -3,6 +3,7 @@
 At most one save is in flight. Its state is copied into reusable staging buffers, handed to the
 background process (or, for ``memory://``, a thread of this process), and remembered until a
 wait sees it committed. A saver that died is forgotten, so the next save starts another.
+The buffers may be prepared before the first save, on a thread (:meth:`AsyncSaves.prepare`).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class AsyncSaves:
         self.in_flight: InFlight | None = None
 
     def start(self) -> BackgroundSaver | ThreadSaver:
-        """The background saver, started on first use (a collective, like construction).
+        """The background saver, started if there is none; it returns without waiting for it.
 
         Raises:
             InvalidURLError: several ranks and a ``memory://`` root, which lives in one process.
@@ -89,11 +90,20 @@ class AsyncSaves:
             done: what the ``save_end`` report will say once the save is committed.
         """
         saver = self.start()
-        if self._stager is None:
-            self._stager = Stager()
-        staged = {k: self._stager.stage(v) for k, v in state_dicts.items()}
+        # One stage over every key: a buffer's place includes its key, and each stage keeps only
+        # the buffers it used.
+        staged = self._the_stager().stage(state_dicts)
         self._surviving(lambda: saver.submit(iteration, staged, token))
         self.in_flight = done
+
+    def prepare(self, state_dicts: dict[str, dict[str, Any]]) -> None:
+        """Allocate the staging buffers of ``state_dicts`` on a thread; the next save waits for it."""
+        self._the_stager().prepare(state_dicts)
+
+    def _the_stager(self) -> Stager:
+        if self._stager is None:
+            self._stager = Stager()
+        return self._stager
 
     def wait(self, timeout: float | None = None) -> InFlight | None:
         """Wait for the save in flight; return it once committed, with what it did (None: there was none).

@@ -1,7 +1,8 @@
 """The background process that writes asynchronous saves: every key, the commit, retention.
 
-One process per checkpointer and rank, started with ``spawn`` at the first asynchronous save and
-kept until ``finalize``. It receives staged state dicts (their tensors in shared memory, so only
+One process per checkpointer and rank, started with ``spawn`` when the Checkpointer is built and
+kept until ``finalize``. Starting it returns at once; the first save waits until it is up (its
+imports take seconds), so a training run's first steps overlap them. It receives staged state dicts (their tensors in shared memory, so only
 handles cross the pipe, and each buffer's only once: :mod:`~dcp_fsspec.checkpoint.save.handles`) and runs the same
 :class:`~dcp_fsspec.checkpoint.save.pipeline.SavePipeline` as a synchronous save, built from the picklable
 :class:`~dcp_fsspec.checkpoint.save.pipeline.SaveSettings` it is started with, on a process group of its own (gloo, over a
@@ -48,7 +49,12 @@ _REIMPORTED_MAIN_EXIT = 77
 
 
 class BackgroundSaver:
-    """The training side of the background process: submit one save at a time, wait, close."""
+    """The training side of the background process: submit one save at a time, wait, close.
+
+    Building one starts the process and returns without waiting for it. The first
+    :meth:`submit` waits until it is up; with several ranks that wait is a collective (the
+    background processes form their group then), as every save is.
+    """
 
     def __init__(self, settings: SaveSettings, collectives: Collectives) -> None:
         self._url = redact_url(settings.url)  # for messages; settings keep the password to connect
@@ -70,14 +76,10 @@ class BackgroundSaver:
         )
         self._process.start()
         child_end.close()  # so recv() here fails fast if the child dies
+        self._collectives = collectives
         self._inflight: int | None = None
         self._ready = False
         self._handles = HandleSender()
-        if collectives.distributed:
-            # Rank 0's background process hosts the store; everyone learns its port from rank 0.
-            port = collectives.run_on_rank0(lambda: self._receive("port"))
-            self._conn.send(("connect", os.environ.get("MASTER_ADDR", "127.0.0.1"), port))
-        self._receive("ready")
 
     @property
     def pid(self) -> int | None:
@@ -93,6 +95,7 @@ class BackgroundSaver:
 
         ``save_id``: see :meth:`~dcp_fsspec.checkpoint.SavePipeline.run`."""
         assert self._inflight is None, "one save at a time: wait() before submit()"
+        self._wait_until_up()
         self._inflight = iteration
         try:
             packed, used = self._handles.pack(staged)
@@ -128,16 +131,29 @@ class BackgroundSaver:
         try:
             self.wait()
         finally:
-            if self._process.is_alive():
+            if not self._ready:
+                # It never received a save, so it has touched nothing: stop it mid-import.
+                self._process.terminate()
+            elif self._process.is_alive():
                 try:
                     self._conn.send(("stop",))
                 except OSError:
                     pass
-                self._process.join(timeout=30)
+            self._process.join(timeout=30)
             if self._process.is_alive():  # pragma: no cover - only if the child is wedged
                 self._process.kill()
                 self._process.join()
             self._conn.close()
+
+    def _wait_until_up(self) -> None:
+        """Wait until the process has started; with several ranks, form its group first."""
+        if self._ready:
+            return
+        if self._collectives.distributed:
+            # Rank 0's background process hosts the store; everyone learns its port from rank 0.
+            port = self._collectives.run_on_rank0(lambda: self._receive("port"))
+            self._conn.send(("connect", os.environ.get("MASTER_ADDR", "127.0.0.1"), port))
+        self._receive("ready")
 
     def _receive(self, expected: str, deadline: float | None = None) -> Any:
         while True:
