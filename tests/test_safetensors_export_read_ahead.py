@@ -175,3 +175,20 @@ def test_a_write_failing_while_a_big_tensor_streams_in_pieces_raises_naming_the_
         export_safetensors(src, out, buffer_bytes=8192)
     assert "model-00001-of-00001.safetensors" in str(info.value) and str(out) in str(info.value)
     assert not out.exists()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_small_batch_holds_only_its_own_bytes_zeroed_of_its_mapped_buffer() -> None:
+    """Two buffers are held at once: a batch's buffer must not cost the whole mapping floor."""
+    from dcp_fsspec.tools.safetensors.batches import Entry, carve
+
+    batch = [Entry("w", "w", (256, 1024), torch.float32, torch.bfloat16)]  # 1 MiB, cast into 0.5 MiB
+    before = _rss_bytes()
+    sources, outputs = carve(batch)
+    grew = _rss_bytes() - before
+    assert grew < 8 * 2**20, f"carving a 1.5 MiB batch grew the RSS by {grew / 2**20:.0f} MiB"
+    assert not sources[0].any() and not outputs[0].any()
