@@ -100,9 +100,9 @@ def export_safetensors(  # noqa: PLR0913
 
     A DCP checkpoint exports its tensors; an iteration folder or a save_dirname (its latest
     iteration) exports its ``model`` key. The tensors stream a buffer at a time, and the next
-    buffer is read while this one is written. Memory held is two buffers of half of
-    ``buffer_bytes`` each (33 MiB at least, so that glibc maps and unmaps them), plus the
-    uploads in flight, at every tensor size: a larger tensor streams in pieces.
+    buffer is read while this one is written. Memory held is about ``buffer_bytes``: two
+    buffers of half of it each, plus the uploads in flight, at every tensor size: a larger
+    tensor streams in pieces.
 
     Args:
         max_shard_size: the most tensor bytes in one shard; a larger tensor gets a shard of its own.
