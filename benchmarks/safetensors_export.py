@@ -142,12 +142,16 @@ _CASES = {
 
 
 def _child(case: dict[str, Any]) -> dict[str, Any]:
+    env = os.environ.copy()
+    if case.get("code"):  # another checkout's dcp_fsspec and benchmarks, e.g. the commit before a change
+        env["PYTHONPATH"] = case["code"]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.safetensors_export", "--child", json.dumps(case)],
         check=False,
         capture_output=True,
         text=True,
-        env=os.environ.copy(),
+        env=env,
+        cwd=case.get("code") or None,
     )
     if done.returncode != 0:
         raise RuntimeError(f"case {case['kind']} failed:\n{done.stderr[-4000:]}")
@@ -172,7 +176,8 @@ def _setup(root: str, size_gib: float, s3: dict[str, Any]) -> dict[str, Any]:
         "s3": s3["url"] + "/dcp",
     }
     dcp.save(state, storage_writer=FsspecStorageWriter(paths["ours"]))
-    dcp.save(state, storage_writer=FsspecStorageWriter(paths["s3"], storage_options=s3["options"]))
+    if s3["url"]:
+        dcp.save(state, storage_writer=FsspecStorageWriter(paths["s3"], storage_options=s3["options"]))
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(paths["torch"], save_distributed=True))
     paths["fqns"] = list(state)
     return paths
@@ -251,6 +256,17 @@ def main() -> None:
     p.add_argument("--size-gib", type=float, default=4.0)
     p.add_argument("--consolidate-threads", type=int, default=8, help="torch's consolidation threads")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--local-only",
+        action="store_true",
+        help="only torch's consolidation and our export, local -> local: no S3 server",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="rounds of the cases, one after another")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="a checkout of another commit: its export, local -> local, runs beside ours in each round",
+    )
     add_server_arguments(p)
     args = p.parse_args()
     if args.child is not None:
@@ -261,14 +277,25 @@ def main() -> None:
     notes: list[str] = []
     revision = git_revision()
     root = tempfile.mkdtemp(prefix="safetensors-bench-", dir=args.local_dir or tempfile.gettempdir())
-    server, _ = start_server(args, [int(args.size_gib * 1024)], notes)
+    server = None if args.local_only else start_server(args, [int(args.size_gib * 1024)], notes)[0]
     try:
-        for name, value in server.environ().items():
-            os.environ.setdefault(name, value)
-        server.create_bucket("export-bench")
-        s3 = {"url": "s3://export-bench", "options": server.storage_options()}
+        s3: dict[str, Any] = {"url": "", "options": None}  # no S3 case runs without a server
+        if server is not None:
+            for name, value in server.environ().items():
+                os.environ.setdefault(name, value)
+            server.create_bucket("export-bench")
+            s3 = {"url": "s3://export-bench", "options": server.storage_options()}
         paths = _setup(root, args.size_gib, s3)
-        for label, case in _plan(root, args.size_gib, s3, paths, args.consolidate_threads):
+        cases = _plan(root, args.size_gib, s3, paths, args.consolidate_threads)
+        if args.local_only:
+            cases = [(label, case) for label, case in cases if label.endswith("local->local")]
+        if args.baseline:
+            ours = dict(cases)["ours local->local"]
+            cases.append(("ours local->local, baseline", {**ours, "code": os.path.abspath(args.baseline)}))
+        for label, case in cases * args.repeats:
+            # Each case into an empty output: removing an earlier run's files is not part of it.
+            if case["kind"] in ("export", "consolidate") and os.path.isabs(case["out"]):
+                shutil.rmtree(case["out"], ignore_errors=True)
             # Each case from a cold page cache with nothing left to write back: an earlier
             # case's dirty pages would otherwise slow whichever runs next.
             os.sync()
@@ -283,7 +310,8 @@ def main() -> None:
             print(json.dumps(sample), flush=True)
             samples.append(sample)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         shutil.rmtree(root, ignore_errors=True)
     _table(samples, args.size_gib)
     for note in notes:

@@ -133,8 +133,10 @@ def carve(batch: list[Entry]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         for dtype in (e.source_dtype, e.dtype) if e.dtype != e.source_dtype else (e.source_dtype,):
             places.append((end, dtype, e.shape))
             end += -(-numel(e.shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    # Zeroed: a crafted .metadata whose chunks leave a gap exports zeros there, not our memory.
-    flat = torch.zeros(max(end, _ALWAYS_MAPPED), dtype=torch.uint8)
+    # Zeroed where used: a crafted .metadata whose chunks leave a gap exports zeros there, not
+    # our memory. The rest of the mapping is never touched, so its pages are never faulted in.
+    flat = torch.empty(max(end, _ALWAYS_MAPPED), dtype=torch.uint8)[:end]
+    flat.zero_()
     views = iter([flat[o : o + numel(shape) * d.itemsize].view(d).view(shape) for o, d, shape in places])
     sources, outputs = [], []
     for e in batch:

@@ -2,9 +2,9 @@
 
 Every tensor's name, shape and dtype are in ``.metadata``, so the shards are planned before a
 byte is read. Each shard's header is written first; its tensors then stream behind it, a batch
-of at most ``buffer_bytes`` at a time, read with our ranged reader and written through our
-atomic uploads (multipart on S3). ``model.safetensors.index.json`` is written last, so a failed
-export leaves no index that names a missing shard.
+at a time, read with our ranged reader and written through our atomic uploads (multipart on
+S3). The next batch is read on a thread while this one is written. ``model.safetensors.index.json``
+is written last, so a failed export leaves no index that names a missing shard.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import os
 import posixpath
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,6 +33,7 @@ from dcp_fsspec.storage.read.reader import FsspecStorageReader
 from dcp_fsspec.storage.settings import ReaderSettings
 from dcp_fsspec.storage.transport.error_wrapping import storage_errors
 from dcp_fsspec.storage.transport.urls import Location, resolve
+from dcp_fsspec.storage.transport.workers import Workers
 from dcp_fsspec.tools import targets
 from dcp_fsspec.tools.convert import check_claimed_sizes
 from dcp_fsspec.tools.progress import Progress, human_bytes
@@ -51,6 +52,7 @@ MODEL_KEY = "model"  # the key of a Checkpointer iteration that is exported
 
 _PART_SIZE = 8 * MiB
 _UPLOAD_BUDGET = 32 * MiB
+_READ_AHEAD_ROLE = "export-read-ahead"  # its own pool: its task waits for the readers' tasks
 
 # Output dtypes ``dtype=`` accepts, by the names the CLI takes.
 OUTPUT_DTYPES: dict[str, torch.dtype] = {
@@ -97,8 +99,10 @@ def export_safetensors(  # noqa: PLR0913
     """Write the tensors at ``url`` as a sharded safetensors folder at ``out`` (both any URL).
 
     A DCP checkpoint exports its tensors; an iteration folder or a save_dirname (its latest
-    iteration) exports its ``model`` key. Memory held is about ``buffer_bytes`` plus the
-    uploads in flight, at every tensor size: a larger tensor streams in pieces.
+    iteration) exports its ``model`` key. The tensors stream a buffer at a time, and the next
+    buffer is read while this one is written. Memory held is about ``buffer_bytes``: two
+    buffers of half of it each, plus the uploads in flight, at every tensor size: a larger
+    tensor streams in pieces.
 
     Args:
         max_shard_size: the most tensor bytes in one shard; a larger tensor gets a shard of its own.
@@ -408,7 +412,10 @@ def _write_shard(
     buffer_bytes: int,
     progress: Progress | None,
 ) -> int:
-    """Write one shard: its header, then its tensors a batch (or a big tensor's piece) at a time. Returns its size."""
+    """Write one shard: its header, then its tensors a buffer at a time. Returns its size.
+
+    The next buffer is read on a thread while this one is written.
+    """
     path = posixpath.join(target.path, file_name)
     url = target.url_of(path)
     with storage_errors("create", url):
@@ -416,9 +423,12 @@ def _write_shard(
     try:
         with storage_errors("write", url):
             upload.write([header(shard)])
-        send = partial(_send, upload, url, progress)
-        for batch in batches(shard, buffer_bytes):
-            _send_batch(reader, metadata, batch, buffer_bytes, url, send)
+        # Half the budget each: the buffer being written, and the next one being read.
+        loaded_buffers = _loaded(reader, metadata, shard, max(1, buffer_bytes // 2), url)
+        with closing(_read_ahead(loaded_buffers)) as buffers:
+            for loaded in buffers:
+                _send(upload, url, progress, loaded)
+                del loaded  # freed before the buffer after the next one is read
         with storage_errors("write", url):
             upload.commit()
     except BaseException:
@@ -427,32 +437,50 @@ def _write_shard(
     return upload.size
 
 
-def _send_batch(
-    reader: FsspecStorageReader,
-    metadata: Metadata,
-    batch: list[Entry],
-    buffer_bytes: int,
-    url: str,
-    send: Callable[[Entry, torch.Tensor], None],
-) -> None:
-    """Hand ``batch``'s output bytes to ``send`` in order: a tensor bigger than the buffer in pieces, where it can be.
+def _loaded(
+    reader: FsspecStorageReader, metadata: Metadata, shard: list[Entry], buffer_bytes: int, url: str
+) -> Generator[list[tuple[Entry, torch.Tensor]], None, None]:
+    """``shard``'s tensors in order, one buffer at a time: a batch, or a piece of a tensor bigger than the buffer.
 
-    Each buffer is freed on return, before the next batch is read.
+    Each buffer is read when the next is asked for; the generator keeps none once handed out.
     """
-    pieces = open_pieces(reader, metadata, batch[0], url) if batch[0].source_bytes > buffer_bytes else None
-    if pieces is None:
-        for entry, data in zip(batch, read_batch(reader, metadata, batch, url)):
-            send(entry, data)
-        return
-    with closing(pieces):
-        pieces.send(buffer_bytes, partial(send, batch[0]))
+    for batch in batches(shard, buffer_bytes):
+        pieces = (
+            open_pieces(reader, metadata, batch[0], url) if batch[0].source_bytes > buffer_bytes else None
+        )
+        if pieces is None:
+            yield list(zip(batch, read_batch(reader, metadata, batch, url)))
+            continue
+        with closing(pieces):
+            yield from pieces.loaded(buffer_bytes)
 
 
-def _send(upload: FileUpload, url: str, progress: Progress | None, entry: Entry, data: torch.Tensor) -> None:
-    with storage_errors("write", url):
-        upload.write([tensor_bytes(data)])
-    if progress is not None:
-        progress.advance(data.numel() * entry.source_dtype.itemsize)
+def _read_ahead(buffers: Generator[T, None, None]) -> Generator[T, None, None]:
+    """``buffers`` in order, the next one read on a thread while the caller writes this one.
+
+    Close it when done: that waits for the read in flight, then closes ``buffers``.
+    """
+    workers = Workers(_READ_AHEAD_ROLE, 1)
+    try:
+        pending = workers.submit(next, buffers, None)
+        while (item := pending.result()) is not None:
+            pending = workers.submit(next, buffers, None)
+            yield item
+            del item  # written by now: only the buffer being read is held
+    finally:
+        workers.close()
+        buffers.close()
+
+
+def _send(
+    upload: FileUpload, url: str, progress: Progress | None, loaded: list[tuple[Entry, torch.Tensor]]
+) -> None:
+    """Write one buffer's tensors, in order."""
+    for entry, data in loaded:
+        with storage_errors("write", url):
+            upload.write([tensor_bytes(data)])
+        if progress is not None:
+            progress.advance(data.numel() * entry.source_dtype.itemsize)
 
 
 def _write_small(target: Location, name: str, data: bytes) -> None:

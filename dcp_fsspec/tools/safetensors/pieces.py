@@ -14,7 +14,7 @@ parse) is left to :func:`~dcp_fsspec.tools.safetensors.batches.read_batch`, whic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +75,16 @@ class TensorPieces:
         self._request = reader.settings.max_request_bytes
         self._pool = Workers("export-read", reader.settings.threads)
 
-    def send(self, buffer_bytes: int, send: Callable[[torch.Tensor], None]) -> None:
-        """Hand the tensor's rows to ``send`` in order, in pieces of about ``buffer_bytes``, in the output dtype."""
+    def loaded(self, buffer_bytes: int) -> Iterator[list[tuple[Entry, torch.Tensor]]]:
+        """The tensor's rows in order, in pieces of about ``buffer_bytes``, in the output dtype.
+
+        Each piece is read when the next is asked for, and the generator keeps no reference to
+        a piece once it is handed out: the caller alone decides how long each buffer lives.
+        """
         row = numel(self.shape[1:]) * self.entry.source_dtype.itemsize
         step = max(1, buffer_bytes // max(row, 1))
         for r0 in range(0, self.shape[0], step):
-            send(self._piece(r0, min(self.shape[0], r0 + step)))  # freed once sent, before the next is read
+            yield [(self.entry, self._piece(r0, min(self.shape[0], r0 + step)))]
 
     def _piece(self, r0: int, r1: int) -> torch.Tensor:
         e = self.entry
