@@ -236,3 +236,13 @@ def test_a_backend_of_only_the_core_saves_commits_and_loads_through_the_checkpoi
         assert ckpt.load(**target) == 3
     for name, t in state.items():
         assert torch.equal(target["model"][name], t * 3)
+
+
+def test_memory_removes_nothing_outside_the_folder_it_is_given(memory_backend: Backend) -> None:
+    location = resolve(memory_backend.url, memory_backend.storage_options)
+    inside, outside = location.join("run", "a"), location.join("elsewhere", "b")
+    for path in (inside, outside):
+        location.backend.write_small_atomic(path, b"x")
+    with pytest.raises(ValueError, match="elsewhere/b"):
+        location.backend.remove_files([inside, outside], within=location.join("run"))
+    assert location.backend.read_versioned(inside).data == b"x"  # refused before anything went

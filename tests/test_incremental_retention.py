@@ -321,3 +321,20 @@ def test_ls_of_an_incremental_run_stays_torch_free_and_says_how_to_see_reference
     assert result["code"] == 0 and result["torch"] is False
     assert "retired" in str(result["out"]) and "--referenced" in str(result["out"])
     assert list_run(local_backend.url).iterations[-1].referenced_bytes is None  # not read unless asked
+
+
+def test_retiring_an_iteration_whose_record_is_damaged_raises_naming_the_record(
+    memory_backend: Backend,
+) -> None:
+    from dcp_fsspec.checkpoint.commit import deletion
+    from dcp_fsspec.errors import CorruptCheckpointError
+
+    with Checkpointer(memory_backend.url) as ckpt:
+        ckpt.save(1, model=nn.Linear(2, 2))
+    root = resolve(memory_backend.url, memory_backend.storage_options)
+    record = root.join("iter_000000001", COMMIT_RECORD_NAME)
+    root.backend.write_small_atomic(record, b"{not json")
+    with pytest.raises(
+        CorruptCheckpointError, match=f"{memory_backend.url}/iter_000000001/{COMMIT_RECORD_NAME}"
+    ):
+        deletion.retire_iterations(root, [1])

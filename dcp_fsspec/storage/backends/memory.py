@@ -60,6 +60,10 @@ class MemoryBackend(Backend):
             return {}
 
     def remove_files(self, paths: Sequence[str], *, within: str) -> None:
+        folder = self.fs._strip_protocol(within).rstrip("/") + "/"
+        outside = [p for p in paths if not self.fs._strip_protocol(p).startswith(folder)]
+        if outside:
+            raise ValueError(f"refusing to remove {outside[0]}: it is not under {self.url_of(within)}")
         for path in sorted(paths, key=len, reverse=True):  # a folder's files before the folder
             try:
                 self.call("rm", path)
