@@ -238,8 +238,10 @@ def test_a_backend_of_only_the_core_saves_commits_and_loads_through_the_checkpoi
         assert torch.equal(target["model"][name], t * 3)
 
 
-def test_memory_removes_nothing_outside_the_folder_it_is_given(memory_backend: Backend) -> None:
-    location = resolve(memory_backend.url, memory_backend.storage_options)
+@pytest.mark.parametrize("name", ["memory", "local"])
+def test_removes_nothing_outside_the_folder_it_is_given(request: pytest.FixtureRequest, name: str) -> None:
+    backend: Backend = request.getfixturevalue(f"{name}_backend")
+    location = resolve(backend.url, backend.storage_options)
     inside, outside = location.join("run", "a"), location.join("elsewhere", "b")
     for path in (inside, outside):
         location.backend.write_small_atomic(path, b"x")

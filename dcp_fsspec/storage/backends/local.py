@@ -169,6 +169,10 @@ class LocalBackend(FsspecBackend):
         return target
 
     def remove_files(self, paths: Sequence[str], *, within: str) -> None:
+        folder = within.rstrip(os.sep) + os.sep
+        outside = [path for path in paths if not path.startswith(folder)]
+        if outside:
+            raise ValueError(f"refusing to remove {outside[0]}: it is not under {self.url_of(within)}")
         for path in paths:
             if self.remove_link(path, within) is None:
                 with storage_errors("delete", self.url_of(path)):
