@@ -20,7 +20,7 @@ from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, zeros
 
-from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter
+from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, WriterSettings
 from tests.distributed import run_ranks
 
 ONE_D = [[Shard(0)], [Replicate()], [Shard(1)]]
@@ -63,7 +63,7 @@ def _reshard_everything(rank: int, world_size: int, root: str, writer_options: d
     [
         pytest.param({}, id="plain"),
         pytest.param(
-            {"compression": "zstd"},
+            {"settings": WriterSettings(compression="zstd")},
             id="zstd",
             marks=pytest.mark.skipif(
                 not ZStandard.is_available(),
