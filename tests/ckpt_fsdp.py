@@ -141,6 +141,7 @@ def _run_phase(rank: int, phase: Phase) -> None:
                 f"rank {rank} resumed from {resumed}, not {phase.expect_resume}"
             )
             training.after_load()
+            ckpt.prepare(**training.keys())  # asynchronous saves: buffers ahead of the first save
             while training.trainer["step"] < phase.stop_at:
                 training.step()
                 if training.trainer["step"] % phase.save_every == 0:

@@ -210,6 +210,45 @@ def test_a_prepared_state_saves_and_loads_bit_exact(local_backend: Backend) -> N
     assert_equal(resumed.optim.state_dict(), training.optim.state_dict())
 
 
+def test_prepared_buffers_reach_the_background_process_before_the_first_save(local_backend: Backend) -> None:
+    training = Training(seed=6)
+    training.run(2)
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        ckpt.prepare(**training.keys())
+        saver = ckpt._async.saver
+        saver._join_hand_over()  # the hand-over thread is done: the buffers are on the other side
+        sent_at_save = []
+        pack = saver._handles.pack
+
+        def spy(staged: Any) -> Any:
+            packed, used = pack(staged)
+            sent_at_save.extend(
+                v for v in torch.utils._pytree.tree_leaves(packed) if type(v).__name__ == "_New"
+            )
+            return packed, used
+
+        saver._handles.pack = spy
+        training.run(1)
+        ckpt.save(3, **training.keys())
+        ckpt.wait()
+    assert sent_at_save == []  # the first save sent tokens only
+    resumed = Training(seed=78)
+    with Checkpointer(local_backend.url) as ckpt:
+        assert ckpt.load(**resumed.keys()) == 3
+    assert_equal(resumed.model.state_dict(), training.model.state_dict())
+    assert_equal(resumed.optim.state_dict(), training.optim.state_dict())
+
+
+def test_prepare_before_the_first_step_leaves_training_as_it_would_have_been(local_backend: Backend) -> None:
+    prepared, plain = Training(seed=9), Training(seed=9)
+    with Checkpointer(local_backend.url, async_mode=ASYNC) as ckpt:
+        ckpt.prepare(**prepared.keys())  # a fresh run: the optimizer has not stepped yet
+        prepared.run(3)
+        plain.run(3)
+        ckpt.save(3, **prepared.keys())
+    assert_same_training(prepared, plain)
+
+
 def test_prepare_refuses_a_bad_key_and_a_finalized_checkpointer_naming_the_url(
     local_backend: Backend,
 ) -> None:

@@ -53,6 +53,16 @@ def is_optimizer(value: Any) -> bool:
     return _all_of(value, torch.optim.Optimizer) is not None
 
 
+def is_unstepped_optimizer(value: Any) -> bool:
+    """Whether ``value`` is an optimizer (or a list of them) that has no state yet.
+
+    torch's ``get_optimizer_state_dict`` creates such state by taking a step with a zero learning
+    rate, which advances the step count: reading it changes training.
+    """
+    optimizers = _all_of(value, torch.optim.Optimizer)
+    return optimizers is not None and not any(o.state for o in optimizers)
+
+
 def _merge(key: str, parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for part in parts:

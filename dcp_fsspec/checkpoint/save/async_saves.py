@@ -97,8 +97,14 @@ class AsyncSaves:
         self.in_flight = done
 
     def prepare(self, state_dicts: dict[str, dict[str, Any]]) -> None:
-        """Allocate the staging buffers of ``state_dicts`` on a thread; the next save waits for it."""
-        self._the_stager().prepare(state_dicts)
+        """Allocate the staging buffers of ``state_dicts`` on a thread; the next save waits for it.
+
+        The background process receives them as soon as they exist, so the first save hands it
+        only their tokens, as later saves do.
+        """
+        buffers = self._the_stager().prepare(state_dicts)
+        if isinstance(self.saver, BackgroundSaver):
+            self.saver.hand_over(buffers)
 
     def _the_stager(self) -> Stager:
         if self._stager is None:

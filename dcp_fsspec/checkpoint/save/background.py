@@ -27,9 +27,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from dcp_fsspec.checkpoint.collectives import Collectives, _picklable
@@ -80,6 +82,9 @@ class BackgroundSaver:
         self._inflight: int | None = None
         self._ready = False
         self._handles = HandleSender()
+        # Sends on the pipe come from the training thread and from the hand-over thread.
+        self._sending = threading.Lock()
+        self._ahead: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -96,13 +101,44 @@ class BackgroundSaver:
         ``save_id``: see :meth:`~dcp_fsspec.checkpoint.SavePipeline.run`."""
         assert self._inflight is None, "one save at a time: wait() before submit()"
         self._wait_until_up()
+        self._join_hand_over()
         self._inflight = iteration
         try:
             packed, used = self._handles.pack(staged)
-            self._conn.send(("save", iteration, packed, used, save_id))
+            self._send(("save", iteration, packed, used, save_id))
         except OSError:  # the pipe broke: the process is gone
             self._process.join(timeout=5)
             self._died()
+
+    def hand_over(self, buffers: Future[dict[Any, torch.Tensor]]) -> None:
+        """Share ``buffers`` with the background process on a thread, once they are allocated.
+
+        Sharing a buffer costs a file descriptor and a lookup on the other side; done here, before
+        the first save, that save sends only the buffers' tokens, as later ones do. A failed
+        allocation or a closed pipe is left to the next save to report.
+        """
+        self._join_hand_over()
+
+        def run() -> None:
+            try:
+                tensors = list(buffers.result().values())
+                with self._sending:
+                    packed, _ = self._handles.pack(tensors)
+                    self._conn.send(("buffers", packed))
+            except Exception:  # noqa: BLE001 - the next save() raises the allocation's error or the death
+                logger.debug("handing staging buffers to the background process failed", exc_info=True)
+
+        self._ahead = threading.Thread(target=run, name="dcp-fsspec-hand-over", daemon=True)
+        self._ahead.start()
+
+    def _join_hand_over(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.join()
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._sending:
+            self._conn.send(message)
 
     def wait(self, timeout: float | None = None) -> Saved | None:
         """Block until the save in flight is committed; raise its error if it failed.
@@ -136,10 +172,11 @@ class BackgroundSaver:
                 self._process.terminate()
             elif self._process.is_alive():
                 try:
-                    self._conn.send(("stop",))
+                    self._send(("stop",))
                 except OSError:
                     pass
             self._process.join(timeout=30)
+            self._join_hand_over()  # its send fails once the process is gone
             if self._process.is_alive():  # pragma: no cover - only if the child is wedged
                 self._process.kill()
                 self._process.join()
@@ -152,7 +189,7 @@ class BackgroundSaver:
         if self._collectives.distributed:
             # Rank 0's background process hosts the store; everyone learns its port from rank 0.
             port = self._collectives.run_on_rank0(lambda: self._receive("port"))
-            self._conn.send(("connect", os.environ.get("MASTER_ADDR", "127.0.0.1"), port))
+            self._send(("connect", os.environ.get("MASTER_ADDR", "127.0.0.1"), port))
         self._receive("ready")
 
     def _receive(self, expected: str, deadline: float | None = None) -> Any:
@@ -328,20 +365,20 @@ def _serve(
     package_logger.addHandler(logs)
     package_logger.setLevel(log_level)
     package_logger.propagate = False
+    handles = HandleReceiver()
     try:
         if distributed:
-            _join_group(conn, rank, world_size)
+            _join_group(conn, handles, rank, world_size)
         pipeline = SavePipeline(settings, Collectives())
         conn.send(("ready",))
     except BaseException as e:  # noqa: BLE001 - reported to the training process
         error = _picklable(e if isinstance(e, Exception) else RuntimeError(repr(e)), rank)
         conn.send(("error", error, traceback.format_exc(), logs.take()))
         return
-    handles = HandleReceiver()
     try:
         while True:
             try:
-                message = conn.recv()
+                message = _request(conn, handles)
             except EOFError:
                 return  # the training process closed its end
             if message[0] == "stop":
@@ -383,7 +420,16 @@ def _replay(records: list[tuple[str, int, str]]) -> None:
         logging.getLogger(name).log(level, "%s (in the background save process)", message)
 
 
-def _join_group(conn: Connection, rank: int, world_size: int) -> None:
+def _request(conn: Connection, handles: HandleReceiver) -> tuple[Any, ...]:
+    """The next request from the training process; buffers handed over ahead are kept on the way."""
+    while True:
+        message = conn.recv()
+        if message[0] != "buffers":
+            return message
+        handles.keep(message[1])
+
+
+def _join_group(conn: Connection, handles: HandleReceiver, rank: int, world_size: int) -> None:
     """Form this background process's own gloo group with the other ranks' background processes."""
     from datetime import timedelta
 
@@ -408,7 +454,7 @@ def _join_group(conn: Connection, rank: int, world_size: int) -> None:
             master_listen_fd=listener.detach(),  # the store owns the socket from here on
         )
         conn.send(("port", store.port))
-    kind, host, port = conn.recv()
+    kind, host, port = _request(conn, handles)
     if kind != "connect":  # pragma: no cover - a protocol bug
         raise RuntimeError(f"expected the store address, got {kind!r}")
     if store is None:

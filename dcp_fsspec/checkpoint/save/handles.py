@@ -72,6 +72,10 @@ class HandleReceiver:
         self._tensors = {t: v for t, v in self._tensors.items() if t in keep}
         return staged
 
+    def keep(self, packed: Any) -> None:
+        """Keep tensors sent ahead of the save that first uses them."""
+        tree_map(self._unpack, packed)
+
     def _unpack(self, value: Any) -> Any:
         if isinstance(value, _New):
             self._tensors[value.token] = value.tensor

@@ -37,11 +37,12 @@ class Stager:
         self._stream: Any = None
         self._preparing: Future[dict[tuple[Any, ...], torch.Tensor]] | None = None
 
-    def prepare(self, state: dict[str, Any]) -> None:
+    def prepare(self, state: dict[str, Any]) -> Future[dict[tuple[Any, ...], torch.Tensor]]:
         """Allocate the buffers ``state`` needs on a thread, with their pages in memory; return at once.
 
         Only the shapes are read here, on the caller's thread; the values are copied by
         :meth:`stage`, which waits for this first. An allocation error is raised there.
+        Returns the allocation: the new buffers, which :meth:`stage` will fill as they are.
         """
         self._adopt_prepared()
         wanted = {}
@@ -54,6 +55,7 @@ class Stager:
         threading.Thread(
             target=_allocate_all, args=(wanted, prepared), name="dcp-fsspec-staging", daemon=True
         ).start()
+        return prepared
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``state`` whose tensors live in this stager's buffers.
