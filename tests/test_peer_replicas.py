@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dcp_fsspec import Checkpointer, LocalTier
 from dcp_fsspec.checkpoint.commit import run_listing
 from dcp_fsspec.checkpoint.tiers.nodes import Ring, nodes_from_names, nodes_from_sightings
-from dcp_fsspec.checkpoint.tiers.replicas import MANIFEST_NAME, parse_manifest
+from dcp_fsspec.checkpoint.tiers.replica_files import MANIFEST_NAME, parse_manifest
 from dcp_fsspec.checkpoint.tiers.share_sources import (
     DURABLE,
     OWN,
@@ -34,6 +34,7 @@ from dcp_fsspec.checkpoint.tiers.share_sources import (
 from dcp_fsspec.errors import CorruptCheckpointError
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.transport.urls import resolve
+from dcp_fsspec.tools.ls import list_run
 from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.servers.counting import CountingProxy
@@ -272,3 +273,15 @@ def test_a_lost_clique_reads_only_its_ranks_shares_from_the_durable_tier(tmp_pat
     results = _results(tmp_path, 3)
     assert [r["tiers"] for r in results] == [[DURABLE], [PEER], [OWN]]
     assert "rank(s) [0] from the durable tier" in _logs(tmp_path, "load")
+
+
+@pytest.mark.slow
+def test_ls_on_a_ranks_local_folder_shows_the_replicas_it_holds_committed_or_not(
+    saved_2x2: Path, tmp_path: Path
+) -> None:
+    base = _copy(saved_2x2, tmp_path)
+    (base / "node-0" / "rank1" / "replicas" / "rank3" / "iter_000000003" / MANIFEST_NAME).unlink()
+    listing = list_run(str(base / "node-0" / "rank1"))
+    assert [(r.src, r.iteration, r.committed) for r in listing.replicas] == [(3, 3, False)]
+    text = "\n".join(list_run(str(base / "node-0" / "rank0")).lines())
+    assert "replicas held here" in text and "iter_000000003  yes" in text, text

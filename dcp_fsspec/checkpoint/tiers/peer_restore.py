@@ -21,7 +21,8 @@ from dcp_fsspec.checkpoint.collectives import Collectives
 from dcp_fsspec.checkpoint.commit import layout, pointer
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
 from dcp_fsspec.checkpoint.tiers.peer_transfer import Folder, exchange
-from dcp_fsspec.checkpoint.tiers.replicas import Replica, held_replicas, verified
+from dcp_fsspec.checkpoint.tiers.replica_files import Replica, held_replicas
+from dcp_fsspec.checkpoint.tiers.replicas import verified
 from dcp_fsspec.checkpoint.tiers.share_sources import (
     DURABLE,
     OWN,

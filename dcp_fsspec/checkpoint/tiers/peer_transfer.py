@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcp_fsspec.checkpoint.tiers.replica_files import check_name
 from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError
 from dcp_fsspec.storage.format.crc import crc32
 from dcp_fsspec.storage.transport.urls import Location
@@ -46,19 +47,6 @@ class Arrived:
     files: tuple[tuple[str, int], ...]
     crcs: tuple[int, ...]
     about: dict[str, Any]
-
-
-def check_name(name: object) -> str:
-    """``name`` if it is a relative path that stays below its folder, else CorruptCheckpointError."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name.startswith("/")
-        or "\\" in name
-        or any(part in ("", ".", "..") for part in name.split("/"))
-    ):
-        raise CorruptCheckpointError(f"a replica names the file {name!r}, which is not below its folder")
-    return name
 
 
 def exchange(
