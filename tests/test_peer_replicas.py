@@ -285,3 +285,39 @@ def test_ls_on_a_ranks_local_folder_shows_the_replicas_it_holds_committed_or_not
     assert [(r.src, r.iteration, r.committed) for r in listing.replicas] == [(3, 3, False)]
     text = "\n".join(list_run(str(base / "node-0" / "rank0")).lines())
     assert "replicas held here" in text and "iter_000000003  yes" in text, text
+
+
+def _send_with_crcs(rank: int, world_size: int, base: str, wrong: bool) -> None:
+    """Rank 0 sends a folder of two files (one empty) to rank 1, with their CRC-32s or wrong ones."""
+    import torch.distributed as dist
+
+    from dcp_fsspec.checkpoint.tiers.peer_transfer import Folder, exchange
+    from dcp_fsspec.storage.format.crc import crc32
+
+    group = dist.new_group(backend="gloo")
+    if rank == 0:
+        source = resolve(f"{base}/from")
+        payload = bytes(range(256)) * 40_000
+        Path(f"{base}/from/k").mkdir(parents=True)
+        Path(f"{base}/from/k/data").write_bytes(payload)
+        Path(f"{base}/from/empty").write_bytes(b"")
+        crcs = (crc32(payload, 0) ^ int(wrong), 0)
+        exchange(group, (1, Folder(source, (("k/data", len(payload)), ("empty", 0)), {"src": 0}, crcs)), None)
+        return
+    try:
+        arrived = exchange(group, None, (0, resolve(f"{base}/to")))
+    except CorruptCheckpointError as e:
+        Path(f"{base}/error").write_text(str(e))
+        return
+    assert arrived is not None and arrived.about == {"src": 0}
+    assert Path(f"{base}/to/k/data").read_bytes() == Path(f"{base}/from/k/data").read_bytes()
+    assert Path(f"{base}/to/empty").read_bytes() == b""
+
+
+@pytest.mark.slow
+def test_a_file_arriving_with_another_crc_than_the_senders_is_refused_naming_it(tmp_path: Path) -> None:
+    run_ranks(_send_with_crcs, 2, tmp_path, str(tmp_path / "good"), False)
+    assert not (tmp_path / "good" / "error").exists()
+    run_ranks(_send_with_crcs, 2, tmp_path, str(tmp_path / "bad"), True)
+    error = (tmp_path / "bad" / "error").read_text()
+    assert str(tmp_path / "bad" / "to" / "k" / "data") in error and "not the sender's" in error, error

@@ -147,10 +147,10 @@ class PeerRestore:
             try:
                 if me == source.holder:
                     exchange(self._group, (rank, folders[rank]), None)
-                elif me == rank:
+                elif me == rank and source.holder is not None:
                     target = self._local.at(layout.iteration_path(self._local, shares.iteration))
                     self._local.backend.remove_trees([target.path], within=self._local.path)
-                    exchange(self._group, None, (source.holder, target))  # type: ignore[arg-type]
+                    exchange(self._group, None, (source.holder, target))
             except (OSError, DcpFsspecError) as e:
                 error = e
         failed = [(r, str(e)) for r, e in enumerate(self._collectives.all_gather(error)) if e is not None]

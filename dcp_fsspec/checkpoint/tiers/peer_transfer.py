@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_fsspec.checkpoint.tiers.replica_files import check_name
-from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError
+from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError, StorageError
 from dcp_fsspec.storage.format.crc import crc32
 from dcp_fsspec.storage.transport.urls import Location
 
@@ -74,16 +74,18 @@ def exchange(
     reading = _Reading()
     reader = _pieces(send[1], sending, reading) if send is not None else iter(())
     writer = _Writer(receive[1], files) if receive is not None else None
+    dst = -1 if send is None else send[0]
+    src = -1 if receive is None else receive[0]
     outgoing_pieces = _piece_sizes(sending)
     incoming_pieces = _piece_sizes(list(files))
     for i in range(max(len(outgoing_pieces), len(incoming_pieces))):
         works = []
         if i < len(outgoing_pieces):
-            works.append(dist.isend(next(reader), group=group, group_dst=send[0]))  # type: ignore[index]
+            works.append(dist.isend(next(reader), group=group, group_dst=dst))
         piece = None
         if i < len(incoming_pieces):
             piece = torch.empty(incoming_pieces[i], dtype=torch.uint8)
-            works.append(dist.irecv(piece, group=group, group_src=receive[0]))  # type: ignore[index]
+            works.append(dist.irecv(piece, group=group, group_src=src))
         for work in works:
             work.wait()
         if piece is not None and writer is not None:
@@ -239,7 +241,11 @@ def _swap_trailer(
 
 
 class _Writer:
-    """Writes arriving pieces into their files in order, a CRC-32 running over each."""
+    """Writes arriving pieces into their files in order, a CRC-32 running over each.
+
+    A write that fails is remembered, and the pieces still arriving are drained: the sender
+    goes on to its trailer, so the next transfer between the two ranks starts in step.
+    """
 
     def __init__(self, root: Location, files: tuple[tuple[str, int], ...]) -> None:
         self._root = root
@@ -249,27 +255,43 @@ class _Writer:
         self._left = 0
         self._crc = 0
         self._handle: Any = None
+        self._error: Exception | None = None
         self._next_file()
 
     def _next_file(self) -> None:
         """Close the file done; open the next ones (empty files are written whole here)."""
         while self._left == 0:
-            if self._handle is not None:
-                self._handle.close()
-                self._handle = None
-                self._crcs.append(self._crc)
+            self._close()
             self._index += 1
             if self._index >= len(self._files):
                 return
             name, size = self._files[self._index]
-            path = posixpath.join(self._root.path, name)
-            self._root.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-            self._handle = self._root.fs.open(path, "wb")
             self._left, self._crc = size, 0
+            if self._error is None:
+                path = posixpath.join(self._root.path, name)
+                try:
+                    self._root.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                    self._handle = self._root.fs.open(path, "wb")
+                except OSError as e:
+                    self._error = e
+
+    def _close(self) -> None:
+        if self._index >= 0 and self._index < len(self._files):
+            self._crcs.append(self._crc)
+        if self._handle is not None:
+            try:
+                self._handle.close()
+            except OSError as e:
+                self._error = self._error or e
+            self._handle = None
 
     def write(self, piece: torch.Tensor) -> None:
         view = memoryview(piece.numpy())
-        self._handle.write(view)
+        if self._handle is not None and self._error is None:
+            try:
+                self._handle.write(view)
+            except OSError as e:
+                self._error = e
         self._crc = crc32(view, self._crc)
         self._left -= len(view)
         self._next_file()
@@ -278,9 +300,12 @@ class _Writer:
         """Check every file's CRC-32 against the sender's; return them.
 
         Raises:
+            StorageError: a file could not be written here.
             CorruptCheckpointError: naming the first file whose bytes differ, or that the sender
                 could not read.
         """
+        if self._error is not None:
+            raise StorageError(f"could not write the copy arriving into {self._root.url}: {self._error}")
         *expected, ok = trailer
         if not ok:
             raise CorruptCheckpointError(

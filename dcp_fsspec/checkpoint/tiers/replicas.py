@@ -27,7 +27,7 @@ from dcp_fsspec.checkpoint.tiers.replica_files import (
     replica_folder,
     replicas_of,
 )
-from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError
+from dcp_fsspec.errors import DcpFsspecError
 from dcp_fsspec.storage.format.crc import crc32
 from dcp_fsspec.storage.format.names import COMMIT_RECORD_NAME
 from dcp_fsspec.storage.transport.urls import Location
@@ -215,7 +215,7 @@ class Replicator:
         clear(target)
         try:
             arrived = exchange(self._group, (holder, mine), (sender, target))
-        except CorruptCheckpointError as e:
+        except DcpFsspecError as e:  # a CRC-32 that differs, or a write that failed here
             logger.warning("the replica %s is refused: %s", target.url, e)
             clear(target)
             return
