@@ -108,14 +108,21 @@ def _log_to(path: str) -> None:
 
 
 def _save(
-    rank: int, world_size: int, url: str, options: dict[str, Any], base: str, per_node: int, replicas: int
+    rank: int,
+    world_size: int,
+    url: str,
+    options: dict[str, Any],
+    base: str,
+    per_node: int,
+    replicas: int,
+    steps: tuple[int, ...] = (1, 2, 3),
 ) -> None:
-    """Save iterations 1 to 3 of a sharded and a replicated tensor, keeping one locally."""
+    """Save ``steps`` (iterations 1 to 3) of a sharded and a replicated tensor, keeping one locally."""
     _log_to(f"{base}/save.{rank}.log")
     mesh = init_device_mesh("cpu", (world_size,))
     sharded = distribute_tensor(_expected(1), mesh, [Shard(0)])
     with Checkpointer(url, options, local_tier=_tier(base, rank, per_node, replicas)) as ckpt:
-        for step in (1, 2, 3):
+        for step in steps:
             ckpt.save(step, trainer={"w": sharded * step, "r": torch.full((3,), 5.0), "step": step})
 
 
@@ -196,7 +203,7 @@ def test_a_lost_node_restores_from_its_peers_bit_exact_with_no_byte_from_the_dur
     s3_server: LocalS3Server, s3_backend: Backend, tmp_path: Path
 ) -> None:
     base = tmp_path
-    run_ranks(_save, 4, tmp_path, s3_backend.url, s3_backend.storage_options, str(base), 2, 2)
+    run_ranks(_save, 4, tmp_path, s3_backend.url, s3_backend.storage_options, str(base), 2, 2, (3,))
     shutil.rmtree(base / "node-1")  # node 1 is lost; torchrun restarts every rank, node 1 on a new machine
     proxy = CountingProxy(s3_server.endpoint_url).start()
     try:
