@@ -39,7 +39,7 @@ from tests.conftest import Backend
 from tests.distributed import run_ranks
 from tests.servers.counting import CountingProxy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 _ROWS = 16
 
@@ -66,6 +66,12 @@ def test_replicas_refuse_nodes_of_unequal_size_and_fewer_nodes_than_copies() -> 
         Ring(((0,), (1,)), replicas=3)
     with pytest.raises(ValueError, match="replicas must be an int >= 1"):
         LocalTier("x", replicas=0)
+
+
+def test_replicas_on_a_local_tier_every_rank_shares_are_refused_naming_it(tmp_path: Path) -> None:
+    local = tmp_path / "nvme"
+    with pytest.raises(ValueError, match=f"every rank sees {local} as one folder.*use replicas=1 there"):
+        Checkpointer(str(tmp_path / "durable"), local_tier=LocalTier(str(local), replicas=2))
 
 
 def test_a_lost_ranks_share_comes_from_a_peer_and_what_no_peer_holds_from_the_durable_tier() -> None:
