@@ -22,6 +22,11 @@ self-sufficient for its rank's load), with its own commit record, pointer and re
 of one node then share the disk, not files. The drain merges the ranks' copies into one plain
 durable checkpoint (:mod:`~dcp_fsspec.checkpoint.tiers.drain`, :mod:`~dcp_fsspec.checkpoint.tiers.metadata_merge`). A local copy is loaded only if every rank's
 covers everything that rank loads; else every rank reads the durable tier.
+
+Per node with ``replicas`` >= 2, each rank's committed local iterations are also copied to ranks
+on other nodes (:mod:`~dcp_fsspec.checkpoint.tiers.replicas`), and ``load`` takes each rank's
+share from its own copy, a peer, or the durable tier
+(:mod:`~dcp_fsspec.checkpoint.tiers.peer_restore`).
 """
 
 from __future__ import annotations
