@@ -191,6 +191,8 @@ class Checkpointer:
             keep_last_n_local=local_tier.keep_last_n,
             keep_last_n=keep_last_n,
             drain=local_tier.drain,
+            replicas=local_tier.replicas,
+            node=local_tier.node,
             on_drain_end=lambda event: report(event, self._on_event),
         )
         EXIT_HOOK.register(self)  # a drain in flight at exit is waited for

@@ -110,17 +110,28 @@ class LocalTier:
             replaced by the newer one (logged). A failed drain does not stop training: the next
             ``save`` warns and drains again; ``wait`` and ``finalize`` raise
             :class:`~dcp_fsspec.errors.DrainError` while the durable tier is behind.
+        replicas: how many copies of each rank's local share exist, its own included. With
+            ``replicas=F`` >= 2 (per-node mode only), each save's local copy is also sent to
+            ``F - 1`` ranks on other nodes, in the background; a rank whose node is lost resumes
+            from them, the durable tier only for what no peer holds. Each node needs about
+            ``F`` times its own share of disk. See docs/two-tiers.md.
+        node: this rank's node (e.g. the host name): ranks with one name share a disk. Default:
+            found by a probe file in ``dirname``.
 
     Raises:
-        ValueError: ``keep_last_n`` below 1, or an unknown ``drain``.
+        ValueError: ``keep_last_n`` or ``replicas`` below 1, or an unknown ``drain``.
     """
 
     dirname: str | os.PathLike[str]
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
     keep_last_n: int = 1
     drain: str = DRAIN_EVERY
+    replicas: int = 1
+    node: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"LocalTier replicas must be an int >= 1 (1: no copies), got {self.replicas!r}")
         if (
             isinstance(self.keep_last_n, bool)
             or not isinstance(self.keep_last_n, int)

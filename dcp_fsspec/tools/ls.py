@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import posixpath
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -27,6 +28,7 @@ from dcp_fsspec.checkpoint.commit import layout, pointer, referenced
 from dcp_fsspec.checkpoint.commit.at_once import at_once
 from dcp_fsspec.checkpoint.commit.commit_record import referable
 from dcp_fsspec.checkpoint.commit.run_listing import Listing, list_save_dirname, listed_inspection
+from dcp_fsspec.checkpoint.tiers.replica_files import ReplicaFolder, replica_folders
 from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError
 from dcp_fsspec.storage.format.names import POINTER_NAME
 from dcp_fsspec.storage.transport.urls import Location, resolve
@@ -65,6 +67,8 @@ class RunListing:
     iterations: list[IterationInfo] = field(default_factory=list)
     pointer_problem: str | None = None
     referenced: bool = False  # the bytes each iteration refers to were read
+    # In a rank's folder of a per-node local tier: the copies of other ranks' shares it holds.
+    replicas: list[ReplicaFolder] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +103,19 @@ class RunListing:
                 "size: the iteration's own files; incremental ones also read older iterations' files "
                 "(--referenced shows how many bytes)"
             )
+        if self.replicas:
+            lines.append("replicas held here (copies of other ranks' local shares):")
+            replica_rows = [("rank", "iteration", "committed", "size")]
+            for replica in self.replicas:
+                replica_rows.append(
+                    (
+                        str(replica.src),
+                        layout.format_iteration(replica.iteration),
+                        "yes" if replica.committed else "no: no manifest (its transfer did not finish)",
+                        human_bytes(replica.size_bytes),
+                    )
+                )
+            lines.append(_cli.table(replica_rows))
         if self.pointer_problem:
             lines.append(f"pointer: {self.pointer_problem}")
         elif self.latest is None:
@@ -147,6 +164,8 @@ def list_run(
     for iteration in listed.folders:
         counted = None if outside is None else outside.get(iteration, 0)
         listing.iterations.append(_describe(root, listed, iteration, listing.latest, counted))
+    if layout.parse_rank_folder(posixpath.basename(root.path.rstrip("/"))) is not None:
+        listing.replicas = replica_folders(root)  # a rank's folder of a per-node local tier
     return listing
 
 

@@ -141,6 +141,8 @@ class LoadPipeline:
         """
         tiers = self._tiers
         assert tiers is not None
+        if tiers.replicated:
+            return self._from_shares(iteration, wanted, state)
         choice, durable_latest = tiers.choose(iteration, trust_checkpoint=self._trust_checkpoint)
         if choice is None or choice.tier != LOCAL:
             return None
@@ -180,6 +182,41 @@ class LoadPipeline:
             return None
         tiers.forget_newer_than(resumed)
         tiers.resumed_locally(resumed, durable_latest)
+        return resumed
+
+    def _from_shares(self, iteration: int | None, wanted: list[str], state: dict[str, Any]) -> int | None:
+        """With replicas: each rank reads its share from its own local tier (its own copy, or a
+        peer's replica just brought home) or from the durable tier, by itself; None: every rank
+        reads the durable tier (logged)."""
+        tiers = self._tiers
+        assert tiers is not None
+        shares = tiers.shares(iteration, trust_checkpoint=self._trust_checkpoint)
+        if shares is None:
+            return None
+        tier = shares.sources[self._collectives.rank].kind
+        source = self._root if tier == DURABLE else tiers.local
+        plan: resume.ResumePlan | None = None
+        error: Exception | None = None
+        try:
+            facts = resume.gather(
+                source, None, wanted, self._options, self._settings_alone, iteration=shares.iteration
+            )
+            plan = resume.plan_resume(facts, wanted, self._options)
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+        self._collectives.raise_if_any_failed(error)
+        assert plan is not None
+        try:
+            resumed = self._restore(plan, source, state, tier=tier, alone=True)
+        except (CorruptCheckpointError, CheckpointMismatchError) as e:
+            self._log_on_rank0(
+                "the shares of %s cannot be read where they are (%s); every rank reads the durable tier %s",
+                layout.format_iteration(shares.iteration),
+                e,
+                self._root.url,
+            )
+            return None
+        tiers.resumed_from_shares(resumed)
         return resumed
 
     def _log_on_rank0(self, message: str, *args: Any) -> None:
@@ -270,7 +307,7 @@ class LoadPipeline:
             for level, note in plan.notes:
                 logger.log(level, note)
         # Cooperative where the ranks read one copy together: not a local tier (each rank's own).
-        together = self._collectives.distributed and tier != LOCAL
+        together = self._collectives.distributed and tier != LOCAL and not alone
         settings = self._settings_together if together else self._settings_alone
         reader_options = dict(
             settings=settings, retry=self._retry, process_group=self._collectives.group, _fs=source.fs
@@ -290,7 +327,7 @@ class LoadPipeline:
             )
             nbytes = self._read_and_apply(ordered, checked, state, alone=alone)
         except CorruptCheckpointError as e:
-            if plan.from_load_path or tier == LOCAL:
+            if plan.from_load_path or tier == LOCAL or alone:
                 raise
             raise self._with_fallback_advice(e, plan.iteration) from e
         event = CheckpointEvent(

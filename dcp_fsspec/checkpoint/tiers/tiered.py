@@ -22,6 +22,11 @@ self-sufficient for its rank's load), with its own commit record, pointer and re
 of one node then share the disk, not files. The drain merges the ranks' copies into one plain
 durable checkpoint (:mod:`~dcp_fsspec.checkpoint.tiers.drain`, :mod:`~dcp_fsspec.checkpoint.tiers.metadata_merge`). A local copy is loaded only if every rank's
 covers everything that rank loads; else every rank reads the durable tier.
+
+Per node with ``replicas`` >= 2, each rank's committed local iterations are also copied to ranks
+on other nodes (:mod:`~dcp_fsspec.checkpoint.tiers.replicas`), and ``load`` takes each rank's
+share from its own copy, a peer, or the durable tier
+(:mod:`~dcp_fsspec.checkpoint.tiers.peer_restore`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
+import torch.distributed as dist
+
 from dcp_fsspec.checkpoint.collectives import Collectives
 from dcp_fsspec.checkpoint.commit import deletion, layout, loadable, pointer, retention, run_listing
 from dcp_fsspec.checkpoint.commit.commit_record import read_commit_record
@@ -39,6 +46,10 @@ from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.checkpoint.options import DRAIN_LATEST
 from dcp_fsspec.checkpoint.tiers.drain import DrainJob
 from dcp_fsspec.checkpoint.tiers.drain_thread import Drainer
+from dcp_fsspec.checkpoint.tiers.nodes import Ring, find_nodes
+from dcp_fsspec.checkpoint.tiers.peer_restore import PeerRestore
+from dcp_fsspec.checkpoint.tiers.replicas import ReplicaJob, Replicator
+from dcp_fsspec.checkpoint.tiers.share_sources import Shares
 from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError, DrainError, StorageError
 from dcp_fsspec.storage.format.names import POINTER_NAME
 from dcp_fsspec.storage.transport.urls import Location, resolve
@@ -148,6 +159,12 @@ class TwoTiers:
         keep_last_n: durable retention (``None``: keep all).
         drain: the drain policy (:data:`~dcp_fsspec.checkpoint.options.DRAIN_EVERY` or :data:`~dcp_fsspec.checkpoint.options.DRAIN_LATEST`).
         on_drain_end: called with each ``drain_end`` event.
+        replicas: copies of each rank's local share, its own included (>= 2: per node only,
+            see :mod:`~dcp_fsspec.checkpoint.tiers.replicas`).
+        node: this rank's node name, if the user gave it (else a probe finds the nodes).
+
+    Raises:
+        ValueError: ``replicas`` >= 2 on a shared local tier, or on nodes that cannot hold them.
     """
 
     def __init__(
@@ -160,6 +177,8 @@ class TwoTiers:
         keep_last_n: int | None,
         drain: str,
         on_drain_end: Callable[[CheckpointEvent], None],
+        replicas: int = 1,
+        node: str | None = None,
     ) -> None:
         self.durable = durable
         self._collectives = collectives
@@ -185,6 +204,46 @@ class TwoTiers:
             marker_wait=marker_wait,
             per_node=self.per_node,
         )
+        self.replicator: Replicator | None = None
+        self._peers: PeerRestore | None = None
+        if replicas > 1:
+            self._replicate(local, replicas, node)
+
+    def _replicate(self, local: Location, replicas: int, node: str | None) -> None:
+        """Find the nodes, make the replicas' own group, start nothing yet (a collective)."""
+        if not self.per_node:
+            raise ValueError(
+                f"LocalTier(replicas={replicas}) copies each node's local share to other nodes, but every rank "
+                f"sees {local.url} as one folder (a shared local tier): use replicas=1 there, or give each "
+                "node a local disk of its own"
+            )
+        ring = Ring(find_nodes(local, self._collectives, node), replicas)
+        group = self._collectives.group
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        # Its own group: transfers in the background never meet training's collectives, nor ours.
+        replica_group = dist.new_group(ranks=ranks, backend="gloo")
+        self.replicator = Replicator(
+            self.local,
+            replica_group,
+            ring,
+            rank=self._collectives.rank,
+            world_size=self._collectives.world_size,
+            keep_last_n=self._keep_last_n_local,
+        )
+        self._peers = PeerRestore(self.local, self.durable, self._collectives, replica_group)
+        if self._collectives.rank == 0:
+            logger.info(
+                "local tier %s: %d copies of each rank's share, on nodes %s (rank r's on the next nodes' "
+                "rank of the same place)",
+                local.url,
+                replicas,
+                [list(n) for n in ring.nodes],
+            )
+
+    @property
+    def replicated(self) -> bool:
+        """Whether each rank's local share has copies on other nodes."""
+        return self._peers is not None
 
     def _shared(self, local: Location) -> bool:
         """Whether every rank sees ``local`` as one folder (a collective; logged once, on rank 0).
@@ -230,7 +289,10 @@ class TwoTiers:
 
         If the last drain failed, say so (a WARNING naming both tiers): this one tries again.
         """
-        failure = self._submit(iteration)
+        token = self._collectives.run_on_rank0(lambda: self._local_token(iteration))
+        failure = self._submit(iteration, token)
+        if self.replicator is not None:
+            self.replicator.submit(ReplicaJob(iteration, token))
         if failure is not None:
             logger.warning(
                 "the durable tier %s is behind the local tier %s: %s. Training goes on: %s is committed "
@@ -242,17 +304,22 @@ class TwoTiers:
             )
         if self._owns_local:
             retention.apply_retention(
-                self.local, self._keep_last_n_local, protected=self._drainer.undrained() | {iteration}
+                self.local,
+                self._keep_last_n_local,
+                protected=self._drainer.undrained()
+                | {iteration}
+                | (set() if self.replicator is None else self.replicator.busy()),
             )
 
-    def _submit(self, iteration: int) -> DrainError | None:
+    def _submit(self, iteration: int, token: str | None = None) -> DrainError | None:
         """Hand the committed local ``iteration`` to every rank's drainer (a collective).
 
         Rank 0 reads the save's token from the local commit record; under ``drain="latest"``
         the ranks drop only the waiting iterations that every rank still has waiting, so no
         rank commits, or waits for, an iteration another rank dropped or started.
         """
-        token = self._collectives.run_on_rank0(lambda: self._local_token(iteration))
+        if token is None:
+            token = self._collectives.run_on_rank0(lambda: self._local_token(iteration))
         job = DrainJob(iteration, token)
         if self._drainer.policy != DRAIN_LATEST:
             return self._drainer.submit(job)
@@ -329,6 +396,8 @@ class TwoTiers:
         """
         error: Exception | None = None
         try:
+            if self.replicator is not None:
+                self.replicator.wait(timeout)
             self._drainer.wait(timeout)
         except (DrainError, TimeoutError) as e:
             error = e
@@ -359,3 +428,20 @@ class TwoTiers:
 
         durable_latest = self._collectives.run_on_rank0(durable_pointer)
         return choose_tier(durable_latest, per_rank, iteration=iteration), durable_latest
+
+    def shares(self, iteration: int | None, *, trust_checkpoint: bool) -> Shares | None:
+        """With replicas: agree on each rank's source and bring peers' replicas home (a
+        collective, see :mod:`~dcp_fsspec.checkpoint.tiers.peer_restore`); None: read the durable tier."""
+        assert self._peers is not None
+        if self.replicator is not None:
+            self.replicator.wait()  # a replication in flight uses the same group
+        mine = readable_locally(self.local, trust_checkpoint=trust_checkpoint)
+        return self._peers.shares(mine, iteration)
+
+    def resumed_from_shares(self, iteration: int) -> None:
+        """``load`` resumed ``iteration`` from the shares: drain it again if the durable tier was
+        read and lacks it (when every share was local, the durable tier was not asked)."""
+        assert self._peers is not None
+        self.forget_newer_than(iteration)
+        if self._peers.durable_latest is not None:
+            self.resumed_locally(iteration, self._peers.durable_latest)
