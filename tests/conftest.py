@@ -87,6 +87,16 @@ def s3_backend(s3_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> Bac
 
 
 @pytest.fixture
+def s3_obstore_backend(s3_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """The same moto bucket, read and written through obstore rather than s3fs (chosen by the
+    environment, so the processes a test starts use it too; the test's own fsspec calls, with
+    the same storage options, check through s3fs)."""
+    import_or_skip("obstore", "the obstore transport needs obstore: pip install 'dcp-fsspec[obstore]'")
+    monkeypatch.setenv("DCP_FSSPEC_TRANSPORT", "obstore")
+    return Backend("s3_obstore", s3_backend.url, s3_backend.storage_options)
+
+
+@pytest.fixture
 def local_backend(tmp_path: Any) -> Backend:
     return Backend("local", str(tmp_path / "ckpt"))
 
@@ -244,7 +254,7 @@ def _opted_in_s3_servers() -> list[str]:
     return names
 
 
-BACKENDS = ["local", "memory", "s3", "gcs", "azure", "sftp", *_opted_in_s3_servers()]
+BACKENDS = ["local", "memory", "s3", "s3_obstore", "gcs", "azure", "sftp", *_opted_in_s3_servers()]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -255,7 +265,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 # GCS and Azure pass the multi-rank suites too, but at ~10-20 s a test on two cores; what they
 # exercise beyond the single-process suites is the ranks' protocol, which local and S3 cover.
-@pytest.fixture(params=[b for b in BACKENDS if b in ("local", "s3")])
+@pytest.fixture(params=[b for b in BACKENDS if b in ("local", "s3", "s3_obstore")])
 def shared_backend(request: pytest.FixtureRequest) -> Backend:
     """Backends that several processes can reach (for multi-rank tests)."""
     return request.getfixturevalue(f"{request.param}_backend")

@@ -52,6 +52,7 @@ MORE_DTYPES = [
 ]
 OBJECT_STORES = (
     "s3",
+    "s3_obstore",
     "gcs",
     "azure",
     "seaweedfs",
