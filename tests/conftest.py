@@ -174,6 +174,14 @@ def azure_backend(azure_server: LocalAzurite) -> Backend:
     return Backend("azure", f"az://{container}/ckpt", azure_server.storage_options())
 
 
+@pytest.fixture
+def azure_obstore_backend(azure_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """The same Azurite container, read and written through obstore rather than adlfs."""
+    import_or_skip("obstore", "the obstore transport needs obstore: pip install 'dcp-fsspec[obstore]'")
+    monkeypatch.setenv("DCP_FSSPEC_TRANSPORT", "obstore")
+    return Backend("azure_obstore", azure_backend.url, azure_backend.storage_options)
+
+
 @pytest.fixture(scope="session")
 def sftp_server() -> Iterator[LocalSSHServer]:
     server = _start_or_skip(LocalSSHServer())
@@ -254,7 +262,17 @@ def _opted_in_s3_servers() -> list[str]:
     return names
 
 
-BACKENDS = ["local", "memory", "s3", "s3_obstore", "gcs", "azure", "sftp", *_opted_in_s3_servers()]
+BACKENDS = [
+    "local",
+    "memory",
+    "s3",
+    "s3_obstore",
+    "gcs",
+    "azure",
+    "azure_obstore",
+    "sftp",
+    *_opted_in_s3_servers(),
+]
 
 
 @pytest.fixture(params=BACKENDS)

@@ -24,7 +24,7 @@ def test_the_transport_option_reads_and_writes_through_obstore(s3_backend: Backe
     assert s3_backend.fs.cat_file(location.join("a")) == b"written by obstore"
 
 
-def test_the_environment_chooses_obstore_for_s3_urls_only(
+def test_the_environment_chooses_obstore_only_for_the_urls_it_serves(
     s3_backend: Backend, tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("DCP_FSSPEC_TRANSPORT", "obstore")
@@ -80,3 +80,24 @@ def test_a_missing_bucket_is_an_error_naming_the_url(s3_backend: Backend) -> Non
     with pytest.raises(StorageError) as raised:
         location.backend.make_folder(location.path)
     assert url in str(raised.value) and "bucket" in str(raised.value)
+
+
+def test_an_adlfs_option_obstore_cannot_honour_is_refused_naming_it_and_the_url() -> None:
+    url = "az://container/ckpt"
+    with pytest.raises(InvalidURLError) as raised:
+        resolve(url, {"transport": "obstore", "account_name": "a", "default_fill_cache": False})
+    assert "default_fill_cache" in str(raised.value) and url in str(raised.value)
+
+
+def test_an_azure_connection_string_part_obstore_cannot_honour_is_refused_without_the_key() -> None:
+    text = "AccountName=acct;AccountKey=c2VjcmV0LWtleQ==;QueueEndpoint=http://127.0.0.1:1/acct"
+    with pytest.raises(InvalidURLError) as raised:
+        resolve("az://container/ckpt", {"transport": "obstore", "connection_string": text})
+    assert "QueueEndpoint" in str(raised.value) and "c2VjcmV0LWtleQ" not in str(raised.value)
+
+
+def test_obstore_asked_for_gcs_is_refused_naming_the_url() -> None:
+    url = "gs://bucket/ckpt"
+    with pytest.raises(InvalidURLError) as raised:
+        resolve(url, {"transport": "obstore"})
+    assert url in str(raised.value) and "transport" in str(raised.value)

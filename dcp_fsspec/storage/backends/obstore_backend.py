@@ -1,4 +1,4 @@
-"""S3 through obstore (Rust's object_store): conditional writes, ranged reads, bulk deletes.
+"""S3 and Azure through obstore (Rust's object_store): conditional writes, ranged reads, bulk deletes.
 
 The pointer is replaced with ``If-Match`` on the ETag read (``If-None-Match: *`` where there was
 none), as on s3fs, so the server settles races between writers. Listings are one flat LIST, and
@@ -113,8 +113,18 @@ class ObstoreBackend(FsspecBackend):
             by_bucket[bucket].append(key)
         for bucket, keys in by_bucket.items():
             store = self.fs._construct_store(bucket)
-            self._call("delete", within, lambda: obstore.delete(store, keys))
+            try:
+                self._call("delete", within, lambda: obstore.delete(store, keys))
+            except FileNotFoundError:  # Azure's bulk delete refuses absent keys: one by one
+                for key in keys:
+                    self._delete_if_present(store, key, within)
         self.invalidate(within)
+
+    def _delete_if_present(self, store: Any, key: str, within: str) -> None:
+        try:
+            self._call("delete", within, lambda: obstore.delete(store, key))
+        except FileNotFoundError:
+            pass  # already gone
 
     def replace_if_unchanged(self, path: str, data: bytes, expected: Versioned) -> bool:
         """Write ``path`` if it still holds the version read (``If-Match``), or if it is still

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import obstore.exceptions as obx
 from obstore.fsspec import FsspecStore
 
-from dcp_fsspec.storage.backends.obstore_options import s3_options
+from dcp_fsspec.storage.backends.obstore_options import AZURE_SCHEMES, S3_SCHEMES, azure_options, s3_options
 
 T = TypeVar("T")
 
@@ -49,19 +49,24 @@ def _mapped(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 class ObstoreFileSystem(FsspecStore):  # type: ignore[misc]
-    """s3:// through obstore (``storage_options={"transport": "obstore", …}``)."""
+    """A store through obstore (``storage_options={"transport": "obstore", …}``): one subclass
+    per store, named by its URL schemes."""
 
-    protocol = ("s3", "s3a")
+    protocol: tuple[str, ...] = ()
     # What selects the backend (storage/backends/__init__.py), whatever the protocol.
     dcp_fsspec_transport = "obstore"
 
     def __init__(self, *, config: dict[str, Any], client_options: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__("s3", config=config, client_options=client_options, **kwargs)
+        super().__init__(self.protocol[0], config=config, client_options=client_options, **kwargs)
 
-    @classmethod
-    def from_options(cls, url: str, storage_options: dict[str, Any]) -> ObstoreFileSystem:
-        """The filesystem for ``storage_options`` as users pass them to s3fs."""
-        return cls(**s3_options(url, storage_options))
+    @staticmethod
+    def from_options(url: str, storage_options: dict[str, Any]) -> ObstoreFileSystem:
+        """The filesystem of ``url``'s scheme, for ``storage_options`` as users pass them to its
+        fsspec driver (s3fs, adlfs)."""
+        scheme = url.split("://", 1)[0]
+        if scheme in AZURE_SCHEMES:
+            return ObstoreAzureFileSystem(**azure_options(url, storage_options))
+        return ObstoreS3FileSystem(**s3_options(url, storage_options))
 
     def store(self, path: str) -> tuple[Any, str]:
         """The obstore store of ``path``'s bucket, and the key in it."""
@@ -81,3 +86,11 @@ class ObstoreFileSystem(FsspecStore):  # type: ignore[misc]
     _cp_file = _mapped(FsspecStore._cp_file)
     _put_file = _mapped(FsspecStore._put_file)
     _get_file = _mapped(FsspecStore._get_file)
+
+
+class ObstoreS3FileSystem(ObstoreFileSystem):
+    protocol = S3_SCHEMES
+
+
+class ObstoreAzureFileSystem(ObstoreFileSystem):
+    protocol = AZURE_SCHEMES

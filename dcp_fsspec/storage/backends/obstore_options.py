@@ -1,7 +1,7 @@
-"""The storage options users pass for s3fs, turned into obstore's configuration.
+"""The storage options users pass for s3fs and adlfs, turned into obstore's configuration.
 
-Users keep writing the options of the fsspec driver they know (``key``, ``secret``,
-``endpoint_url``, ``anon``…). This module maps those that obstore can honour, and refuses every
+Users keep writing the options of the fsspec driver they know (s3fs's ``key``, ``secret``,
+``endpoint_url``, ``anon``…; adlfs's ``connection_string``, ``account_name``…). This module maps those that obstore can honour, and refuses every
 other one with a line naming the option, so none is silently ignored.
 """
 
@@ -19,7 +19,9 @@ TRANSPORT_OPTION = "transport"
 TRANSPORT_VARIABLE = "DCP_FSSPEC_TRANSPORT"
 TRANSPORTS = ("fsspec", "obstore")
 # URL schemes the obstore transport serves.
-OBSTORE_SCHEMES = ("s3", "s3a")
+S3_SCHEMES = ("s3", "s3a")
+AZURE_SCHEMES = ("az", "abfs", "abfss")
+OBSTORE_SCHEMES = (*S3_SCHEMES, *AZURE_SCHEMES)
 
 # s3fs's top-level options → obstore's S3 configuration keys.
 _S3_CONFIG = {
@@ -33,6 +35,18 @@ _S3_CONFIG = {
 _S3_CLIENT_KWARGS = {"endpoint_url": "endpoint", "region_name": "region"}
 # botocore's Config (s3fs's config_kwargs) → obstore's client options.
 _S3_CONFIG_KWARGS = {"read_timeout": "timeout", "connect_timeout": "connect_timeout"}
+# adlfs's options → obstore's Azure configuration keys.
+_AZURE_CONFIG = {
+    "account_name": "account_name",
+    "account_key": "account_key",
+    "sas_token": "sas_key",
+    "tenant_id": "tenant_id",
+    "client_id": "client_id",
+    "client_secret": "client_secret",
+}
+# The parts of an Azure connection string → obstore's Azure configuration keys.
+_CONNECTION_STRING = {"AccountName": "account_name", "AccountKey": "account_key", "BlobEndpoint": "endpoint"}
+_CONNECTION_STRING_IGNORED = {"DefaultEndpointsProtocol", "EndpointSuffix"}
 # Options that change nothing on this transport (fsspec's own instance caching).
 _IGNORED = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time"}
 
@@ -81,10 +95,42 @@ def s3_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
             timeouts = _mapped(url, name, value, _S3_CONFIG_KWARGS)
             client.update({k: timedelta(seconds=float(v)) for k, v in timeouts.items()})
         elif name not in _IGNORED and name != TRANSPORT_OPTION:
-            raise _refused(url, name)
+            raise _refused(url, name, _S3_KNOWN, "s3fs")
     if str(config.get("endpoint", "")).startswith("http://"):
         client["allow_http"] = True
     return {"config": config, "client_options": client}
+
+
+def azure_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """obstore's ``config`` and ``client_options`` for adlfs's ``storage_options``.
+
+    Raises:
+        InvalidURLError: an option obstore cannot honour, named with what to do instead.
+    """
+    config: dict[str, Any] = {}
+    for name, value in storage_options.items():
+        if name in _AZURE_CONFIG:
+            config[_AZURE_CONFIG[name]] = value
+        elif name == "anon":
+            config["skip_signature"] = bool(value)
+        elif name == "connection_string":
+            config.update(_connection_string(url, str(value)))
+        elif name not in _IGNORED and name != TRANSPORT_OPTION:
+            raise _refused(url, name, [*_AZURE_CONFIG, "anon", "connection_string"], "adlfs")
+    client = {"allow_http": True} if str(config.get("endpoint", "")).startswith("http://") else {}
+    return {"config": config, "client_options": client}
+
+
+def _connection_string(url: str, text: str) -> dict[str, str]:
+    """An Azure connection string's parts (``Name=value;…``) as obstore's keys."""
+    config = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, value = part.partition("=")
+        if name in _CONNECTION_STRING:
+            config[_CONNECTION_STRING[name]] = value
+        elif name not in _CONNECTION_STRING_IGNORED:
+            raise _refused(url, f"connection_string's {name}", list(_CONNECTION_STRING), "adlfs")
+    return config
 
 
 def _mapped(url: str, option: str, value: Any, table: dict[str, str]) -> dict[str, Any]:
@@ -92,13 +138,15 @@ def _mapped(url: str, option: str, value: Any, table: dict[str, str]) -> dict[st
         raise InvalidURLError(f"cannot open {url!r}: storage option {option!r} must be a dict")
     unknown = sorted(set(value) - set(table))
     if unknown:
-        raise _refused(url, f"{option}[{unknown[0]!r}]")
+        raise _refused(url, f"{option}[{unknown[0]!r}]", _S3_KNOWN, "s3fs")
     return {table[k]: v for k, v in value.items()}
 
 
-def _refused(url: str, option: str) -> InvalidURLError:
-    known = sorted([*_S3_CONFIG, "anon", "client_kwargs", "config_kwargs"])
+_S3_KNOWN = [*_S3_CONFIG, "anon", "client_kwargs", "config_kwargs"]
+
+
+def _refused(url: str, option: str, known: list[str], driver: str) -> InvalidURLError:
     return InvalidURLError(
         f"cannot open {url!r} with transport='obstore': storage option {option} has no obstore "
-        f"equivalent; pass only {known}, or drop transport='obstore' to use s3fs"
+        f"equivalent; pass only {sorted(known)}, or drop transport='obstore' to use {driver}"
     )
