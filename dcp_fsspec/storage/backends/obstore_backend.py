@@ -179,11 +179,14 @@ class ObstoreBackend(FsspecBackend):
             return False
 
     async def read_range_async(self, path: str, start: int, end: int) -> bytes | bytearray:
+        """A view of obstore's own buffer, not a copy of it: every reader of fetched spans
+        (records decoded as they arrive, copies, integrity checks) reads through a memoryview."""
         store, key = self.fs.store(path)
         try:
-            return bytes(await obstore.get_range_async(store, key, start=start, end=end))
+            data = await obstore.get_range_async(store, key, start=start, end=end)
         except obstore.exceptions.BaseError as e:
             raise as_os_error(e) from e
+        return memoryview(data)  # type: ignore[return-value]  # read as bytes, never changed
 
     async def read_range_into_async(self, path: str, start: int, view: memoryview) -> int:
         """obstore hands back its own buffer: one copy of it into ``view``."""
