@@ -55,6 +55,7 @@ OBJECT_STORES = (
     "s3_obstore",
     "gcs",
     "azure",
+    "azure_obstore",
     "seaweedfs",
     "ceph",
 )  # no folders: a key and a "folder" of the same name coexist
