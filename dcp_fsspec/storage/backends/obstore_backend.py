@@ -27,6 +27,10 @@ from dcp_fsspec.storage.transport.file_syncs import FileSyncs
 
 T = TypeVar("T")
 
+# The chunks a ranged read into given memory is copied in: small enough that the reads in
+# flight hold little memory, large enough that Python handles few of them.
+STREAM_CHUNK = 1024 * 1024
+
 
 class ObstoreBackend(FsspecBackend):
     conditional_writes = True
@@ -189,15 +193,19 @@ class ObstoreBackend(FsspecBackend):
         return memoryview(data)  # type: ignore[return-value]  # read as bytes, never changed
 
     async def read_range_into_async(self, path: str, start: int, view: memoryview) -> int:
-        """obstore hands back its own buffer: one copy of it into ``view``."""
+        """The body's chunks are copied into ``view`` as they arrive: memory held per read is
+        one chunk, not the whole range (obstore cannot read into given memory)."""
         store, key = self.fs.store(path)
+        got = 0
         try:
-            data = await obstore.get_range_async(store, key, start=start, length=len(view))
+            result = await obstore.get_async(store, key, options={"range": (start, start + len(view))})
+            async for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
+                piece = memoryview(chunk)
+                view[got : got + piece.nbytes] = piece
+                got += piece.nbytes
         except obstore.exceptions.BaseError as e:
             raise as_os_error(e) from e
-        got = memoryview(data)
-        view[: got.nbytes] = got
-        return got.nbytes
+        return got
 
     # --- helpers ----------------------------------------------------------------------------
 
