@@ -29,6 +29,7 @@ import pytest
 import torch._dynamo  # noqa: F401
 
 from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.servers import ServerUnavailable
 from tests.servers.azurite import LocalAzurite
 from tests.servers.ceph import LocalCephRGW
@@ -93,7 +94,7 @@ def s3_obstore_backend(s3_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> 
     the same storage options, check through s3fs)."""
     import_or_skip("obstore", "the obstore transport needs obstore: pip install 'dcp-fsspec[obstore]'")
     monkeypatch.setenv("DCP_FSSPEC_TRANSPORT", "obstore")
-    return Backend("s3_obstore", s3_backend.url, s3_backend.storage_options)
+    return _through_obstore(Backend("s3_obstore", s3_backend.url, s3_backend.storage_options))
 
 
 @pytest.fixture
@@ -179,7 +180,15 @@ def azure_obstore_backend(azure_backend: Backend, monkeypatch: pytest.MonkeyPatc
     """The same Azurite container, read and written through obstore rather than adlfs."""
     import_or_skip("obstore", "the obstore transport needs obstore: pip install 'dcp-fsspec[obstore]'")
     monkeypatch.setenv("DCP_FSSPEC_TRANSPORT", "obstore")
-    return Backend("azure_obstore", azure_backend.url, azure_backend.storage_options)
+    return _through_obstore(Backend("azure_obstore", azure_backend.url, azure_backend.storage_options))
+
+
+def _through_obstore(backend: Backend) -> Backend:
+    """``backend``, once the package is seen to choose obstore for it (else the suites would
+    test the fsspec driver under another name)."""
+    chosen = resolve(backend.url, backend.storage_options).backend
+    assert type(chosen).__name__ == "ObstoreBackend", f"{backend.url} went through {type(chosen).__name__}"
+    return backend
 
 
 @pytest.fixture(scope="session")
