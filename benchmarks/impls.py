@@ -48,6 +48,18 @@ def _ours_reader(url: str, so: dict[str, Any]) -> Any:
     return FsspecStorageReader(url, so)
 
 
+def _ours_obstore_writer(url: str, so: dict[str, Any]) -> Any:
+    from dcp_fsspec import FsspecStorageWriter
+
+    return FsspecStorageWriter(url, {**so, "transport": "obstore"}, overwrite=True)
+
+
+def _ours_obstore_reader(url: str, so: dict[str, Any]) -> Any:
+    from dcp_fsspec import FsspecStorageReader
+
+    return FsspecStorageReader(url, {**so, "transport": "obstore"})
+
+
 def _torch_fsspec_writer(url: str, so: dict[str, Any]) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -117,6 +129,14 @@ IMPLS: dict[str, Impl] = {
             _ours_writer,
             _ours_reader,
             "dcp_fsspec",
+        ),
+        Impl(
+            "dcp_fsspec_obstore",
+            "dcp_fsspec FsspecStorageWriter/Reader, transport=obstore",
+            ("s3",),
+            _ours_obstore_writer,
+            _ours_obstore_reader,
+            "obstore",
         ),
         Impl(
             "torch_fsspec",

@@ -20,6 +20,11 @@ Transports:
 * ``obstore-fsspec``: obstore's fsspec ``FsspecStore.cat_ranges``.
 
 Prints one JSON line per read and a markdown table of medians.
+
+``--startup`` measures instead what a process pays before its first byte: in a fresh child
+that has imported torch and dcp_fsspec's URL handling, the CPU seconds of importing the
+transport, building its client and reading one byte of the object (``dcp_fsspec`` through
+``resolve``, with s3fs or with ``transport="obstore"``; s3torchconnector's ``S3Client``).
 """
 
 from __future__ import annotations
@@ -177,7 +182,40 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
     raise SystemExit(f"unknown transport {t!r}; one of {', '.join(TRANSPORTS)}")
 
 
+STARTUPS = ("dcp_fsspec-s3fs", "dcp_fsspec-obstore", "s3torchconnector")
+
+
+def _startup_child(args: argparse.Namespace) -> None:
+    import torch  # noqa: F401 - every implementation's process has it before its first request
+
+    from dcp_fsspec.storage.transport.urls import resolve
+
+    cpu0 = os.times()
+    if args.child == "s3torchconnector":
+        from s3torchconnector._s3client import S3Client
+
+        os.environ.update(AWS_ACCESS_KEY_ID=args.key, AWS_SECRET_ACCESS_KEY=args.secret)
+        got = S3Client("us-east-1", endpoint=args.endpoint).get_object(BUCKET, KEY).read(1)
+    else:
+        options: dict[str, Any] = {
+            "key": args.key,
+            "secret": args.secret,
+            "client_kwargs": {"endpoint_url": args.endpoint, "region_name": "us-east-1"},
+        }
+        if args.child == "dcp_fsspec-obstore":
+            options["transport"] = "obstore"
+        location = resolve(f"s3://{BUCKET}/{KEY}", options)
+        got = location.backend.read_range(location.path, 0, 1)
+    cpu1 = os.times()
+    assert len(got) == 1
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    print(json.dumps({"startup": args.child, "cpu_seconds": cpu}))
+
+
 def _child(args: argparse.Namespace) -> None:
+    if args.startup:
+        _startup_child(args)
+        return
     size = args.size_mib * MiB
     read = _reader(args, size)
     cpu0, t0 = os.times(), time.perf_counter()
@@ -209,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--startup", action="store_true", help="measure each process's start-up instead")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--key", default="testing", help=argparse.SUPPRESS)
@@ -228,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{BUCKET}/{KEY}", os.urandom(args.size_mib * MiB), chunksize=16 * MiB, max_concurrency=8
         )
         samples: dict[str, list[dict[str, Any]]] = {}
-        names = args.transports.split(",")
+        names = list(STARTUPS) if args.startup else args.transports.split(",")
         if importlib.util.find_spec("obstore") is None:
             print(
                 "obstore is not installed (pip install obstore): its transports are left out", file=sys.stderr
@@ -250,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
                     str(args.range_mib),
                     "--concurrency",
                     str(args.concurrency),
+                    *(["--startup"] if args.startup else []),
                 ]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if out.returncode:
@@ -260,6 +300,14 @@ def main(argv: list[str] | None = None) -> None:
                 samples.setdefault(name, []).append(json.loads(line))
     finally:
         server.stop()
+    if args.startup:
+        print(
+            f"\nstart-up CPU s per process, medians of {args.repeats}; load average {os.getloadavg()[0]:.2f}\n"
+        )
+        print("| client | CPU s to its first byte |\n|---|---|")
+        for name, got in samples.items():
+            print(f"| {name} | {statistics.median(s['cpu_seconds'] for s in got):.3f} |")
+        return
     print(
         f"\n{args.size_mib} MiB in {args.range_mib} MiB ranges, {args.concurrency} at a time; "
         f"medians of {args.repeats}; load average {os.getloadavg()[0]:.2f}\n"

@@ -29,6 +29,7 @@ import pytest
 import torch._dynamo  # noqa: F401
 
 from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.transport.urls import resolve
 from tests.servers import ServerUnavailable
 from tests.servers.azurite import LocalAzurite
 from tests.servers.ceph import LocalCephRGW
@@ -84,6 +85,16 @@ def s3_backend(s3_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> Bac
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     s3_server.create_bucket(bucket)
     return Backend("s3", f"s3://{bucket}/ckpt", s3_server.storage_options())
+
+
+@pytest.fixture
+def s3_obstore_backend(s3_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """The same moto bucket, read and written through obstore rather than s3fs (chosen by the
+    environment, so the processes a test starts use it too; the test's own fsspec calls, with
+    the same storage options, check through s3fs)."""
+    import_or_skip("obstore", "the obstore transport needs obstore: pip install 'dcp-fsspec[obstore]'")
+    monkeypatch.setenv("DCP_FSSPEC_TRANSPORT", "obstore")
+    return _through_obstore(Backend("s3_obstore", s3_backend.url, s3_backend.storage_options))
 
 
 @pytest.fixture
@@ -162,6 +173,22 @@ def azure_backend(azure_server: LocalAzurite) -> Backend:
     container = f"test-{uuid.uuid4().hex[:12]}"
     azure_server.create_container(container)
     return Backend("azure", f"az://{container}/ckpt", azure_server.storage_options())
+
+
+@pytest.fixture
+def azure_obstore_backend(azure_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Backend:
+    """The same Azurite container, read and written through obstore rather than adlfs."""
+    import_or_skip("obstore", "the obstore transport needs obstore: pip install 'dcp-fsspec[obstore]'")
+    monkeypatch.setenv("DCP_FSSPEC_TRANSPORT", "obstore")
+    return _through_obstore(Backend("azure_obstore", azure_backend.url, azure_backend.storage_options))
+
+
+def _through_obstore(backend: Backend) -> Backend:
+    """``backend``, once the package is seen to choose obstore for it (else the suites would
+    test the fsspec driver under another name)."""
+    chosen = resolve(backend.url, backend.storage_options).backend
+    assert type(chosen).__name__ == "ObstoreBackend", f"{backend.url} went through {type(chosen).__name__}"
+    return backend
 
 
 @pytest.fixture(scope="session")
@@ -244,7 +271,17 @@ def _opted_in_s3_servers() -> list[str]:
     return names
 
 
-BACKENDS = ["local", "memory", "s3", "gcs", "azure", "sftp", *_opted_in_s3_servers()]
+BACKENDS = [
+    "local",
+    "memory",
+    "s3",
+    "s3_obstore",
+    "gcs",
+    "azure",
+    "azure_obstore",
+    "sftp",
+    *_opted_in_s3_servers(),
+]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -255,7 +292,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 # GCS and Azure pass the multi-rank suites too, but at ~10-20 s a test on two cores; what they
 # exercise beyond the single-process suites is the ranks' protocol, which local and S3 cover.
-@pytest.fixture(params=[b for b in BACKENDS if b in ("local", "s3")])
+@pytest.fixture(params=[b for b in BACKENDS if b in ("local", "s3", "s3_obstore")])
 def shared_backend(request: pytest.FixtureRequest) -> Backend:
     """Backends that several processes can reach (for multi-rank tests)."""
     return request.getfixturevalue(f"{request.param}_backend")

@@ -52,8 +52,10 @@ MORE_DTYPES = [
 ]
 OBJECT_STORES = (
     "s3",
+    "s3_obstore",
     "gcs",
     "azure",
+    "azure_obstore",
     "seaweedfs",
     "ceph",
 )  # no folders: a key and a "folder" of the same name coexist

@@ -185,7 +185,7 @@ def _files(backend: Backend) -> list[str]:
 
 
 def _pending_uploads(backend: Backend) -> list[str]:
-    if backend.name != "s3":
+    if backend.name not in ("s3", "s3_obstore"):
         return []
     fs, root = fsspec.core.url_to_fs(backend.url, **backend.storage_options)
     bucket = root.split("/", 1)[0]
@@ -251,7 +251,7 @@ def test_a_save_killed_when_leaves_the_last_checkpoint_loadable_and_the_next_sav
 # -- two writers in one folder -------------------------------------------------------------------
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", "s3", "s3_obstore"])
 def any_backend(request: pytest.FixtureRequest) -> Backend:
     return request.getfixturevalue(f"{request.param}_backend")
 
@@ -262,7 +262,7 @@ def test_a_writer_that_loses_the_race_for_the_pointer_never_moves_it_back(
     """Guarantee row: 'the pointer names only committed iterations and never moves back' (local, memory, S3)"""
     root = resolve(any_backend.url, any_backend.storage_options)
     pointer.write_pointer(root, 2)
-    conditional = any_backend.name == "s3"
+    conditional = any_backend.name in ("s3", "s3_obstore")
     real_read = pointer.read_pointer_file
     other: list[Future[bool]] = []
 

@@ -32,7 +32,7 @@ def _state() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.fixture(params=["local", "s3", "gcs", "azure"])
+@pytest.fixture(params=["local", "s3", "s3_obstore", "gcs", "azure"])
 def place(request: pytest.FixtureRequest) -> Backend:
     """The backends whose loads read in place."""
     return request.getfixturevalue(f"{request.param}_backend")

@@ -155,7 +155,7 @@ def _folder_files(backend: Backend) -> dict[str, bytes]:
     return {p: fs.cat_file(p) for p in fs.find(root.join(f"iter_{ITERATION:09d}"))}
 
 
-@pytest.mark.parametrize("backend_name", ["local", "s3", "memory"])
+@pytest.mark.parametrize("backend_name", ["local", "s3", "s3_obstore", "memory"])
 def test_a_save_that_looked_before_the_other_committed_never_clears_that_commit(
     backend_name: str, request: pytest.FixtureRequest
 ) -> None:
@@ -184,7 +184,7 @@ def test_a_save_that_looked_before_the_other_committed_never_clears_that_commit(
     assert _equal(target, _state(0, 0))
 
 
-@pytest.mark.parametrize("backend_name", ["local", "s3", "memory"])
+@pytest.mark.parametrize("backend_name", ["local", "s3", "s3_obstore", "memory"])
 def test_a_save_that_saw_a_commit_before_its_pointer_moved_never_clears_it_once_published(
     backend_name: str, request: pytest.FixtureRequest
 ) -> None:
@@ -277,7 +277,7 @@ def test_on_s3_a_take_over_that_finds_the_pointer_moved_after_its_mark_puts_the_
     assert _equal(target, _state(0, 0))
 
 
-@pytest.mark.parametrize("backend_name", ["local", "s3", "memory"])
+@pytest.mark.parametrize("backend_name", ["local", "s3", "s3_obstore", "memory"])
 def test_once_a_save_took_the_folder_over_the_other_saves_commit_fails(
     backend_name: str, request: pytest.FixtureRequest
 ) -> None:

@@ -9,18 +9,24 @@ class name, imported on first use, like fsspec's own registry). A protocol missi
 table gets the generic :class:`~dcp_fsspec.storage.backends.generic.FsspecBackend` (documented in the README as "other
 fsspec backends"). Adding a backend is one table entry and the module holding its quirks (S3's
 are spread over ``s3*.py``, one concern each).
+
+A filesystem may name its transport instead (``dcp_fsspec_transport``): s3:// through obstore
+(``storage_options={"transport": "obstore"}``, :func:`filesystem_for`) is the ``obstore`` entry.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 import fsspec
 from fsspec.registry import known_implementations
 
+from dcp_fsspec.errors import MissingDriverError
 from dcp_fsspec.storage.backends.base import Backend, RangeReader, Versioned
 from dcp_fsspec.storage.backends.generic import FsspecBackend
+from dcp_fsspec.storage.backends.obstore_options import TRANSPORT_OPTION, transport_of
 from dcp_fsspec.storage.transport.retry import NO_RETRY, RetryPolicy
 
 # fsspec protocol → "module:Class" under this package.
@@ -32,6 +38,8 @@ BACKENDS: dict[str, str] = {
     "sftp": "sftp:SftpBackend",
     "ssh": "sftp:SftpBackend",
     "memory": "memory:MemoryBackend",
+    # Not a protocol: the transport a filesystem names (see the module's docstring).
+    "obstore": "obstore_backend:ObstoreBackend",
 }
 
 # URL scheme → the pip package that provides its fsspec driver, for the error users see.
@@ -52,6 +60,36 @@ DRIVER_PACKAGES: dict[str, str] = {
 }
 
 
+def filesystem_for(
+    url: str, storage_options: dict[str, Any], shown: str
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and path of ``url``: fsspec's driver, or obstore where
+    ``storage_options["transport"]`` asks for it (that option never reaches a driver).
+
+    Args:
+        url: the URL, credentials included.
+        storage_options: the user's options for the driver.
+        shown: ``url`` as messages may show it.
+
+    Raises:
+        InvalidURLError: an unknown transport, or an option obstore cannot honour.
+        MissingDriverError: obstore was asked for and is not installed.
+    """
+    options = dict(storage_options)
+    if transport_of(shown, options) == "fsspec":
+        options.pop(TRANSPORT_OPTION, None)
+        return fsspec.core.url_to_fs(url, **options)  # type: ignore[no-any-return]
+    try:
+        from dcp_fsspec.storage.backends.obstore_filesystem import ObstoreFileSystem
+    except ImportError as e:
+        raise MissingDriverError(
+            f"cannot open {shown!r} with transport='obstore': obstore is not installed; "
+            "run `pip install 'dcp-fsspec[obstore]'`, or drop the transport option"
+        ) from e
+    fs = ObstoreFileSystem.from_options(shown, options)
+    return fs, fs._strip_protocol(url)
+
+
 def backend_for(
     fs: fsspec.AbstractFileSystem, retry: RetryPolicy = NO_RETRY, url_of: Callable[[str], str] | None = None
 ) -> Backend:
@@ -62,7 +100,8 @@ def backend_for(
         retry: how its calls are retried.
         url_of: how messages spell a path (a Location's, so they show the URL the user wrote).
     """
-    for protocol in _protocols_of(fs):
+    transport = getattr(fs, "dcp_fsspec_transport", None)
+    for protocol in (transport,) if transport else _protocols_of(fs):
         entry = BACKENDS.get(protocol)
         if entry is not None:
             module_name, class_name = entry.split(":")
@@ -94,4 +133,5 @@ __all__ = [
     "RangeReader",
     "Versioned",
     "backend_for",
+    "filesystem_for",
 ]

@@ -25,7 +25,7 @@ import fsspec
 from fsspec.registry import known_implementations, registry
 
 from dcp_fsspec.errors import InvalidURLError, MissingDriverError
-from dcp_fsspec.storage.backends import DRIVER_PACKAGES, Backend, backend_for
+from dcp_fsspec.storage.backends import DRIVER_PACKAGES, Backend, backend_for, filesystem_for
 from dcp_fsspec.storage.transport.retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 
 REDACTED = "***"
@@ -187,7 +187,8 @@ def resolve(
     Args:
         url: any fsspec URL (``s3://bucket/run``, ``memory://x``, ``simplecache::s3://…``) or a
             local path (relative paths and ``~`` are resolved against this process).
-        storage_options: passed to the fsspec filesystem's constructor (credentials, endpoint).
+        storage_options: passed to the fsspec filesystem's constructor (credentials, endpoint);
+            ``transport="obstore"`` reads and writes s3:// through obstore instead of s3fs.
         fs: a ready filesystem to use instead of building one from the URL's scheme.
         retry: how storage calls on it are retried (:mod:`~dcp_fsspec.storage.transport.retry`); ``None``: not at all beyond
             the driver's own retries.
@@ -215,7 +216,9 @@ def resolve(
             "use a local path or one of fsspec's schemes (s3://, gs://, az://, memory://, file://, …)"
         )
     try:
-        filesystem, path = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        filesystem, path = filesystem_for(text, storage_options or {}, shown)
+    except (MissingDriverError, InvalidURLError):
+        raise
     except ImportError as e:
         package = DRIVER_PACKAGES.get(scheme_of(text), "the fsspec driver for this scheme")
         raise MissingDriverError(
