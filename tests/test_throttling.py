@@ -22,7 +22,7 @@ from dcp_fsspec.storage.settings import WriterSettings
 from dcp_fsspec.storage.transport.concurrency import AdaptiveLimit, store_limit
 from dcp_fsspec.storage.transport.retry import RetryPolicy
 from tests.conftest import Backend
-from tests.servers.throttling import ThrottlingProxy, prefix_of
+from tests.servers.throttling import ThrottlingProxy, bucket_of, prefix_of
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -113,6 +113,11 @@ def test_the_proxy_rates_a_request_by_its_key_up_to_the_last_slash() -> None:
     assert prefix_of("/bucket?list-type=2") == "/"
 
 
+def test_the_proxy_rates_every_request_to_a_bucket_as_one_prefix_when_asked() -> None:
+    assert bucket_of("/bucket/run/iter_1/model/__0_0.distcp?partNumber=2") == "/bucket/"
+    assert bucket_of("/bucket?list-type=2") == "/bucket/"
+
+
 def test_the_proxy_answers_a_request_over_the_rate_with_s3s_slow_down(s3_server: LocalS3Server) -> None:
     proxy = ThrottlingProxy(s3_server.endpoint_url, rate=0, burst=1).start()
     try:
@@ -178,3 +183,4 @@ def test_throttling_that_never_clears_fails_in_one_line_naming_the_url_the_reque
     assert backend.url in message
     assert "throttled GET requests" in message
     assert "RetryPolicy(deadline=" in message
+
