@@ -96,23 +96,6 @@ def test_a_request_over_the_limit_waits_until_one_in_flight_ends() -> None:
     asyncio.run(scenario())
 
 
-def test_a_throttled_request_waits_to_be_sent_again_without_its_place() -> None:
-    async def scenario() -> None:
-        limit = AdaptiveLimit(ceiling=1)
-        throttled = await limit.acquire()
-        throttled.throttle()
-        waiting = asyncio.ensure_future(throttled.wait_out(attempt=1))
-        other = await asyncio.wait_for(limit.acquire(), 5)  # the place it gave up
-        assert not waiting.done() and not throttled.holding
-        limit.release(other)
-        await asyncio.wait_for(waiting, 5)
-        assert throttled.holding and limit.in_flight == 1
-        limit.release(throttled)
-        assert limit.in_flight == 0
-
-    asyncio.run(scenario())
-
-
 # -- the proxy -----------------------------------------------------------------------------------
 
 

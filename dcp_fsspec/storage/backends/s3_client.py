@@ -4,9 +4,7 @@ A body under 16 MiB goes without ``Expect: 100-continue``. A body of ours starts
 its first byte when s3fs calls again with it. A body that carries our CRC-32
 header goes unsigned: the server checks that checksum, and no byte is read twice. Every
 throttled answer, even one botocore or s3fs retries by itself, lowers the store's requests at
-once (:mod:`~dcp_fsspec.storage.transport.concurrency`). botocore's own retry of a throttled
-request under that limit waits without its place, a short jittered delay, rather than
-botocore's seconds while holding it.
+once (:mod:`~dcp_fsspec.storage.transport.concurrency`).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any
 
 import fsspec.asyn
 
-from dcp_fsspec.storage.transport.concurrency import current_ticket
+from dcp_fsspec.storage.transport.concurrency import throttled_now
 from dcp_fsspec.storage.transport.retry import is_throttling_answer
 
 logger = logging.getLogger(__name__)
@@ -49,10 +47,7 @@ def hook_client(fs: Any) -> None:
         "before-call.s3", _continue_only_for_large_bodies, unique_id="dcp-fsspec-expect"
     )
     client.meta.events.register("before-call.s3", _whole_body_each_call, unique_id="dcp-fsspec-rewind")
-    # First among the handlers of "needs-retry.s3": its answer, where it gives one, is botocore's.
-    client.meta.events.register_first(
-        "needs-retry.s3", _ThrottledRetry(_attempts_allowed(client)), unique_id="dcp-fsspec-throttling"
-    )
+    client.meta.events.register("needs-retry.s3", _note_throttling, unique_id="dcp-fsspec-throttling")
     _HOOKED_CLIENTS.add(client)
 
 
@@ -67,42 +62,15 @@ def _whole_body_each_call(params: dict[str, Any], **_: Any) -> None:
         body.seek(0)
 
 
-def _attempts_allowed(client: Any) -> int:
-    """The attempts botocore makes of one call, as the client's retry configuration says."""
-    retries = client.meta.config.retries or {}
-    if retries.get("total_max_attempts"):
-        return int(retries["total_max_attempts"])
-    if retries.get("max_attempts") is not None:  # retries, the first attempt not counted
-        return int(retries["max_attempts"]) + 1
-    return 5 if retries.get("mode", "legacy") == "legacy" else 3
-
-
-class _ThrottledRetry:
+def _note_throttling(response: Any = None, **_: Any) -> None:
     """botocore's hook after each attempt: a throttled answer lowers the store's limit at once,
-    not after the driver's own retries ran out.
-
-    Under the limit, the retry botocore would make is made here: the request gives its place
-    up for a short jittered delay, then waits for a place (``Ticket.wait_out``), and botocore
-    sends it again at once. botocore would sleep up to seconds holding the place, while the
-    store admits others. Elsewhere (no limit, or botocore's attempts used up) botocore decides.
-    """
-
-    def __init__(self, attempts_allowed: int) -> None:
-        self.attempts_allowed = attempts_allowed
-
-    async def __call__(self, response: Any = None, attempts: int = 1, **_: Any) -> int | None:
-        ticket = current_ticket()
-        if response is None or ticket is None:
-            return None
-        http, parsed = response
-        error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
-        if not is_throttling_answer(http.status_code, error.get("Code")):
-            return None
-        ticket.throttle()
-        if ticket.limit is None or attempts >= self.attempts_allowed:
-            return None
-        await ticket.wait_out(attempts)
-        return 0  # botocore sends it again now
+    not after the driver's own retries ran out."""
+    if response is None:
+        return
+    http, parsed = response
+    error = parsed.get("Error", {}) if isinstance(parsed, dict) else {}
+    if is_throttling_answer(http.status_code, error.get("Code")):
+        throttled_now()
 
 
 def _continue_only_for_large_bodies(params: dict[str, Any], **_: Any) -> None:

@@ -8,16 +8,13 @@ do not multiply the load (AIMD, as TCP does with its window).
 A request holds a :class:`Ticket` while it runs. A throttled request halves the limit only if
 no other halving came since it started: requests sent together under the old limit, throttled
 together, halve it once. A driver that retries inside one call (botocore) reports each
-throttled answer to the request's ticket, which :func:`current_ticket` finds in its context.
-A throttled request waits to be sent again without its place (:meth:`Ticket.wait_out`): the
-place goes to a request that may be admitted, and the store is not left idle.
+throttled answer through :func:`throttled_now`, which finds the request's ticket in its context.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import random
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -29,11 +26,6 @@ from typing import Any
 CEILING = 1024
 # Successes that add one request to a throttled limit: it grows back slowly.
 GROW_AFTER = 8
-# The wait before a throttled request is sent again: full jitter, doubling from this many
-# seconds up to THROTTLED_MAX_DELAY. The halved limit is what lowers the load; the jitter only
-# keeps requests throttled together from coming back together.
-THROTTLED_BASE_DELAY = 0.05
-THROTTLED_MAX_DELAY = 1.0
 
 _LIMITS: weakref.WeakKeyDictionary[Any, AdaptiveLimit] = weakref.WeakKeyDictionary()
 _CURRENT: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("dcp_fsspec_ticket", default=None)
@@ -46,30 +38,14 @@ class Ticket:
     def __init__(self, limit: AdaptiveLimit | None = None) -> None:
         self.limit = limit
         self.epoch = 0 if limit is None else limit.epoch
-        self.throttled = False  # the store throttled it, once or more
-        self.holding = limit is not None  # it has a place under the limit
-        self._counted = False  # its throttling since it last took a place was noted
+        self.throttled = False
 
     def throttle(self) -> None:
-        """The store throttled this request (once or many times per place taken: it counts once)."""
-        self.throttled = True
-        if not self._counted:
-            self._counted = True
+        """The store throttled this request (once or many times: it counts once)."""
+        if not self.throttled:
+            self.throttled = True
             if self.limit is not None:
                 self.limit._throttled(self)
-
-    async def wait_out(self, attempt: int) -> None:
-        """Before sending a throttled request again: give its place up, wait a jittered delay
-        (longer for a later ``attempt``), then take a place again when one is free."""
-        delay = random.uniform(0, min(THROTTLED_MAX_DELAY, THROTTLED_BASE_DELAY * 2 ** max(attempt - 1, 0)))
-        limit = self.limit
-        if limit is None:
-            await asyncio.sleep(delay)
-            return
-        limit.release(self)
-        await asyncio.sleep(delay)
-        again = await limit.acquire()
-        self.epoch, self.holding, self._counted = again.epoch, True, False
 
 
 class AdaptiveLimit:
@@ -116,10 +92,7 @@ class AdaptiveLimit:
             self._wake()  # a waiter woken, then cancelled, passes its place on
 
     def release(self, ticket: Ticket) -> None:
-        """The request ended, or gave its place up; a success counts towards growing the limit back."""
-        if not ticket.holding:
-            return  # gave it up already, and ended while waiting for another
-        ticket.holding = False
+        """The request ended; a success counts towards growing the limit back."""
         self.in_flight -= 1
         if not ticket.throttled:
             self._successes += 1
@@ -159,9 +132,16 @@ def current_ticket() -> Ticket | None:
 
 @contextmanager
 def running(ticket: Ticket | None) -> Iterator[None]:
-    """``ticket`` is the current request's while the block runs (for :func:`current_ticket`)."""
+    """``ticket`` is the current request's while the block runs (for :func:`throttled_now`)."""
     token = _CURRENT.set(ticket)
     try:
         yield
     finally:
         _CURRENT.reset(token)
+
+
+def throttled_now() -> None:
+    """The store throttled the request running in this context (a driver's retry saw it)."""
+    ticket = _CURRENT.get()
+    if ticket is not None:
+        ticket.throttle()
