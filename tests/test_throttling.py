@@ -11,6 +11,8 @@ import asyncio
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +24,8 @@ from dcp_fsspec.storage.settings import WriterSettings
 from dcp_fsspec.storage.transport.concurrency import AdaptiveLimit, store_limit
 from dcp_fsspec.storage.transport.retry import RetryPolicy
 from tests.conftest import Backend
-from tests.servers.throttling import ThrottlingProxy, prefix_of
+from tests.distributed import run_ranks
+from tests.servers.throttling import ThrottlingProxy, bucket_of, prefix_of
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
@@ -113,6 +116,11 @@ def test_the_proxy_rates_a_request_by_its_key_up_to_the_last_slash() -> None:
     assert prefix_of("/bucket?list-type=2") == "/"
 
 
+def test_the_proxy_rates_every_request_to_a_bucket_as_one_prefix_when_asked() -> None:
+    assert bucket_of("/bucket/run/iter_1/model/__0_0.distcp?partNumber=2") == "/bucket/"
+    assert bucket_of("/bucket?list-type=2") == "/bucket/"
+
+
 def test_the_proxy_answers_a_request_over_the_rate_with_s3s_slow_down(s3_server: LocalS3Server) -> None:
     proxy = ThrottlingProxy(s3_server.endpoint_url, rate=0, burst=1).start()
     try:
@@ -178,3 +186,47 @@ def test_throttling_that_never_clears_fails_in_one_line_naming_the_url_the_reque
     assert backend.url in message
     assert "throttled GET requests" in message
     assert "RetryPolicy(deadline=" in message
+
+
+# -- several ranks against it --------------------------------------------------------------------
+
+_KEYS = 2
+_SAVES = 2
+
+
+def _rank_state(rank: int, it: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Each key one small file per rank: a save asks for requests, not bytes."""
+    generator = torch.Generator().manual_seed(rank * 1000 + it)
+    return {f"k{k}": {f"r{rank}.w": torch.randn(4096, generator=generator)} for k in range(_KEYS)}
+
+
+def _ranks_save_then_load_every_iteration(
+    rank: int, world_size: int, url: str, options: dict[str, Any]
+) -> None:
+    with Checkpointer(url, options, retry=RetryPolicy()) as ckpt:
+        for it in range(1, _SAVES + 1):
+            ckpt.save(it, **_rank_state(rank, it))
+    with Checkpointer(url, options, retry=RetryPolicy()) as ckpt:
+        for it in range(1, _SAVES + 1):
+            expected = _rank_state(rank, it)
+            target = {k: {n: torch.empty_like(t) for n, t in d.items()} for k, d in expected.items()}
+            assert ckpt.load(iteration=it, **target) == it
+            for key, tensors in expected.items():
+                for name, tensor in tensors.items():
+                    assert torch.equal(target[key][name], tensor), (it, key, name)
+
+
+@pytest.mark.slow
+def test_four_ranks_save_and_load_every_iteration_bit_exact_through_a_bucket_throttled_below_demand(
+    s3_server: LocalS3Server, s3_backend: Backend, tmp_path: Path
+) -> None:
+    """Every rank's requests share one rate, as under a new S3 bucket: far fewer a second than
+    four ranks ask for at once. No save or load fails, and the store did refuse requests."""
+    proxy = ThrottlingProxy(s3_server.endpoint_url, rate=10, burst=2, per_bucket=True).start()
+    try:
+        options = dict(s3_backend.storage_options)
+        options["client_kwargs"] = {**options.get("client_kwargs", {}), "endpoint_url": proxy.endpoint_url}
+        run_ranks(_ranks_save_then_load_every_iteration, 4, tmp_path, s3_backend.url, options)
+    finally:
+        proxy.stop()
+    assert proxy.refused > 0

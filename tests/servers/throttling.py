@@ -29,6 +29,12 @@ def prefix_of(target: str) -> str:
     return path[: path.rfind("/") + 1]
 
 
+def bucket_of(target: str) -> str:
+    """The bucket a request names (``/bucket/``): a new bucket's one prefix, before S3 splits it."""
+    path = unquote(urlsplit(target).path)
+    return "/" + path.lstrip("/").split("/", 1)[0] + "/"
+
+
 def slow_down(method: str) -> bytes:
     """S3's whole answer to a request over the rate: ``503 Slow Down`` with its XML error."""
     request_id = uuid.uuid4().hex[:16].upper()
@@ -67,18 +73,24 @@ class ThrottlingProxy(LoopbackProxy):
         upstream: the server's URL (``http://host:port``).
         rate: requests per second each prefix is allowed, on average.
         burst: requests a prefix may send at once after a quiet spell (the bucket's size).
+        per_bucket: rate a whole bucket as one prefix, as S3 does a new bucket until it has
+            split it by load (a thousand ranks' files under many folders share its rate).
 
-    ``admitted`` and ``refused`` count requests, over every prefix; ``refused_by_prefix`` says
-    where. :meth:`set_rate` changes the limits while clients run (``rate=None``: no limit).
+    ``admitted`` and ``refused`` count requests, over every prefix; ``admitted_by_prefix`` and
+    ``refused_by_prefix`` say where. :meth:`set_rate` changes the limits while clients run (``rate=None``: no limit).
     """
 
-    def __init__(self, upstream: str, *, rate: float | None, burst: int = 1) -> None:
+    def __init__(
+        self, upstream: str, *, rate: float | None, burst: int = 1, per_bucket: bool = False
+    ) -> None:
         super().__init__(upstream)
+        self._prefix_of = bucket_of if per_bucket else prefix_of
         self.rate = rate
         self.burst = max(0, burst)
         self._buckets: dict[str, _Bucket] = {}
         self.admitted = 0
         self.refused = 0
+        self.admitted_by_prefix: defaultdict[str, int] = defaultdict(int)
         self.refused_by_prefix: defaultdict[str, int] = defaultdict(int)
 
     def set_rate(self, rate: float | None, burst: int | None = None) -> None:
@@ -93,6 +105,7 @@ class ThrottlingProxy(LoopbackProxy):
     def reset(self) -> None:
         """Start counting from zero."""
         self.admitted = self.refused = 0
+        self.admitted_by_prefix.clear()
         self.refused_by_prefix.clear()
 
     def _admit(self, prefix: str) -> bool:
@@ -140,13 +153,15 @@ class ThrottlingProxy(LoopbackProxy):
         except asyncio.IncompleteReadError:
             return False
         method, target, headers = _parse_head(head)
-        if self._admit(prefix_of(target)):
+        prefix = self._prefix_of(target)
+        if self._admit(prefix):
             self.admitted += 1
+            self.admitted_by_prefix[prefix] += 1
             server_w.write(head)
             await _copy_body(reader, headers, server_w)
             return True
         self.refused += 1
-        self.refused_by_prefix[prefix_of(target)] += 1
+        self.refused_by_prefix[prefix] += 1
         if headers.get("expect", "").lower() == "100-continue":
             # The client waits for a go-ahead before its body: refuse it, and end the connection
             # (as S3 may), since the body will not follow.
