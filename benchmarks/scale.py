@@ -1,11 +1,15 @@
 """At a thousand ranks and more, simulated on one machine: a save's coordinator and one rank's load.
 
-``python -m benchmarks.scale [--ranks 1024,4096,8192] [--models 7b,70b] [--timeout 1200]``
+``python -m benchmarks.scale [--ranks 1024,4096,8192] [--models 7b,70b] [--shard-group 256]
+[--impls torch,ours] [--timeout 1200]``
 
 No tensor is allocated. Each rank's ``SavePlan`` is built as DCP's ``DefaultSavePlanner`` builds
 it for FSDP2: every parameter of a llama-like layout sharded on dim 0 over N ranks (one
 ``WriteItem`` per parameter with the rank's chunk), AdamW's ``exp_avg`` and ``exp_avg_sq``
 sharded the same way, its ``step`` a scalar every rank holds, and the param groups as objects.
+With ``--shard-group G`` the layout is HSDP: FSDP over each group of G ranks, the N / G groups
+replicas of each other. Every rank still sends its plan, but DCP keeps each replicated item
+once, so ``.metadata`` holds G chunks a tensor whatever N is.
 Those plans then go through what a save's coordinator runs:
 
 1. DCP's global planning (``DefaultSavePlanner.create_global_plan``), which every writer shares;
@@ -25,6 +29,7 @@ its own. Per phase: CPU seconds of the process (``time.process_time``) and the p
 the RSS when the phase began (``/proc/self/clear_refs``). Objects identical on every rank (a
 parameter's name, global size and properties, the flattening map) are shared between the
 simulated ranks, so the plans take less memory than on a real coordinator, alike for both.
+With a shard group, a rank's plan is the very plan of its peer in the first group.
 
 One JSON line per case; at the end the markdown table, and ``<out>/samples.json``. A case whose
 memory, extrapolated from the smaller N of its model, would pass ``--max-memory-gib`` is
@@ -298,12 +303,14 @@ def reader_of(impl: str, folder: Path) -> Any:
     return FsspecReader(str(folder))
 
 
-def save_case(impl: str, layout: Layout, ranks: int, folder: Path) -> dict[str, Any]:
+def save_case(impl: str, layout: Layout, ranks: int, group: int, folder: Path) -> dict[str, Any]:
     """A save's coordinator: DCP's global plan, the writer's global plan, its finish."""
     out: dict[str, Any] = {}
     entries, mappings = flat_entries(layout)
     rss, cpu = rss_mib(), time.process_time()
-    local_plans = [rank_plan(entries, mappings, ranks, r) for r in range(ranks)]
+    group_plans = [rank_plan(entries, mappings, group, r) for r in range(group)]
+    local_plans = [group_plans[r % group] for r in range(ranks)]
+    del group_plans
     out["plans_cpu_s"] = round(time.process_time() - cpu, 2)
     out["plans_mib"] = round(rss_mib() - rss, 1)
     out["items"] = sum(len(p.items) for p in local_plans)
@@ -321,14 +328,14 @@ def save_case(impl: str, layout: Layout, ranks: int, folder: Path) -> dict[str, 
     return out
 
 
-def load_case(impl: str, layout: Layout, ranks: int, folder: Path) -> dict[str, Any]:
+def load_case(impl: str, layout: Layout, ranks: int, group: int, folder: Path) -> dict[str, Any]:
     """One rank's load, up to its first read: ``.metadata``, then the preflight."""
     out: dict[str, Any] = {}
     rank = ranks // 2
     reader = reader_of(impl, folder)
     metadata = measured(out, "read_metadata", reader.read_metadata)
     reader.set_up_storage_reader(metadata, False, rank=rank, use_collectives=True)
-    state = rank_state(layout, ranks, rank)
+    state = rank_state(layout, group, rank % group)
     planner = DefaultLoadPlanner()
 
     def local_plan() -> Any:
@@ -343,15 +350,17 @@ def load_case(impl: str, layout: Layout, ranks: int, folder: Path) -> dict[str, 
 
 def run_child(args: argparse.Namespace) -> None:
     case = save_case if args.phase == "save" else load_case
-    out = case(args.impl, LAYOUTS[args.model], args.n, Path(args.folder))
+    out = case(args.impl, LAYOUTS[args.model], args.n, args.group or args.n, Path(args.folder))
     out[f"{args.phase}_maxrss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(out))
 
 
-def spawn(phase: str, impl: str, model: str, ranks: int, folder: Path, timeout: float) -> dict[str, Any]:
+def spawn(
+    phase: str, impl: str, model: str, ranks: int, group: int, folder: Path, timeout: float
+) -> dict[str, Any]:
     """One phase in a fresh process; its JSON line, or why there is none."""
     command = [sys.executable, "-m", "benchmarks.scale", "--phase", phase, "--impl", impl]
-    command += ["--model-one", model, "--n", str(ranks), "--folder", str(folder)]
+    command += ["--model-one", model, "--n", str(ranks), "--group", str(group), "--folder", str(folder)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -370,21 +379,36 @@ def available_gib() -> float:
     return 0.0
 
 
-def run_case(impl: str, model: str, ranks: int, timeout: float) -> dict[str, Any]:
-    sample: dict[str, Any] = {"model": model, "ranks": ranks, "impl": impl}
+def run_case(impl: str, model: str, ranks: int, group: int, timeout: float) -> dict[str, Any]:
+    sample: dict[str, Any] = {"model": model, "ranks": ranks, "group": group, "impl": impl}
     folder = Path(tempfile.mkdtemp(prefix=f"scale-{impl}-{model}-{ranks}-"))
     try:
-        sample.update(spawn("save", impl, model, ranks, folder, timeout))
+        sample.update(spawn("save", impl, model, ranks, group, folder, timeout))
         if "error" not in sample:
-            sample.update(spawn("load", impl, model, ranks, folder, timeout))
+            sample.update(spawn("load", impl, model, ranks, group, folder, timeout))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return sample
 
 
-def estimated_gib(samples: list[dict[str, Any]], model: str, ranks: int) -> float | None:
-    """The save process's peak at ``ranks``, linear in N from the largest N measured before."""
-    done = [s for s in samples if s["model"] == model and "save_maxrss_mib" in s and s["ranks"] < ranks]
+def layout_name(s: dict[str, Any]) -> str:
+    """``7b`` (FSDP over all ranks) or ``7b HSDP 256`` (FSDP within groups of 256)."""
+    group = s.get("group", s["ranks"])
+    return s["model"] if group == s["ranks"] else f"{s['model']} HSDP {group}"
+
+
+def estimated_gib(samples: list[dict[str, Any]], model: str, ranks: int, group: int) -> float | None:
+    """The save process's peak at ``ranks``, linear in N from the largest N measured before
+    (of the same layout: FSDP over all ranks, or the same shard group)."""
+    flat = group == ranks
+    done = [
+        s
+        for s in samples
+        if s["model"] == model
+        and "save_maxrss_mib" in s
+        and s["ranks"] < ranks
+        and (s.get("group", s["ranks"]) == s["ranks"] if flat else s.get("group") == group)
+    ]
     if not done:
         return None
     last = max(done, key=lambda s: (s["ranks"], s["save_maxrss_mib"]))
@@ -400,14 +424,14 @@ def table(samples: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     torch_read = {
-        (s["model"], s["ranks"]): s.get("read_metadata_cpu_s") for s in samples if s["impl"] == "torch"
+        (layout_name(s), s["ranks"]): s.get("read_metadata_cpu_s") for s in samples if s["impl"] == "torch"
     }
     for s in samples:
-        head = f"| {s['model']} · {s['ranks']} | {s['impl']} |"
+        head = f"| {layout_name(s)} · {s['ranks']} | {s['impl']} |"
         if "error" in s or "skipped" in s:
             rows.append(f"{head} {s.get('error') or s['skipped']} |||||||")
             continue
-        base = torch_read.get((s["model"], s["ranks"]))
+        base = torch_read.get((layout_name(s), s["ranks"]))
         ratio = f"{s['read_metadata_cpu_s'] / base:.2f}×" if base else "–"
         rows.append(
             f"{head} {s['items']:,} | {s['dcp_global_cpu_s']:.2f} / {s['dcp_global_peak_mib']:.0f} | "
@@ -417,6 +441,10 @@ def table(samples: list[dict[str, Any]]) -> str:
             f"{s['load_plan_cpu_s'] * 1e3:.0f} + {s['preflight_cpu_s'] * 1e3:.0f} |"
         )
     return "\n".join(rows)
+
+
+# Chart lines: FSDP over all ranks solid, HSDP dashed; 7B circles, 70B squares.
+STYLES = {"7b": "-o", "70b": "-s", "7b HSDP 256": "--o", "70b HSDP 256": "--s"}
 
 
 def coordinator_cpu_s(s: dict[str, Any]) -> float:
@@ -441,14 +469,13 @@ def draw_chart(samples: list[dict[str, Any]], path: Path) -> bool:
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     for ax, (title, value) in zip(axes, panels):
-        for model in sorted({s["model"] for s in done}):
+        for layout in sorted({layout_name(s) for s in done}):
             for impl, color in (("ours", "#1f6fb4"), ("torch", "#8c8c8c")):
                 points = sorted(
-                    (s["ranks"], value(s)) for s in done if (s["model"], s["impl"]) == (model, impl)
+                    (s["ranks"], value(s)) for s in done if (layout_name(s), s["impl"]) == (layout, impl)
                 )
                 if points:
-                    style = "-o" if model == "7b" else "--s"
-                    ax.plot(*zip(*points), style, color=color, label=f"{impl}, {model}")
+                    ax.plot(*zip(*points), STYLES.get(layout, "-."), color=color, label=f"{impl}, {layout}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks")
@@ -467,14 +494,17 @@ def run_all(args: argparse.Namespace) -> None:
     samples: list[dict[str, Any]] = []
     for model in args.models.split(","):
         for ranks in sorted(int(n) for n in args.ranks.split(",")):
-            for impl in IMPLS:
-                estimate = estimated_gib(samples, model, ranks)
+            group = args.shard_group or ranks
+            if ranks % group:
+                sys.exit(f"--shard-group {group} does not divide {ranks} ranks into whole replicas")
+            for impl in args.impls.split(","):
+                estimate = estimated_gib(samples, model, ranks, group)
                 limit = min(args.max_memory_gib, available_gib() * 0.8)
                 if estimate is not None and estimate > limit:
-                    sample = {"model": model, "ranks": ranks, "impl": impl}
+                    sample = {"model": model, "ranks": ranks, "group": group, "impl": impl}
                     sample["skipped"] = f"skipped: ~{estimate:.0f} GiB expected, {limit:.0f} allowed"
                 else:
-                    sample = run_case(impl, model, ranks, args.timeout)
+                    sample = run_case(impl, model, ranks, group, args.timeout)
                 print(json.dumps(sample), flush=True)
                 samples.append(sample)
     out = Path(args.out)
@@ -498,6 +528,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", default="1024,4096,8192", help="comma-separated rank counts")
     parser.add_argument("--models", "--model", default="7b", help="comma-separated: 7b, 70b")
+    parser.add_argument(
+        "--shard-group", type=int, default=0, help="HSDP: FSDP within groups of this many ranks (0: all)"
+    )
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated: torch, ours")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per phase process")
     parser.add_argument("--max-memory-gib", type=float, default=16, help="skip cases expected above")
     parser.add_argument("--out", default="benchmarks/results/scale")
@@ -508,6 +542,7 @@ def main() -> None:
     parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--model-one", dest="model", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--group", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.chart:

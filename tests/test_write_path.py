@@ -147,3 +147,30 @@ def test_an_integration_s_blocking_dcp_call_pauses_the_collector_through_plannin
             lambda: dcp.save(state, storage_writer=FsspecStorageWriter(url, overwrite=False)), f"saving {url}"
         )
     assert gc.isenabled()
+
+
+def test_finish_pickles_metadata_straight_into_the_local_file_without_a_copy_of_its_bytes(
+    tmp_path: Path,
+) -> None:
+    import pickle
+    import tracemalloc
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dcp_fsspec import FsspecStorageWriter
+
+    # Many small objects, as a large save's chunk entries are: the pickler's frames, not one buffer.
+    pieces = [i.to_bytes(4, "big") * 64 for i in range(100_000)]
+    pickled_bytes = len(pickle.dumps(pieces))
+    writer = FsspecStorageWriter(str(tmp_path / "ckpt"))
+    writer.reset()
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    tracemalloc.start()
+    try:
+        writer.finish(Metadata(state_dict_metadata={}, planner_data=pieces), [])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    with open(tmp_path / "ckpt" / ".metadata", "rb") as f:
+        assert pickle.load(f).planner_data == pieces
+    assert peak < pickled_bytes / 2, f"finish held {peak:,} bytes while writing {pickled_bytes:,}"

@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from dcp_fsspec.errors import CheckpointExistsError, DcpFsspecError, StorageError, UsageError
 from dcp_fsspec.storage.backends import Versioned
-from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
+from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
 from dcp_fsspec.storage.format import names
 from dcp_fsspec.storage.format.content_hashes import (
     BaseRecord,
@@ -337,31 +337,18 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write ``.metadata`` (the commit point): every rank's data is already written."""
         metadata.version = DCP_VERSION
-        written = [wr for rank_results in results for wr in rank_results]
-        metadata.storage_data = {wr.index: unhashed(wr.storage_data) for wr in written}
+        metadata.storage_data = {
+            wr.index: unhashed(wr.storage_data) for rank_results in results for wr in rank_results
+        }
         metadata.storage_meta = self.storage_meta()
-        path, backend, data = self._metadata_path(), self.location.backend, pickle.dumps(metadata)
         if self.incremental:
-            self._write_content_hashes({wr.index: wr.storage_data.digest for wr in written})
+            self._write_content_hashes(
+                {wr.index: wr.storage_data.digest for rank_results in results for wr in rank_results}
+            )
+        path = self._metadata_path()
         with storage_errors("write", self.location.url_of(path), also=(ValueError,)):
-            # Created, never replaced: .metadata was absent (or removed, with overwrite) before
-            # any data was written, so one that is here now is another save's, finished first
-            # (or ours: a write that landed although its answer was lost, then retried).
-            with backend.exclusive(self.location.path):
-                created = backend.conditional_writes and backend.replace_if_unchanged(
-                    path, data, Versioned(None)
-                )
-                if not created:
-                    existing = backend.read_versioned(path).data
-                    if existing is None and not backend.conditional_writes:
-                        backend.write_small_atomic(
-                            path,
-                            data,
-                            fsync=self.settings.sync_files,
-                            sync_folder=self.metadata_commits,
-                            syncs=self.file_syncs,
-                        )
-                    created = existing is None and not backend.conditional_writes or existing == data
+            with self.location.backend.exclusive(self.location.path):
+                created = self._create_metadata(path, metadata)
         if not created:
             raise CheckpointExistsError(
                 f"another process finished a checkpoint at {self.location.url!r} while this save was "
@@ -370,6 +357,59 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
             )
 
     # --- internals --------------------------------------------------------------------------
+
+    def _create_metadata(self, path: str, metadata: Metadata) -> bool:
+        """Create ``.metadata`` at ``path``, never replacing one: whether this save's is there now.
+
+        The caller holds the backend's ``exclusive``. ``.metadata`` was absent (or removed, with
+        overwrite) before any data was written, so one that is here now is another save's,
+        finished first, or ours: a write that landed although its answer was lost, then retried.
+        """
+        backend = self.location.backend
+        if backend.conditional_writes:
+            data = pickle.dumps(metadata)
+            if backend.replace_if_unchanged(path, data, Versioned(None)):
+                return True
+            return backend.read_versioned(path).data == data
+        existing = backend.read_versioned(path).data
+        if existing is not None:
+            return existing == pickle.dumps(metadata)
+        if backend.answers_locally:
+            self._stream_metadata(path, metadata)
+        else:
+            backend.write_small_atomic(
+                path,
+                pickle.dumps(metadata),
+                fsync=self.settings.sync_files,
+                sync_folder=self.metadata_commits,
+                syncs=self.file_syncs,
+            )
+        return True
+
+    def _stream_metadata(self, path: str, metadata: Metadata) -> None:
+        """Pickle ``metadata`` into an upload of ``path``, published whole on commit.
+
+        On a store that answers on this machine, a stream costs no extra request, and the
+        coordinator holds no copy of the bytes, which grow with the ranks. Elsewhere one
+        request of the whole bytes is cheaper.
+        """
+        backend, fsync = self.location.backend, self.settings.sync_files
+        backend.make_folder(self.location.path)
+        upload = backend.new_upload(
+            path,
+            part_size=MIN_PART_SIZE,
+            budget=ByteBudget(MIN_PART_SIZE),
+            fsync=fsync,
+            syncs=self.file_syncs,
+        )
+        try:
+            pickle.dump(metadata, UploadFile(upload))
+            upload.commit()
+        except BaseException:
+            upload.abort()
+            raise
+        if fsync and self.metadata_commits:
+            backend.sync_folder(self.location.path)
 
     def _prefix(self, rank: int) -> str:
         """DCP's storage prefix of ``rank``'s data files (what :func:`names.data_file_name` extends)."""
@@ -491,3 +531,15 @@ class FsspecStorageWriter(UrlBound, StorageWriter, BlockingAsyncStager):
     @property
     def _transform_names(self) -> list[str]:
         return [ext.get_descriptor() for ext in self.transforms.extensions]
+
+
+class UploadFile:
+    """A write-only file object over an upload, for ``pickle.dump``: each piece the pickler
+    writes goes into the upload as it comes."""
+
+    def __init__(self, upload: FileUpload) -> None:
+        self.upload = upload
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.upload.write([data])
+        return len(data)
