@@ -42,8 +42,14 @@ def _ckpt(backend: Backend, **kwargs: Any) -> Checkpointer:
     return Checkpointer(backend.url, backend.storage_options, **kwargs)
 
 
-def _fs_path(backend: Backend, *names: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(backend.sub(*names), **backend.storage_options)
+def _fs_path(backend: Backend, *names: str, fresh: bool = True) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The store's filesystem and the path of ``names`` under the backend's URL.
+
+    ``fresh``: a new driver instance, which sees the store as it is (a cached adlfs instance can
+    list what another client deleted); else the instance the library uses, to patch its calls.
+    """
+    options = {**backend.storage_options, **({"skip_instance_cache": True} if fresh else {})}
+    fs, path = fsspec.core.url_to_fs(backend.sub(*names), **options)
     fs.invalidate_cache()
     return fs, path
 
@@ -532,7 +538,7 @@ def test_a_failed_delete_is_logged_and_retried_at_the_next_save(
     memory_backend: Backend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     training = _save_trained(memory_backend, [1])
-    fs, root = _fs_path(memory_backend)
+    fs, root = _fs_path(memory_backend, fresh=False)
 
     real_rm = fs.rm
 
@@ -643,7 +649,7 @@ def test_retention_deletes_nothing_when_it_cannot_tell_what_is_committed(
     memory_backend: Backend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     training = _save_trained(memory_backend, [1, 2])
-    fs, _ = _fs_path(memory_backend)
+    fs, _ = _fs_path(memory_backend, fresh=False)
     real_find, real_info = fs.find, fs.info
     hidden = "iter_000000002/model/"
 
