@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
+import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,20 +21,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import init_device_mesh
 
-from dcp_fsspec import Checkpointer, CheckpointExistsError, FsspecStorageWriter
+from dcp_fsspec import CheckpointExistsError, FsspecStorageWriter
 from dcp_fsspec.errors import UsageError
 from dcp_fsspec.local_s3 import LocalS3Server
-from tests.ckpt_fsdp import FsdpTraining
 from tests.conftest import Backend
+from tests.control_plane_ranks import KEYS, RESUME_MARK, SAVES, save_then_resume
 from tests.distributed import run_ranks
 from tests.servers.counting import CountingProxy
 
 pytestmark = pytest.mark.timeout(600)
 
 _REQUEST_LINE = re.compile(rb"^([A-Z]+) (\S+) HTTP/1\.[01]\r\n")
-_SAVES = 3
+Requests = list[tuple[str, str]]
 
 
 class RequestLog(CountingProxy):
@@ -85,51 +84,48 @@ def _data_puts(requests: list[tuple[str, str]]) -> int:
     return sum(method in ("PUT", "POST") and _is_data(name) for method, name in requests)
 
 
-def _saves(rank: int, world_size: int, url: str, options: dict[str, Any]) -> None:
-    torch.set_num_threads(1)
-    training = FsdpTraining(init_device_mesh("cpu", (world_size,)), seed=0)
-    with Checkpointer(url, options, keep_last_n=2) as ckpt:
-        for it in range(1, _SAVES + 1):
-            training.step()
-            ckpt.save(it, **training.keys())
-
-
-def _resume(rank: int, world_size: int, url: str, options: dict[str, Any]) -> None:
-    torch.set_num_threads(1)
-    training = FsdpTraining(init_device_mesh("cpu", (world_size,)), seed=1)
-    with Checkpointer(url, options, keep_last_n=2) as ckpt:
-        assert ckpt.load(**training.keys()) == _SAVES
-    dist.barrier()
-
-
-def _counts(
-    world_size: int, s3_server: LocalS3Server, s3_backend: Backend, tmp_path: Path
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Every request of three saves, then of one resume, at ``world_size`` ranks."""
+def _counts(world_size: int, s3_server: LocalS3Server, url: str, tmp_path: Path) -> tuple[Requests, Requests]:
+    """Every request of the saves, then of one resume, at ``world_size`` ranks."""
     proxy = RequestLog(s3_server.endpoint_url).start()
     try:
-        options = dict(s3_backend.storage_options)
+        options = s3_server.storage_options()
         options["client_kwargs"] = {**options.get("client_kwargs", {}), "endpoint_url": proxy.endpoint_url}
-        url = f"{s3_backend.url}/{world_size}-ranks/run"
-        run_ranks(_saves, world_size, tmp_path, url, options)
-        saves = proxy.requests
-        proxy.reset()
-        run_ranks(_resume, world_size, tmp_path, url, options)
-        return saves, proxy.requests
+        run_ranks(save_then_resume, world_size, tmp_path, url, options)
+        mark = proxy.requests.index(("GET", RESUME_MARK))
+        return proxy.requests[:mark], proxy.requests[mark + 1 :]
     finally:
         proxy.stop()
 
 
+@pytest.fixture(scope="module")
+def at_two_ranks(
+    s3_server: LocalS3Server, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Requests, Requests]:
+    """The requests at two ranks, which every other number of ranks must repeat."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name, value in s3_server.environ().items():
+            monkeypatch.setenv(name, value)
+        bucket = f"two-ranks-{uuid.uuid4().hex[:12]}"
+        s3_server.create_bucket(bucket)
+        return _counts(2, s3_server, f"s3://{bucket}/ckpt/2-ranks/run", tmp_path_factory.mktemp("two-ranks"))
+
+
 @pytest.mark.slow
-def test_a_save_and_a_resume_make_the_same_control_plane_requests_at_two_and_four_ranks(
-    s3_server: LocalS3Server, s3_backend: Backend, tmp_path: Path
+@pytest.mark.parametrize("world_size", [4, 8, 16])
+def test_a_save_and_a_resume_make_the_same_control_plane_requests_at_any_number_of_ranks(
+    world_size: int,
+    at_two_ranks: tuple[Requests, Requests],
+    s3_server: LocalS3Server,
+    s3_backend: Backend,
+    tmp_path: Path,
 ) -> None:
-    two_saves, two_resume = _counts(2, s3_server, s3_backend, tmp_path)
-    four_saves, four_resume = _counts(4, s3_server, s3_backend, tmp_path)
-    assert _control_plane(four_saves) == _control_plane(two_saves)
-    assert _control_plane(four_resume) == _control_plane(two_resume)
-    # Only the data files grow with the ranks: each rank writes its own, for each key it holds.
-    assert _data_puts(two_saves) < _data_puts(four_saves) <= 2 * _data_puts(two_saves)
+    two_saves, two_resume = at_two_ranks
+    saves, resume = _counts(world_size, s3_server, s3_backend.sub(f"{world_size}-ranks", "run"), tmp_path)
+    assert _control_plane(saves) == _control_plane(two_saves)
+    assert _control_plane(resume) == _control_plane(two_resume)
+    # Only the data files grow with the ranks: each rank writes its own, for each key.
+    assert _data_puts(two_saves) == 2 * SAVES * len(KEYS)
+    assert _data_puts(saves) == world_size * SAVES * len(KEYS)
 
 
 def _save_twice_without_overwrite(rank: int, world_size: int, url: str, use_collectives: bool) -> None:
