@@ -23,6 +23,7 @@ import torch
 from dcp_fsspec import Checkpointer, ResumeOptions, cli
 from dcp_fsspec.checkpoint.events import CheckpointEvent
 from dcp_fsspec.checkpoint.save.background import _join_group
+from dcp_fsspec.checkpoint.save.handles import HandleReceiver
 from dcp_fsspec.errors import DcpFsspecError
 from dcp_fsspec.storage.transport.urls import redact_text, resolve
 from tests.conftest import Backend
@@ -177,7 +178,7 @@ def test_the_background_savers_store_listens_on_loopback_only(monkeypatch: pytes
     monkeypatch.delenv("MASTER_ADDR", raising=False)  # the default: loopback
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    process = ctx.Process(target=_join_group, args=(theirs, 0, 1), daemon=True)
+    process = ctx.Process(target=_join_group, args=(theirs, HandleReceiver(), 0, 1), daemon=True)
     process.start()
     try:
         assert ours.poll(120), "the background side never sent its store's port"
