@@ -147,17 +147,7 @@ class LoadPipeline:
         if choice is None or choice.tier != LOCAL:
             return None
         local = tiers.local
-        plan: resume.ResumePlan | None = None
-        error: Exception | None = None
-        try:  # each rank its own local tier
-            facts = resume.gather(
-                local, None, wanted, self._options, self._settings_alone, iteration=choice.iteration
-            )
-            plan = resume.plan_resume(facts, wanted, self._options)
-        except Exception as e:  # re-raised below, on every rank
-            error = e
-        self._collectives.raise_if_any_failed(error)
-        assert plan is not None
+        plan = self._plan_alone(local, wanted, choice.iteration)  # each rank its own local tier
         try:
             resumed = self._restore(plan, local, state, tier=LOCAL, alone=tiers.per_node)
         except CorruptCheckpointError as e:
@@ -184,6 +174,21 @@ class LoadPipeline:
         tiers.resumed_locally(resumed, durable_latest)
         return resumed
 
+    def _plan_alone(self, source: Location, wanted: list[str], iteration: int) -> resume.ResumePlan:
+        """This rank's resume plan from ``source``, read by itself; an error is raised on every rank."""
+        plan: resume.ResumePlan | None = None
+        error: Exception | None = None
+        try:
+            facts = resume.gather(
+                source, None, wanted, self._options, self._settings_alone, iteration=iteration
+            )
+            plan = resume.plan_resume(facts, wanted, self._options)
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+        self._collectives.raise_if_any_failed(error)
+        assert plan is not None
+        return plan
+
     def _from_shares(self, iteration: int | None, wanted: list[str], state: dict[str, Any]) -> int | None:
         """With replicas: each rank reads its share from its own local tier (its own copy, or a
         peer's replica just brought home) or from the durable tier, by itself; None: every rank
@@ -195,17 +200,7 @@ class LoadPipeline:
             return None
         tier = shares.sources[self._collectives.rank].kind
         source = self._root if tier == DURABLE else tiers.local
-        plan: resume.ResumePlan | None = None
-        error: Exception | None = None
-        try:
-            facts = resume.gather(
-                source, None, wanted, self._options, self._settings_alone, iteration=shares.iteration
-            )
-            plan = resume.plan_resume(facts, wanted, self._options)
-        except Exception as e:  # re-raised below, on every rank
-            error = e
-        self._collectives.raise_if_any_failed(error)
-        assert plan is not None
+        plan = self._plan_alone(source, wanted, shares.iteration)
         try:
             resumed = self._restore(plan, source, state, tier=tier, alone=True)
         except (CorruptCheckpointError, CheckpointMismatchError) as e:
