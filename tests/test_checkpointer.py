@@ -88,6 +88,27 @@ def test_resumed_training_matches_uninterrupted_training_bitwise(backend: Backen
     assert resumed.losses == uninterrupted.losses[3:]
 
 
+def test_a_save_before_the_first_step_leaves_training_as_it_was_and_resumes_it_bitwise(
+    local_backend: Backend,
+) -> None:
+    uninterrupted = Training()
+    uninterrupted.run(3)
+
+    first = Training()
+    with _ckpt(local_backend) as ckpt:
+        ckpt.save(0, **first.keys())  # torch would take a zero-rate step to read AdamW's state
+        assert not first.optim.state
+        first.run(3)
+    assert_same_training(first, uninterrupted)
+
+    resumed = Training(seed=7)
+    with _ckpt(local_backend) as ckpt:
+        ckpt.load(**resumed.keys(), iteration=0)
+        resumed.after_load()
+        resumed.run(3)
+    assert_same_training(resumed, uninterrupted)
+
+
 def test_saved_iteration_has_a_folder_per_key_and_the_pointer_names_it(backend: Backend) -> None:
     _save_trained(backend, [5])
     fs, root = _fs_path(backend)

@@ -248,9 +248,7 @@ class Checkpointer:
 
         Call it once the state exists (after :meth:`load`, with the keywords of :meth:`save`);
         it returns at once. The first save then copies into buffers already in memory, as later
-        ones do, and waits for the allocation only if it is not done yet. An optimizer that has
-        not stepped yet is left alone (reading its state would take a step): its buffers come
-        at the first save.
+        ones do, and waits for the allocation only if it is not done yet.
         Without ``async_mode="async_with_pinned_mem"`` it does nothing. Every rank calls it.
 
         Raises:
@@ -260,9 +258,7 @@ class Checkpointer:
         for key in state:
             layout.check_key(key)
         if self._async is not None:
-            # Reading an optimizer before its first step would take a step (see state_mod).
-            ready = {k: v for k, v in state.items() if not state_mod.is_unstepped_optimizer(v)}
-            self._async.prepare(self._stage(ready))
+            self._async.prepare(self._stage(state))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the asynchronous save in flight (if any) is committed; raise its error.

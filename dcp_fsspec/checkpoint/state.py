@@ -53,14 +53,20 @@ def is_optimizer(value: Any) -> bool:
     return _all_of(value, torch.optim.Optimizer) is not None
 
 
-def is_unstepped_optimizer(value: Any) -> bool:
-    """Whether ``value`` is an optimizer (or a list of them) that has no state yet.
+def _leave_unstepped(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Give back optimizers that had not stepped the empty state they had.
 
-    torch's ``get_optimizer_state_dict`` creates such state by taking a step with a zero learning
-    rate, which advances the step count: reading it changes training.
+    torch's ``get_optimizer_state_dict`` creates their state with a zero-learning-rate step,
+    which advances the step count and so changes training. The state dict just read keeps that
+    state with its step counts set back to zero: the state of an optimizer about to take its
+    first step, which is what a load of it restores.
     """
-    optimizers = _all_of(value, torch.optim.Optimizer)
-    return optimizers is not None and not any(o.state for o in optimizers)
+    for optimizer in optimizers:
+        for param_state in optimizer.state.values():
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+        optimizer.state.clear()
 
 
 def _merge(key: str, parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -111,7 +117,10 @@ def state_dict_for(key: str, value: Any, *, model: Any = None) -> dict[str, Any]
         return _merge(key, [get_model_state_dict(m) for m in modules])
     if (optimizers := _all_of(value, torch.optim.Optimizer)) is not None:
         pairs = _optimizer_pairs(key, optimizers, model)
-        return _merge(key, [get_optimizer_state_dict(m, o, options=_OPTIM_OPTIONS) for m, o in pairs])
+        unstepped = [o for o in optimizers if not o.state]
+        merged = _merge(key, [get_optimizer_state_dict(m, o, options=_OPTIM_OPTIONS) for m, o in pairs])
+        _leave_unstepped(unstepped)
+        return merged
     if isinstance(value, dict):
         return value
     if (statefuls := _statefuls(value)) is not None:
