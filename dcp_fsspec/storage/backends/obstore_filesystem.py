@@ -20,6 +20,7 @@ import random
 import re
 import time
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import obstore.exceptions as obx
@@ -33,7 +34,15 @@ from dcp_fsspec.storage.transport.retry import is_throttling, is_transient
 T = TypeVar("T")
 
 # obstore's own retries, off: each call here sends one request.
-NO_RETRIES = {"max_retries": 0}
+NO_RETRIES: dict[str, Any] = {"max_retries": 0}
+# obstore's retries of a multipart upload's parts, which no caller can resend one by one.
+# obstore draws each wait between init_backoff and ``base`` times the one before: at its
+# default base of 2 the waits hardly grow (ten retries in under 3 s), at 4 they double on average.
+PART_RETRIES: dict[str, Any] = {
+    "max_retries": 10,
+    "backoff": {"init_backoff": timedelta(seconds=0.1), "max_backoff": timedelta(seconds=15), "base": 4},
+    "retry_timeout": timedelta(seconds=180),
+}
 # Tries of one request here, and the backoff between them (full jitter, doubling).
 ATTEMPTS = 5
 BASE_DELAY = 0.1
@@ -129,8 +138,10 @@ class ObstoreFileSystem(FsspecStore):  # type: ignore[misc]
 
     def __init__(self, *, config: dict[str, Any], client_options: dict[str, Any], **kwargs: Any) -> None:
         super().__init__(self.protocol[0], config=config, client_options=client_options, **kwargs)
-        # One store a bucket, as obstore's own are: each holds its client's connections.
-        self.bucket_store = functools.lru_cache(maxsize=None)(self._unretried_store)
+        # A bucket's stores, each holding its client's connections: one for the backend's
+        # requests (obstore's retries off), one for the parts of multipart uploads.
+        self.bucket_store = functools.lru_cache(maxsize=None)(functools.partial(self._new_store, NO_RETRIES))
+        self.parts_store = functools.lru_cache(maxsize=None)(functools.partial(self._new_store, PART_RETRIES))
 
     @staticmethod
     def from_options(url: str, storage_options: dict[str, Any]) -> ObstoreFileSystem:
@@ -147,20 +158,14 @@ class ObstoreFileSystem(FsspecStore):  # type: ignore[misc]
         bucket, key = self._split_path(path)
         return self.bucket_store(bucket), key
 
-    def retrying_store(self, path: str) -> tuple[Any, str]:
-        """The store of ``path``'s bucket with obstore's own retries, and the key in it: for
-        the multipart writer, whose parts no caller can retry one by one."""
-        bucket, key = self._split_path(path)
-        return self._construct_store(bucket), key
-
-    def _unretried_store(self, bucket: str) -> Any:
+    def _new_store(self, retries: dict[str, Any], bucket: str) -> Any:
         # obstore's __init__ set the instance's protocol to the scheme it was given.
         scheme = self.protocol if isinstance(self.protocol, str) else self.protocol[0]
         return from_url(
             url=f"{scheme}://{bucket}",
             config=self._config,
             client_options=self._client_options,
-            retry_config=NO_RETRIES,
+            retry_config=retries,
             credential_provider=self._credential_provider,
             **self._config_kwargs,
         )

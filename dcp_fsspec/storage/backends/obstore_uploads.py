@@ -39,7 +39,7 @@ class ObstoreUpload(FileUpload):
     ) -> None:
         super().__init__(fs, path)
         self._store, self._key = fs.store(path)
-        self._parts_store = fs.retrying_store(path)[0]
+        self._parts_store = fs.parts_store(fs._split_path(path)[0])
         self._url = url
         self._part_size = max(part_size, MIN_PART_SIZE)
         self._threshold = max(multipart_threshold, self._part_size)
