@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,7 @@ from dcp_fsspec import Checkpointer
 from dcp_fsspec.errors import InvalidURLError, StorageError
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.settings import WriterSettings
+from dcp_fsspec.storage.transport.retry import RetryPolicy
 from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
 from tests.servers.proxy import LoopbackProxy
@@ -197,3 +199,23 @@ def test_checksums_only_when_required_by_the_user_leave_obstores_bodies_without_
     _save_in_parts(Backend("s3_obstore", backend.url, options))
     assert proxy.bodies()
     assert all("x-amz-checksum-sha256" not in headers for headers in proxy.bodies())
+
+
+# -- errors obstore's requests end in ------------------------------------------------------------
+
+
+def test_an_endpoint_refusing_connections_is_retried_under_the_policy_and_named_in_the_error(
+    s3_backend: Backend,
+) -> None:
+    with socket.socket() as closed:  # a port the OS gave, then nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    options = {**s3_backend.storage_options, "transport": "obstore"}
+    options["client_kwargs"] = {"endpoint_url": f"http://127.0.0.1:{port}"}
+    retry = RetryPolicy(attempts=2, base_delay=0.01, deadline=10)
+    location = resolve(s3_backend.url, options, retry=retry)
+    with pytest.raises(StorageError) as raised:
+        location.backend.read_versioned(location.join("latest_checkpoint.txt"))
+    message = str(raised.value)
+    assert f"{s3_backend.url}/latest_checkpoint.txt" in message
+    assert "after 2 attempt(s)" in message and "ConnectionError" in message
