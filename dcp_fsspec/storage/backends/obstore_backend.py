@@ -2,8 +2,8 @@
 
 The pointer is replaced with ``If-Match`` on the ETag read (``If-None-Match: *`` where there was
 none), as on s3fs, so the server settles races between writers. Listings are one flat LIST, and
-removals one bulk DELETE per 1,000 keys. obstore retries throttling and server errors itself;
-the backend's retry policy bounds each call as on every store.
+removals one bulk DELETE per 1,000 keys. Requests are tried as botocore tries them under s3fs
+(:func:`~dcp_fsspec.storage.backends.obstore_filesystem.tried`), and the retry policy retries on top.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import obstore
 from dcp_fsspec.errors import DcpFsspecError, StorageError
 from dcp_fsspec.storage.backends.base import Versioned
 from dcp_fsspec.storage.backends.generic import FsspecBackend
-from dcp_fsspec.storage.backends.obstore_filesystem import ObstoreFileSystem, as_os_error
+from dcp_fsspec.storage.backends.obstore_filesystem import ObstoreFileSystem, as_os_error, tried, tried_async
 from dcp_fsspec.storage.backends.obstore_uploads import ObstoreUpload
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload
 from dcp_fsspec.storage.transport.file_syncs import FileSyncs
@@ -45,7 +45,7 @@ class ObstoreBackend(FsspecBackend):
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         store, key = self.fs.store(path)
-        return bytes(_os_errors(lambda: obstore.get_range(store, key, start=start, end=end)))
+        return bytes(tried(lambda: obstore.get_range(store, key, start=start, end=end)))
 
     def read_versioned(self, path: str) -> Versioned:
         store, key = self.fs.store(path)
@@ -116,7 +116,7 @@ class ObstoreBackend(FsspecBackend):
             bucket, key = self.fs._split_path(path)
             by_bucket[bucket].append(key)
         for bucket, keys in by_bucket.items():
-            store = self.fs._construct_store(bucket)
+            store = self.fs.bucket_store(bucket)
             try:
                 self._call("delete", within, lambda: obstore.delete(store, keys))
             except FileNotFoundError:  # Azure's bulk delete refuses absent keys: one by one
@@ -186,10 +186,7 @@ class ObstoreBackend(FsspecBackend):
         """A view of obstore's own buffer, not a copy of it: every reader of fetched spans
         (records decoded as they arrive, copies, integrity checks) reads through a memoryview."""
         store, key = self.fs.store(path)
-        try:
-            data = await obstore.get_range_async(store, key, start=start, end=end)
-        except obstore.exceptions.BaseError as e:
-            raise as_os_error(e) from e
+        data = await tried_async(lambda: obstore.get_range_async(store, key, start=start, end=end))
         return memoryview(data)  # type: ignore[return-value]  # read as bytes, never changed
 
     async def read_range_into_async(self, path: str, start: int, view: memoryview) -> int:
@@ -197,8 +194,9 @@ class ObstoreBackend(FsspecBackend):
         one chunk, not the whole range (obstore cannot read into given memory)."""
         store, key = self.fs.store(path)
         got = 0
+        options: Any = {"range": (start, start + len(view))}
+        result = await tried_async(lambda: obstore.get_async(store, key, options=options))
         try:
-            result = await obstore.get_async(store, key, options={"range": (start, start + len(view))})
             async for chunk in result.stream(min_chunk_size=STREAM_CHUNK):
                 piece = memoryview(chunk)
                 view[got : got + piece.nbytes] = piece
@@ -213,18 +211,11 @@ class ObstoreBackend(FsspecBackend):
         """``fn()``, retried; absence passes through, any other failure is a StorageError naming ``path``."""
         url = self.url_of(path)
         try:
-            return self.retry.call(lambda: _os_errors(fn), url=url)
+            return self.retry.call(lambda: tried(fn), url=url)
         except (FileNotFoundError, DcpFsspecError):
             raise
         except OSError as e:
             raise StorageError(f"cannot {verb} {url}: {e}") from e
-
-
-def _os_errors(fn: Callable[[], T]) -> T:
-    try:
-        return fn()
-    except obstore.exceptions.BaseError as e:
-        raise as_os_error(e) from e
 
 
 def _listed(store: Any, prefix: str, *, limit: int | None = None) -> list[dict[str, Any]]:

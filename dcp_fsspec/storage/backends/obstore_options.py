@@ -35,6 +35,14 @@ _S3_CONFIG = {
 _S3_CLIENT_KWARGS = {"endpoint_url": "endpoint", "region_name": "region"}
 # botocore's Config (s3fs's config_kwargs) → obstore's client options.
 _S3_CONFIG_KWARGS = {"read_timeout": "timeout", "connect_timeout": "connect_timeout"}
+# botocore's choice of request checksums (s3fs's config_kwargs, or the environment): with
+# "when_required", bodies go without a checksum header, for stores that refuse them.
+_CHECKSUM_CHOICE = "request_checksum_calculation"
+_CHECKSUM_VARIABLE = "AWS_REQUEST_CHECKSUM_CALCULATION"
+_CHECKSUM_CHOICES = ("when_supported", "when_required")
+# The checksum every request body carries (x-amz-checksum-sha256), checked by the server. The
+# signature hashes each body with SHA-256 already, and obstore reuses that digest for it.
+BODY_CHECKSUM = "sha256"
 # adlfs's options → obstore's Azure configuration keys.
 _AZURE_CONFIG = {
     "account_name": "account_name",
@@ -84,7 +92,11 @@ def s3_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     """
     config: dict[str, Any] = {}
     client: dict[str, Any] = {}
+    checksums = os.environ.get(_CHECKSUM_VARIABLE, "when_supported")
     for name, value in storage_options.items():
+        if name == "config_kwargs" and isinstance(value, dict) and _CHECKSUM_CHOICE in value:
+            checksums = value[_CHECKSUM_CHOICE]
+            value = {k: v for k, v in value.items() if k != _CHECKSUM_CHOICE}
         if name in _S3_CONFIG:
             config[_S3_CONFIG[name]] = value
         elif name == "anon":
@@ -98,7 +110,20 @@ def s3_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
             raise _refused(url, name, _S3_KNOWN, "s3fs")
     if str(config.get("endpoint", "")).startswith("http://"):
         client["allow_http"] = True
+    if _checksums_wanted(url, checksums):
+        config["checksum_algorithm"] = BODY_CHECKSUM
     return {"config": config, "client_options": client}
+
+
+def _checksums_wanted(url: str, choice: Any) -> bool:
+    """Whether request bodies carry :data:`BODY_CHECKSUM`: unless botocore's
+    ``request_checksum_calculation`` (option or environment) says ``when_required``."""
+    choice = str(choice).lower()
+    if choice not in _CHECKSUM_CHOICES:
+        raise InvalidURLError(
+            f"cannot open {url!r}: {_CHECKSUM_CHOICE}={choice!r} is unknown; use one of {list(_CHECKSUM_CHOICES)}"
+        )
+    return choice == "when_supported"
 
 
 def azure_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:

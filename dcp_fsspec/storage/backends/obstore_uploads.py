@@ -1,19 +1,22 @@
 """Uploads through obstore: one PUT up to a size threshold, else a multipart upload.
 
 Until the file passes the threshold its buffers are held as views of the caller's memory
-(tensor memory, record headers), sent in one PUT on commit. Past it, obstore's writer copies
-them into parts it sends several at once; the save's byte budget bounds those parts.
+(tensor memory, record headers), sent in one PUT on commit, retried by the save's policy.
+Past it, obstore's writer copies them into parts it sends several at once; the save's byte
+budget bounds those parts. obstore retries each part itself: no caller can resend one part.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
 import obstore
 
-from dcp_fsspec.storage.backends.obstore_filesystem import ObstoreFileSystem, as_os_error
+from dcp_fsspec.storage.backends.obstore_filesystem import ObstoreFileSystem, as_os_error, tried_async
 from dcp_fsspec.storage.backends.uploads import MIN_PART_SIZE, ByteBudget, FileUpload
+from dcp_fsspec.storage.transport.concurrency import store_limit
 from dcp_fsspec.storage.transport.retry import RetryPolicy
 
 # Parts of one file in flight at once.
@@ -36,6 +39,7 @@ class ObstoreUpload(FileUpload):
     ) -> None:
         super().__init__(fs, path)
         self._store, self._key = fs.store(path)
+        self._parts_store = fs.parts_store(fs._split_path(path)[0])
         self._url = url
         self._part_size = max(part_size, MIN_PART_SIZE)
         self._threshold = max(multipart_threshold, self._part_size)
@@ -60,7 +64,7 @@ class ObstoreUpload(FileUpload):
         self._held = self._part_size * (PARTS_AT_ONCE + 1)
         self._budget.acquire(self._held)
         self._writer = obstore.open_writer(
-            self._store, self._key, buffer_size=self._part_size, max_concurrency=PARTS_AT_ONCE
+            self._parts_store, self._key, buffer_size=self._part_size, max_concurrency=PARTS_AT_ONCE
         )
         pending, self._pending = self._pending, []
         for view in pending:
@@ -85,13 +89,19 @@ class ObstoreUpload(FileUpload):
         self.fs.invalidate_cache(self.path)
 
     def _put_whole(self) -> None:
-        views, self._pending = self._pending, []
+        """One PUT on the filesystem's loop, retried under the store's limit (shared with the
+        reads), so a throttled PUT lowers the requests in flight as on s3fs."""
+        body, self._pending = self._pending or [memoryview(b"")], []
+
+        async def put() -> Any:
+            return await tried_async(
+                lambda: obstore.put_async(self._store, self._key, body, use_multipart=False)
+            )
+
         self._budget.acquire(self.size)
         try:
-            self._retry.call(
-                lambda: obstore.put(self._store, self._key, views or [b""], use_multipart=False),
-                url=self._url,
-            )
+            sending = self._retry.call_async(put, url=self._url, kind="PUT", limit=store_limit(self.fs))
+            asyncio.run_coroutine_threadsafe(sending, self.fs.loop).result()
         finally:
             self._budget.release(self.size)
 
