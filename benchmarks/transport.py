@@ -1,7 +1,7 @@
 """The S3 read transports alone: client CPU s/GB and GB/s of reading one object in ranges.
 
-``python -m benchmarks.transport`` starts the counting moto server (:mod:`.s3server`) in this
-process, puts one object of ``--size-mib`` there, then reads it back in ``--range-mib`` ranges,
+``python -m benchmarks.transport`` starts the S3 server as ``benchmarks.run`` does (the
+counting moto server in this process by default, or ``--server seaweedfs|ceph``), puts one object of ``--size-mib`` there, then reads it back in ``--range-mib`` ranges,
 ``--concurrency`` at a time, once per transport and repeat, each read in a fresh child process
 (``--child``) whose user+sys CPU seconds are the client's cost. No checkpoint code runs: this
 is what the bytes cost on the wire, the floor under a load.
@@ -15,6 +15,9 @@ Transports:
   ``object_store``), the ranges left in the Rust buffers it returns;
 * ``obstore-async-into``: the same, each range then copied into a preallocated buffer (the
   one copy a load into existing tensors pays);
+* ``obstore-stream-into``: obstore's ``get_async`` per range, its body streamed in
+  ``--stream-chunk-kib`` chunks, each copied into a preallocated buffer as it arrives (what
+  dcp_fsspec's obstore backend does for a load into existing tensors);
 * ``obstore-threads-into``: obstore's blocking ``get_range`` from a pool of threads, copied
   into a preallocated buffer;
 * ``obstore-fsspec``: obstore's fsspec ``FsspecStore.cat_ranges``.
@@ -51,6 +54,7 @@ TRANSPORTS = (
     "s3fs-readinto",
     "obstore-async",
     "obstore-async-into",
+    "obstore-stream-into",
     "obstore-threads-into",
     "obstore-fsspec",
 )
@@ -128,57 +132,81 @@ def _reader(args: argparse.Namespace, size: int) -> Callable[[], int]:
 
         return lambda: fsspec.asyn.sync(fs.loop, all_ranges)
     if t.startswith("obstore"):
-        import obstore
+        return _obstore_reader(args, size, ranges)
+    raise SystemExit(f"unknown transport {t!r}; one of {', '.join(TRANSPORTS)}")
 
-        store = _obstore(args.endpoint, args.key, args.secret)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        if t == "obstore-async":
 
-            async def plain() -> int:
-                jobs = [partial(obstore.get_range_async, store, KEY, start=a, end=b) for a, b in ranges]
-                return sum(len(x) for x in await _bounded(n, jobs))
+def _obstore_reader(args: argparse.Namespace, size: int, ranges: list[tuple[int, int]]) -> Callable[[], int]:
+    """:func:`_reader` for the obstore transports."""
+    n = args.concurrency
+    t = args.child
+    import obstore
 
-            return lambda: asyncio.run(plain())
-        if t == "obstore-async-into":
+    store = _obstore(args.endpoint, args.key, args.secret)
+    buf = bytearray(size)
+    view = memoryview(buf)
+    if t == "obstore-async":
 
-            async def into() -> int:
-                async def one(a: int, b: int) -> int:
-                    got = await obstore.get_range_async(store, KEY, start=a, end=b)
-                    view[a : a + len(got)] = memoryview(got)
-                    return len(got)
+        async def plain() -> int:
+            jobs = [partial(obstore.get_range_async, store, KEY, start=a, end=b) for a, b in ranges]
+            return sum(len(x) for x in await _bounded(n, jobs))
 
-                return sum(await _bounded(n, [partial(one, a, b) for a, b in ranges]))
+        return lambda: asyncio.run(plain())
+    if t == "obstore-async-into":
 
-            return lambda: asyncio.run(into())
-        if t == "obstore-threads-into":
-            pool = ThreadPoolExecutor(n)
-
-            def one_sync(a: int, b: int) -> int:
-                got = obstore.get_range(store, KEY, start=a, end=b)
+        async def into() -> int:
+            async def one(a: int, b: int) -> int:
+                got = await obstore.get_range_async(store, KEY, start=a, end=b)
                 view[a : a + len(got)] = memoryview(got)
                 return len(got)
 
-            return lambda: sum(pool.map(one_sync, *zip(*ranges)))
-        if t == "obstore-fsspec":
-            from obstore.fsspec import FsspecStore
+            return sum(await _bounded(n, [partial(one, a, b) for a, b in ranges]))
 
-            fs = FsspecStore(
-                "s3",
-                config={
-                    "endpoint": args.endpoint,
-                    "access_key_id": args.key,
-                    "secret_access_key": args.secret,
-                    "region": "us-east-1",
-                    "virtual_hosted_style_request": False,
-                },
-                client_options={"allow_http": True},
-            )
-            path = f"s3://{BUCKET}/{KEY}"
-            return lambda: sum(
-                len(b)
-                for b in fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges])
-            )
+        return lambda: asyncio.run(into())
+    if t == "obstore-stream-into":
+        chunk = args.stream_chunk_kib * 1024
+
+        async def streamed() -> int:
+            async def one(a: int, b: int) -> int:
+                got = 0
+                result = await obstore.get_async(store, KEY, options={"range": (a, b)})
+                async for piece in result.stream(min_chunk_size=chunk):
+                    data = memoryview(piece)
+                    view[a + got : a + got + data.nbytes] = data
+                    got += data.nbytes
+                return got
+
+            return sum(await _bounded(n, [partial(one, a, b) for a, b in ranges]))
+
+        return lambda: asyncio.run(streamed())
+    if t == "obstore-threads-into":
+        pool = ThreadPoolExecutor(n)
+
+        def one_sync(a: int, b: int) -> int:
+            got = obstore.get_range(store, KEY, start=a, end=b)
+            view[a : a + len(got)] = memoryview(got)
+            return len(got)
+
+        return lambda: sum(pool.map(one_sync, *zip(*ranges)))
+    if t == "obstore-fsspec":
+        from obstore.fsspec import FsspecStore
+
+        fs = FsspecStore(
+            "s3",
+            config={
+                "endpoint": args.endpoint,
+                "access_key_id": args.key,
+                "secret_access_key": args.secret,
+                "region": "us-east-1",
+                "virtual_hosted_style_request": False,
+            },
+            client_options={"allow_http": True},
+        )
+        path = f"s3://{BUCKET}/{KEY}"
+        return lambda: sum(
+            len(b)
+            for b in fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges])
+        )
     raise SystemExit(f"unknown transport {t!r}; one of {', '.join(TRANSPORTS)}")
 
 
@@ -247,22 +275,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument(
+        "--stream-chunk-kib",
+        type=int,
+        default=1024,
+        help="obstore-stream-into's smallest chunk (dcp_fsspec's obstore backend uses 1024)",
+    )
     parser.add_argument("--startup", action="store_true", help="measure each process's start-up instead")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--key", default="testing", help=argparse.SUPPRESS)
     parser.add_argument("--secret", default="testing", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        _child(args)
+    args = parser.parse_known_args(argv)[0]
+    if args.child:  # before the server's imports (moto, botocore): they would lower a start-up
+        _child(parser.parse_args(argv))
         return
+    from benchmarks.run import add_server_arguments, start_server
 
-    from benchmarks.s3server import CountingS3Server
-
-    server = CountingS3Server().start()
+    add_server_arguments(parser)
+    args = parser.parse_args(argv)
+    server, _ = start_server(args, [args.size_mib], [])
     try:
         server.create_bucket(BUCKET)
-        fs = _s3fs(server.endpoint_url, "testing", "testing")
+        fs = _s3fs(server.endpoint_url, args.s3_key, args.s3_secret)
         fs.pipe_file(
             f"{BUCKET}/{KEY}", os.urandom(args.size_mib * MiB), chunksize=16 * MiB, max_concurrency=8
         )
@@ -283,12 +318,18 @@ def main(argv: list[str] | None = None) -> None:
                     name,
                     "--endpoint",
                     server.endpoint_url,
+                    "--key",
+                    args.s3_key,
+                    "--secret",
+                    args.s3_secret,
                     "--size-mib",
                     str(args.size_mib),
                     "--range-mib",
                     str(args.range_mib),
                     "--concurrency",
                     str(args.concurrency),
+                    "--stream-chunk-kib",
+                    str(args.stream_chunk_kib),
                     *(["--startup"] if args.startup else []),
                 ]
                 out = subprocess.run(cmd, capture_output=True, text=True, check=False)
