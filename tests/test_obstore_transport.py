@@ -18,6 +18,7 @@ from torch import nn
 from dcp_fsspec import Checkpointer
 from dcp_fsspec.errors import InvalidURLError, StorageError
 from dcp_fsspec.local_s3 import LocalS3Server
+from dcp_fsspec.storage.backends.obstore_options import s3_options
 from dcp_fsspec.storage.settings import WriterSettings
 from dcp_fsspec.storage.transport.retry import RetryPolicy
 from dcp_fsspec.storage.transport.urls import resolve
@@ -199,6 +200,27 @@ def test_checksums_only_when_required_by_the_user_leave_obstores_bodies_without_
     _save_in_parts(Backend("s3_obstore", backend.url, options))
     assert proxy.bodies()
     assert all("x-amz-checksum-sha256" not in headers for headers in proxy.bodies())
+
+
+def test_payload_signing_turned_off_as_on_botocore_sends_bodies_unsigned_and_without_a_checksum(
+    seen_obstore: tuple[Backend, HeadersProxy],
+) -> None:
+    backend, proxy = seen_obstore
+    options = dict(backend.storage_options)
+    options["config_kwargs"] = {**options.get("config_kwargs", {}), "s3": {"payload_signing_enabled": False}}
+    _save_in_parts(Backend("s3_obstore", backend.url, options))
+    assert proxy.bodies()
+    for headers in proxy.bodies():
+        assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+        assert "x-amz-checksum-sha256" not in headers
+
+
+def test_bodies_are_signed_over_http_only_as_botocore_signs_them() -> None:
+    https = s3_options("s3://bucket/run", {"endpoint_url": "https://s3.example.com"})["config"]
+    aws = s3_options("s3://bucket/run", {})["config"]
+    http = s3_options("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9000"})["config"]
+    assert https["unsigned_payload"] and aws["unsigned_payload"] and "checksum_algorithm" not in aws
+    assert not http["unsigned_payload"] and http["checksum_algorithm"] == "sha256"
 
 
 # -- errors obstore's requests end in ------------------------------------------------------------

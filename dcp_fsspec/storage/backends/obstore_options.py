@@ -35,13 +35,15 @@ _S3_CONFIG = {
 _S3_CLIENT_KWARGS = {"endpoint_url": "endpoint", "region_name": "region"}
 # botocore's Config (s3fs's config_kwargs) → obstore's client options.
 _S3_CONFIG_KWARGS = {"read_timeout": "timeout", "connect_timeout": "connect_timeout"}
+# botocore's Config(s3={...}): the keys that have an obstore counterpart.
+_S3_SECTION = {name: name for name in ("payload_signing_enabled", "addressing_style")}
 # botocore's choice of request checksums (s3fs's config_kwargs, or the environment): with
 # "when_required", bodies go without a checksum header, for stores that refuse them.
 _CHECKSUM_CHOICE = "request_checksum_calculation"
 _CHECKSUM_VARIABLE = "AWS_REQUEST_CHECKSUM_CALCULATION"
 _CHECKSUM_CHOICES = ("when_supported", "when_required")
-# The checksum every request body carries (x-amz-checksum-sha256), checked by the server. The
-# signature hashes each body with SHA-256 already, and obstore reuses that digest for it.
+# The checksum a signed request body carries (x-amz-checksum-sha256), checked by the server. The
+# signature hashes the body with SHA-256 already, and obstore reuses that digest for it.
 BODY_CHECKSUM = "sha256"
 # adlfs's options → obstore's Azure configuration keys.
 _AZURE_CONFIG = {
@@ -92,11 +94,8 @@ def s3_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     """
     config: dict[str, Any] = {}
     client: dict[str, Any] = {}
-    checksums = os.environ.get(_CHECKSUM_VARIABLE, "when_supported")
+    botocore: dict[str, Any] = {}
     for name, value in storage_options.items():
-        if name == "config_kwargs" and isinstance(value, dict) and _CHECKSUM_CHOICE in value:
-            checksums = value[_CHECKSUM_CHOICE]
-            value = {k: v for k, v in value.items() if k != _CHECKSUM_CHOICE}
         if name in _S3_CONFIG:
             config[_S3_CONFIG[name]] = value
         elif name == "anon":
@@ -104,15 +103,38 @@ def s3_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
         elif name == "client_kwargs":
             config.update(_mapped(url, name, value, _S3_CLIENT_KWARGS))
         elif name == "config_kwargs":
-            timeouts = _mapped(url, name, value, _S3_CONFIG_KWARGS)
-            client.update({k: timedelta(seconds=float(v)) for k, v in timeouts.items()})
+            botocore = _dict(url, name, value)
         elif name not in _IGNORED and name != TRANSPORT_OPTION:
             raise _refused(url, name, _S3_KNOWN, "s3fs")
-    if str(config.get("endpoint", "")).startswith("http://"):
+    over_http = str(config.get("endpoint", "")).startswith("http://")
+    if over_http:
         client["allow_http"] = True
-    if _checksums_wanted(url, checksums):
-        config["checksum_algorithm"] = BODY_CHECKSUM
+    _apply_botocore_config(url, botocore, over_http, config, client)
     return {"config": config, "client_options": client}
+
+
+def _apply_botocore_config(
+    url: str, botocore: dict[str, Any], over_http: bool, config: dict[str, Any], client: dict[str, Any]
+) -> None:
+    """botocore's ``Config`` (s3fs's ``config_kwargs``): timeouts, addressing, payload signing
+    and request checksums, as botocore applies them.
+
+    Bodies are signed with their SHA-256 over ``http://`` only, as botocore signs them; over
+    ``https://`` TLS guards them and the hash would cost a pass over every byte. A signed body
+    also carries that digest as its checksum for the server to check.
+    """
+    botocore = dict(botocore)
+    checksums = botocore.pop(_CHECKSUM_CHOICE, os.environ.get(_CHECKSUM_VARIABLE, "when_supported"))
+    s3 = _mapped(url, "config_kwargs['s3']", botocore.pop("s3", {}), _S3_SECTION)
+    timeouts = _mapped(url, "config_kwargs", botocore, _S3_CONFIG_KWARGS)
+    client.update({k: timedelta(seconds=float(v)) for k, v in timeouts.items()})
+    if "addressing_style" in s3:
+        config["virtual_hosted_style_request"] = s3["addressing_style"] == "virtual"
+    checksummed = _checksums_wanted(url, checksums)
+    signed = bool(s3.get("payload_signing_enabled", over_http))
+    config["unsigned_payload"] = not signed
+    if signed and checksummed:
+        config["checksum_algorithm"] = BODY_CHECKSUM
 
 
 def _checksums_wanted(url: str, choice: Any) -> bool:
@@ -158,9 +180,14 @@ def _connection_string(url: str, text: str) -> dict[str, str]:
     return config
 
 
-def _mapped(url: str, option: str, value: Any, table: dict[str, str]) -> dict[str, Any]:
+def _dict(url: str, option: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidURLError(f"cannot open {url!r}: storage option {option!r} must be a dict")
+    return value
+
+
+def _mapped(url: str, option: str, value: Any, table: dict[str, str]) -> dict[str, Any]:
+    value = _dict(url, option, value)
     unknown = sorted(set(value) - set(table))
     if unknown:
         raise _refused(url, f"{option}[{unknown[0]!r}]", _S3_KNOWN, "s3fs")
