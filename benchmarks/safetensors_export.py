@@ -312,6 +312,11 @@ def _arguments() -> argparse.Namespace:
         action="store_true",
         help="also torch's consolidation and our export with the output on /dev/shm (tmpfs)",
     )
+    p.add_argument(
+        "--only",
+        default=None,
+        help="run only the cases whose label contains this text, e.g. 'local->shm'",
+    )
     add_server_arguments(p)
     return p.parse_args()
 
@@ -347,6 +352,8 @@ def main() -> None:
                 for label, case in list(cases)
                 if label.startswith("ours") and _is_local(label)
             ]
+        if args.only:
+            cases = [(label, case) for label, case in cases if args.only in label]
         samples = _run(cases * args.repeats, root, shm, args.size_gib)
     finally:
         if server is not None:
