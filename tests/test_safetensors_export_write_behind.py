@@ -71,3 +71,21 @@ def test_an_export_to_memory_advises_no_file(tmp_path: Path, monkeypatch: pytest
     finally:
         fsspec.filesystem("memory").rm(out.removeprefix("memory://"), recursive=True)
     assert advice.calls == []
+
+
+def test_a_file_system_that_refuses_the_advice_still_gets_the_whole_shard_and_is_asked_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, state = _saved(tmp_path)
+    refused: list[int] = []
+
+    def refusing(fd: int, offset: int, length: int, advice: int) -> None:
+        refused.append(offset)
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refusing)
+    out = tmp_path / "hf"
+    result = export_safetensors(src, out, buffer_bytes=2 * 8192)
+    loaded = safetensors_torch.load_file(str(out / result.shards[0]))
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+    assert refused == [0], "asked again after the file system refused"

@@ -499,7 +499,11 @@ class _WriteBehind:
         # On Linux, POSIX_FADV_DONTNEED starts the writeback of the range's dirty pages without
         # waiting for it, then drops its clean pages: the last range's, written back by now.
         start, self._previous, self._end = self._previous, self._end, self._upload.size
-        os.posix_fadvise(self._fd, start, self._end - start, os.POSIX_FADV_DONTNEED)
+        try:
+            os.posix_fadvise(self._fd, start, self._end - start, os.POSIX_FADV_DONTNEED)
+        except OSError as e:  # advice only: the closing fsync writes whatever is left
+            logger.debug("not handing %s to the disk early: %s", self._upload.path, e)
+            self._fd = None
 
 
 def _send(
