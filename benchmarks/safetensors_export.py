@@ -5,6 +5,10 @@
 
 * ``torch-consolidate``: torch's HF consolidation (``consolidate_safetensors_files``) of the
   state saved with torch's ``HuggingFaceStorageWriter``, local → local.
+* ``torch-consolidate+fsync``: the same, then an fsync of each file it wrote and of the folder:
+  the durability our export gives (it fsyncs; torch's consolidation does not).
+* ``... local->shm`` (``--shm``): torch's consolidation and our export with the output on
+  /dev/shm (tmpfs), so no disk bounds the write; each output is removed after its case.
 * ``ours local->local``, ``ours local->s3``, ``ours s3->s3``: ``export_safetensors``.
 * ``save s3``: our plain ``dcp.save`` of the same state to S3, for comparison.
 * ``import ours`` and ``import torch``: ``dcp.load`` of the exported folder on local disk with
@@ -78,9 +82,28 @@ def _case_consolidate(c: dict[str, Any]) -> dict[str, Any]:
 
     mapping = dict.fromkeys(c["fqns"], 1)
     os.makedirs(c["out"], exist_ok=True)  # torch's consolidation writes into an existing folder
-    return _measured(
-        lambda: consolidate_safetensors_files(c["src"], c["out"], mapping, num_threads=c["threads"])
-    )
+
+    def run() -> None:
+        consolidate_safetensors_files(c["src"], c["out"], mapping, num_threads=c["threads"])
+        if c.get("fsync"):
+            _fsync_tree(c["out"])
+
+    return _measured(run)
+
+
+def _fsync_tree(folder: str) -> None:
+    """fsync every file in ``folder``, then the folder: what our export does before it returns."""
+    for name in sorted(os.listdir(folder)):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _case_save(c: dict[str, Any]) -> dict[str, Any]:
@@ -188,17 +211,18 @@ def _plan(
 ) -> list[tuple[str, dict[str, Any]]]:
     base = {"size_gib": size_gib, "src_options": None, "out_options": None}
     local_out = os.path.join(root, "hf-ours")
+    consolidate = {
+        **base,
+        "kind": "consolidate",
+        "src": paths["torch"],
+        "fqns": paths["fqns"],
+        "threads": threads,
+    }
     return [
+        ("torch-consolidate local->local", {**consolidate, "out": os.path.join(root, "hf-torch")}),
         (
-            "torch-consolidate local->local",
-            {
-                **base,
-                "kind": "consolidate",
-                "src": paths["torch"],
-                "out": os.path.join(root, "hf-torch"),
-                "fqns": paths["fqns"],
-                "threads": threads,
-            },
+            "torch-consolidate+fsync local->local",
+            {**consolidate, "out": os.path.join(root, "hf-torch-fsync"), "fsync": True},
         ),
         ("ours local->local", {**base, "kind": "export", "src": paths["ours"], "out": local_out}),
         (
@@ -251,7 +275,23 @@ def _plan(
     ]
 
 
-def main() -> None:
+def _shm_cases(cases: list[tuple[str, dict[str, Any]]], shm: str) -> list[tuple[str, dict[str, Any]]]:
+    """Torch's consolidation and our export again, the output on tmpfs (``shm``) rather than disk."""
+    by_label = dict(cases)
+    return [
+        (
+            "torch-consolidate local->shm",
+            {**by_label["torch-consolidate local->local"], "out": os.path.join(shm, "hf-torch")},
+        ),
+        ("ours local->shm", {**by_label["ours local->local"], "out": os.path.join(shm, "hf-ours")}),
+    ]
+
+
+def _is_local(label: str) -> bool:
+    return label.endswith(("local->local", "local->shm"))
+
+
+def _arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=4.0)
     p.add_argument("--consolidate-threads", type=int, default=8, help="torch's consolidation threads")
@@ -259,24 +299,38 @@ def main() -> None:
     p.add_argument(
         "--local-only",
         action="store_true",
-        help="only torch's consolidation and our export, local -> local: no S3 server",
+        help="only torch's consolidation and our export from local disk: no S3 server",
     )
     p.add_argument("--repeats", type=int, default=1, help="rounds of the cases, one after another")
     p.add_argument(
         "--baseline",
         default=None,
-        help="a checkout of another commit: its export, local -> local, runs beside ours in each round",
+        help="a checkout of another commit: its export from local disk runs beside ours in each round",
+    )
+    p.add_argument(
+        "--shm",
+        action="store_true",
+        help="also torch's consolidation and our export with the output on /dev/shm (tmpfs)",
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        help="run only the cases whose label contains this text, e.g. 'local->shm'",
     )
     add_server_arguments(p)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     if args.child is not None:
         case = json.loads(args.child)
         print(json.dumps(_CASES[case["kind"]](case)), flush=True)
         return
     samples: list[dict[str, Any]] = []
     notes: list[str] = []
-    revision = git_revision()
     root = tempfile.mkdtemp(prefix="safetensors-bench-", dir=args.local_dir or tempfile.gettempdir())
+    shm = tempfile.mkdtemp(prefix="safetensors-bench-", dir="/dev/shm") if args.shm else None
     server = None if args.local_only else start_server(args, [int(args.size_gib * 1024)], notes)[0]
     try:
         s3: dict[str, Any] = {"url": "", "options": None}  # no S3 case runs without a server
@@ -287,35 +341,59 @@ def main() -> None:
             s3 = {"url": "s3://export-bench", "options": server.storage_options()}
         paths = _setup(root, args.size_gib, s3)
         cases = _plan(root, args.size_gib, s3, paths, args.consolidate_threads)
+        if shm is not None:
+            cases += _shm_cases(cases, shm)
         if args.local_only:
-            cases = [(label, case) for label, case in cases if label.endswith("local->local")]
+            cases = [(label, case) for label, case in cases if _is_local(label)]
         if args.baseline:
-            ours = dict(cases)["ours local->local"]
-            cases.append(("ours local->local, baseline", {**ours, "code": os.path.abspath(args.baseline)}))
-        for label, case in cases * args.repeats:
-            # Each case into an empty output: removing an earlier run's files is not part of it.
-            if case["kind"] in ("export", "consolidate") and os.path.isabs(case["out"]):
-                shutil.rmtree(case["out"], ignore_errors=True)
-            # Each case from a cold page cache with nothing left to write back: an earlier
-            # case's dirty pages would otherwise slow whichever runs next.
-            os.sync()
-            drop_page_cache(root)
-            sample = {
-                "bench": "safetensors_export",
-                "case": label,
-                "size_gib": args.size_gib,
-                **_child(case),
-                "revision": revision,
-            }
-            print(json.dumps(sample), flush=True)
-            samples.append(sample)
+            code = os.path.abspath(args.baseline)
+            cases += [
+                (f"{label}, baseline", {**case, "code": code})
+                for label, case in list(cases)
+                if label.startswith("ours") and _is_local(label)
+            ]
+        if args.only:
+            cases = [(label, case) for label, case in cases if args.only in label]
+        samples = _run(cases * args.repeats, root, shm, args.size_gib)
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(root, ignore_errors=True)
+        if shm is not None:
+            shutil.rmtree(shm, ignore_errors=True)
     _table(samples, args.size_gib)
+    _medians(samples)
     for note in notes:
         print(note)
+
+
+def _run(
+    cases: list[tuple[str, dict[str, Any]]], root: str, shm: str | None, size_gib: float
+) -> list[dict[str, Any]]:
+    """Each case in a child process, in order; its sample printed as a JSON line and returned."""
+    revision = git_revision()
+    samples = []
+    for label, case in cases:
+        # Each case into an empty output: removing an earlier run's files is not part of it.
+        if case["kind"] in ("export", "consolidate") and os.path.isabs(case["out"]):
+            shutil.rmtree(case["out"], ignore_errors=True)
+        # Each case from a cold page cache with nothing left to write back: an earlier
+        # case's dirty pages would otherwise slow whichever runs next.
+        os.sync()
+        drop_page_cache(root)
+        sample = {
+            "bench": "safetensors_export",
+            "case": label,
+            "size_gib": size_gib,
+            "load_average": round(os.getloadavg()[0], 2),
+            **_child(case),
+            "revision": revision,
+        }
+        print(json.dumps(sample), flush=True)
+        samples.append(sample)
+        if shm is not None and case.get("out", "").startswith(shm):
+            shutil.rmtree(case["out"], ignore_errors=True)  # tmpfs is memory: one output at a time
+    return samples
 
 
 def _table(samples: list[dict[str, Any]], size_gib: float) -> None:
@@ -327,6 +405,29 @@ def _table(samples: list[dict[str, Any]], size_gib: float) -> None:
     for s in samples:
         if "save_seconds_median" in s:
             print(f"| {s['case']}: save() on the training thread, median | {s['save_seconds_median']} | | |")
+
+
+def _medians(samples: list[dict[str, Any]]) -> None:
+    """Each case's median seconds, and torch's consolidation time over it (above 1: faster than torch's)."""
+    seconds: dict[str, list[float]] = {}
+    for s in samples:
+        if "seconds" in s:
+            seconds.setdefault(s["case"], []).append(s["seconds"])
+    torch_s = {
+        out: statistics.median(seconds[f"torch-consolidate {out}"])
+        for out in ("local->local", "local->shm")
+        if f"torch-consolidate {out}" in seconds
+    }
+    fsynced = statistics.median(seconds.get("torch-consolidate+fsync local->local", [float("nan")]))
+    print(
+        "\n| case | runs | median s | torch's consolidation ÷ it | torch's + fsync ÷ it |\n|---|---|---|---|---|"
+    )
+    for label, values in seconds.items():
+        median = statistics.median(values)
+        out = next((o for o in torch_s if o in label), None)
+        ratio = f"{torch_s[out] / median:.2f}" if out is not None else ""
+        durable = f"{fsynced / median:.2f}" if "local->local" in label else ""
+        print(f"| {label} | {len(values)} | {median:.2f} | {ratio} | {durable} |")
 
 
 if __name__ == "__main__":
