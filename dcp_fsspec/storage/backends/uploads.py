@@ -66,6 +66,13 @@ class FileUpload(abc.ABC):
         self.write([data])
         return crc
 
+    def start_writeback(self) -> None:
+        """Start moving what was written so far to durable storage, without waiting for it.
+
+        A hint for long writes, so the closing :meth:`commit` has less left to wait for.
+        Uploads that send their bytes as they go have nothing to do.
+        """
+
     @abc.abstractmethod
     def commit(self) -> None:
         """Publish the file under its final name; after this it is complete or absent."""

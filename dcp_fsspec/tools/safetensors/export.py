@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from dcp_fsspec.checkpoint.collectives import Collectives
 from dcp_fsspec.checkpoint.commit import layout, run_listing
 from dcp_fsspec.errors import CheckpointExistsError, CheckpointNotFoundError, UsageError
-from dcp_fsspec.storage.backends.local import LocalUpload
 from dcp_fsspec.storage.backends.uploads import ByteBudget, FileUpload, publish_whole
 from dcp_fsspec.storage.format.tensor_records import tensor_bytes
 from dcp_fsspec.storage.read.reader import FsspecStorageReader
@@ -55,7 +54,6 @@ MODEL_KEY = "model"  # the key of a Checkpointer iteration that is exported
 
 _PART_SIZE = 8 * MiB
 _UPLOAD_BUDGET = 32 * MiB
-_CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS or Windows
 _READ_AHEAD_ROLE = "export-read-ahead"  # its own pool: its task waits for the readers' tasks
 
 # Output dtypes ``dtype=`` accepts, by the names the CLI takes.
@@ -429,12 +427,12 @@ def _write_shard(
             upload.write([header(shard)])
         # Half the budget each: the buffer being written, and the next one being read.
         loaded_buffers = _loaded(reader, metadata, shard, max(1, buffer_bytes // 2), url)
-        written = _WriteBehind(upload)
         with closing(_read_ahead(loaded_buffers)) as buffers:
             for loaded in buffers:
                 _send(upload, url, progress, loaded)
                 del loaded  # freed before the buffer after the next one is read
-                written.start_writeback()
+                with storage_errors("write", url):
+                    upload.start_writeback()  # the disk writes it while the next one is read
         with storage_errors("write", url):
             upload.commit()
     except BaseException:
@@ -476,34 +474,6 @@ def _read_ahead(buffers: Generator[T, None, None]) -> Generator[T, None, None]:
     finally:
         workers.close()
         buffers.close()
-
-
-class _WriteBehind:
-    """Hands each range of a local shard to the disk once written, while the next batches are read.
-
-    The durable write, not the reads, bounds a local export; left to the kernel, the writeback
-    would start only past its dirty threshold and the closing fsync would wait for the rest.
-    """
-
-    def __init__(self, upload: FileUpload) -> None:
-        # The local upload's own file: no other backend writes through a file descriptor here.
-        self._fd = upload._file.fileno() if isinstance(upload, LocalUpload) and _CAN_ADVISE else None
-        self._upload = upload
-        self._previous = 0  # where the range handed over last time starts
-        self._end = 0  # where it ends
-
-    def start_writeback(self) -> None:
-        """Start writing back the bytes since the last call, and drop the ones written back by now."""
-        if self._fd is None:
-            return
-        # On Linux, POSIX_FADV_DONTNEED starts the writeback of the range's dirty pages without
-        # waiting for it, then drops its clean pages: the last range's, written back by now.
-        start, self._previous, self._end = self._previous, self._end, self._upload.size
-        try:
-            os.posix_fadvise(self._fd, start, self._end - start, os.POSIX_FADV_DONTNEED)
-        except OSError as e:  # advice only: the closing fsync writes whatever is left
-            logger.debug("not handing %s to the disk early: %s", self._upload.path, e)
-            self._fd = None
 
 
 def _send(
