@@ -60,6 +60,22 @@ def _ours_obstore_reader(url: str, so: dict[str, Any]) -> Any:
     return FsspecStorageReader(url, {**so, "transport": "obstore"})
 
 
+# Bodies unsigned, as every https:// endpoint sends them (moto's is http://, where they are signed).
+_UNSIGNED = {"transport": "obstore", "config_kwargs": {"s3": {"payload_signing_enabled": False}}}
+
+
+def _ours_obstore_unsigned_writer(url: str, so: dict[str, Any]) -> Any:
+    from dcp_fsspec import FsspecStorageWriter
+
+    return FsspecStorageWriter(url, {**so, **_UNSIGNED}, overwrite=True)
+
+
+def _ours_obstore_unsigned_reader(url: str, so: dict[str, Any]) -> Any:
+    from dcp_fsspec import FsspecStorageReader
+
+    return FsspecStorageReader(url, {**so, **_UNSIGNED})
+
+
 def _torch_fsspec_writer(url: str, so: dict[str, Any]) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -136,6 +152,14 @@ IMPLS: dict[str, Impl] = {
             ("s3",),
             _ours_obstore_writer,
             _ours_obstore_reader,
+            "obstore",
+        ),
+        Impl(
+            "dcp_fsspec_obstore_unsigned",
+            "dcp_fsspec, transport=obstore, bodies unsigned (as over https://)",
+            ("s3",),
+            _ours_obstore_unsigned_writer,
+            _ours_obstore_unsigned_reader,
             "obstore",
         ),
         Impl(

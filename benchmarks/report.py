@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.impls import FLOOR, OURS
 
-PEERS = ("dcp_fsspec_obstore", "torch_fsspec", "torch_fs", "s3torchconnector")
+PEERS = ("dcp_fsspec_obstore", "dcp_fsspec_obstore_unsigned", "torch_fsspec", "torch_fs", "s3torchconnector")
 SAVE_PHASES = {"save", "memcopy", "local-write", "s3-put"}
 LOAD_PHASES = {"load", "memcopy", "local-read", "s3-get"}
 RAW_LABEL = {
