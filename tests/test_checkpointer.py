@@ -430,6 +430,7 @@ def test_leftovers_of_an_uncommitted_iteration_are_cleared_and_rewritten(backend
     with _ckpt(backend) as ckpt:
         assert ckpt.committed_iterations() == []
         training = Training()
+        training.run(2)
         ckpt.save(3, **training.keys())
         assert ckpt.committed_iterations() == [3]
     target = Training(seed=1)
