@@ -9,10 +9,20 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_fsspec import FsspecStorageReader, FsspecStorageWriter, ReaderSettings, WriterSettings
+from dcp_fsspec import (
+    Checkpointer,
+    FsspecStorageReader,
+    FsspecStorageWriter,
+    ReaderSettings,
+    RetryPolicy,
+    StorageError,
+    WriterSettings,
+)
 from tests.conftest import Backend
+from tests.servers.throttling import ThrottlingProxy
 
 
 def _with_settings(settings_class: type, options: dict[str, Any]) -> dict[str, Any]:
@@ -99,3 +109,20 @@ def flip_a_byte_of_each_data_file_once_written(patch: pytest.MonkeyPatch) -> Non
                 f.write(bytes([byte[0] ^ 0x01]))
 
     patch.setattr(LocalUpload, "commit", flip)
+
+
+def assert_throttling_that_never_clears_fails_in_one_line(
+    backend: Backend, proxy: ThrottlingProxy, *kinds: str
+) -> None:
+    """A save through ``proxy`` refusing every request fails in one line naming the URL, the
+    request kind (one of ``kinds``: drivers name it their own way) and the remedy."""
+    proxy.set_rate(0, burst=0)
+    retry = RetryPolicy(attempts=2, base_delay=0.01, deadline=3)
+    with pytest.raises(StorageError) as failure:
+        with Checkpointer(backend.url, backend.storage_options, retry=retry) as ckpt:
+            ckpt.save(1, model=nn.Linear(4, 4))
+    message = str(failure.value)
+    assert "\n" not in message
+    assert backend.url in message
+    assert any(f"throttled {kind} requests" in message for kind in kinds), message
+    assert "RetryPolicy(deadline=" in message

@@ -12,13 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from dcp_fsspec import Checkpointer, StorageError
+from dcp_fsspec import Checkpointer
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.settings import WriterSettings
 from dcp_fsspec.storage.transport.concurrency import store_limit
 from dcp_fsspec.storage.transport.retry import RetryPolicy
 from dcp_fsspec.storage.transport.urls import resolve
 from tests.conftest import Backend
+from tests.helpers import assert_throttling_that_never_clears_fails_in_one_line
 from tests.servers.throttling import ThrottlingProxy
 
 pytestmark = [
@@ -71,14 +72,4 @@ def test_a_save_and_load_through_obstore_and_a_throttling_store_succeed_bit_exac
 def test_throttling_through_obstore_that_never_clears_fails_in_one_line_naming_the_url_and_throttling(
     throttled_obstore: tuple[Backend, ThrottlingProxy],
 ) -> None:
-    backend, proxy = throttled_obstore
-    proxy.set_rate(0, burst=0)
-    retry = RetryPolicy(attempts=2, base_delay=0.01, deadline=3)
-    with pytest.raises(StorageError) as failure:
-        with Checkpointer(backend.url, backend.storage_options, retry=retry) as ckpt:
-            ckpt.save(1, model=nn.Linear(4, 4))
-    message = str(failure.value)
-    assert "\n" not in message
-    assert backend.url in message
-    assert "throttled GET requests" in message
-    assert "RetryPolicy(deadline=" in message
+    assert_throttling_that_never_clears_fails_in_one_line(*throttled_obstore, "GET")

@@ -18,13 +18,14 @@ import pytest
 import torch
 from torch import nn
 
-from dcp_fsspec import Checkpointer, StorageError
+from dcp_fsspec import Checkpointer
 from dcp_fsspec.local_s3 import LocalS3Server
 from dcp_fsspec.storage.settings import WriterSettings
 from dcp_fsspec.storage.transport.concurrency import AdaptiveLimit, store_limit
 from dcp_fsspec.storage.transport.retry import RetryPolicy
 from tests.conftest import Backend
 from tests.distributed import run_ranks
+from tests.helpers import assert_throttling_that_never_clears_fails_in_one_line
 from tests.servers.throttling import ThrottlingProxy, bucket_of, prefix_of
 
 pytestmark = [
@@ -175,18 +176,8 @@ def test_a_save_through_a_throttling_store_without_adaptive_limits_still_loads_b
 def test_throttling_that_never_clears_fails_in_one_line_naming_the_url_the_request_and_the_remedy(
     throttled_s3: tuple[Backend, ThrottlingProxy],
 ) -> None:
-    backend, proxy = throttled_s3
-    proxy.set_rate(0, burst=0)
-    retry = RetryPolicy(attempts=2, base_delay=0.01, deadline=3)
-    with pytest.raises(StorageError) as failure:
-        with Checkpointer(backend.url, backend.storage_options, retry=retry) as ckpt:
-            ckpt.save(1, model=nn.Linear(4, 4))
-    message = str(failure.value)
-    assert "\n" not in message
-    assert backend.url in message
     # The kind as the driver's error names it (botocore: GetObject), else the request's verb.
-    assert "throttled GetObject requests" in message or "throttled GET requests" in message
-    assert "RetryPolicy(deadline=" in message
+    assert_throttling_that_never_clears_fails_in_one_line(*throttled_s3, "GetObject", "GET")
 
 
 # -- several ranks against it --------------------------------------------------------------------
