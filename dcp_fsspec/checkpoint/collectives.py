@@ -5,6 +5,10 @@ it takes is broadcast, errors included: all ranks then return the same value or 
 exception instead of some of them hanging in the next collective. Control messages go over a
 gloo group, so they work whatever the backend of the tensors (and, later, from a background
 thread while the default group is busy with training).
+
+Objects travel as pickled bytes in tensors this module owns. Each step returns only once the
+group's threads have let go of them, so that a program may destroy the group right after a
+save (see :func:`~dcp_fsspec.storage.transport.group_tensors.wait_until_released`).
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+import torch
 import torch.distributed as dist
 
 from dcp_fsspec.errors import DcpFsspecError, add_note
+from dcp_fsspec.storage.transport.group_tensors import device_for, wait_until_released
 
 T = TypeVar("T")
 
@@ -53,7 +59,7 @@ class Collectives:
         if self.distributed:
             if self.rank == 0 and outcome[1] is not None:
                 outcome[1] = _picklable(outcome[1], rank=0)
-            dist.broadcast_object_list(outcome, group=self.group, group_src=0)
+            outcome = self._broadcast(outcome)
         if outcome[1] is not None:
             raise outcome[1]
         return cast(T, outcome[0])
@@ -62,9 +68,7 @@ class Collectives:
         """Every rank's ``value``, by rank (``[value]`` in a single process)."""
         if not self.distributed:
             return [value]
-        values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, value, group=self.group)
-        return cast(list[T], values)
+        return cast(list[T], self._gather(value))
 
     def raise_if_any_failed(self, error: Exception | None) -> None:
         """Agree on success: if any rank passes an error, every rank raises one.
@@ -76,10 +80,7 @@ class Collectives:
             if error is not None:
                 raise error
             return
-        errors: list[Any] = [None] * self.world_size
-        dist.all_gather_object(
-            errors, None if error is None else _picklable(error, self.rank), group=self.group
-        )
+        errors = self._gather(None if error is None else _picklable(error, self.rank))
         if error is not None:
             raise error
         for rank, other in enumerate(errors):
@@ -87,11 +88,50 @@ class Collectives:
                 add_note(other, f"(raised on rank {rank})")
                 raise other
 
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        device = device_for(self.group)
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        data = torch.empty(0, dtype=torch.uint8, device=device)
+        if self.rank == 0:
+            data = _to_bytes(value, device)
+            size[0] = data.numel()
+        dist.broadcast(size, group=self.group, group_src=0)
+        if self.rank != 0:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(data, group=self.group, group_src=0)
+        wait_until_released([size, data])
+        return value if self.rank == 0 else _from_bytes(data)
+
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, by rank."""
+        device = device_for(self.group)
+        data = _to_bytes(value, device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        wait_until_released([size, *sizes, padded, *gathered])
+        return [_from_bytes(g[: int(s.item())]) for g, s in zip(gathered, sizes, strict=True)]
+
     def close(self) -> None:
         """Destroy the gloo group this object created, if any."""
         if self._owned_group is not None and dist.is_initialized():
             dist.destroy_process_group(self._owned_group)
         self._owned_group = None
+
+
+def _to_bytes(value: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+
+
+def _from_bytes(data: torch.Tensor) -> Any:
+    # The peers are ranks of this job, which run the same code: this is not data from storage.
+    return pickle.loads(data.cpu().numpy().tobytes())
 
 
 def _picklable(error: Exception, rank: int) -> Exception:

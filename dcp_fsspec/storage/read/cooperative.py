@@ -35,6 +35,7 @@ from dcp_fsspec import errors
 from dcp_fsspec.errors import CorruptCheckpointError, DcpFsspecError
 from dcp_fsspec.storage.read.fetch import Span, fetch_in_order
 from dcp_fsspec.storage.read.record_stream import RecordDecoder, RecordPlace, feed_records
+from dcp_fsspec.storage.transport.group_tensors import device_for
 from dcp_fsspec.storage.transport.urls import Location
 
 RecordKey = tuple[str, int, int]  # relative path, offset, length
@@ -174,7 +175,7 @@ class Group:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.device = _device_for(group)
+        self.device = device_for(group)
 
     def agree(self, error: BaseException | None) -> None:
         """Raise on every rank if any rank passes an error: the lowest failing rank's.
@@ -213,17 +214,6 @@ class Group:
     def _broadcast(self, tensor: torch.Tensor, source: int) -> None:
         src = dist.get_global_rank(self.group, source) if self.group is not None else source
         dist.broadcast(tensor, src=src, group=self.group)
-
-
-def _device_for(group: dist.ProcessGroup | None) -> torch.device:
-    """CPU where the group's backend carries CPU tensors (gloo), else the current accelerator."""
-    backend = str(dist.get_backend(group))
-    if backend == "gloo" or "cpu:" in backend:
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.get_device_module(accelerator.type).current_device())
 
 
 def _describe(error: BaseException | None) -> bytes:
