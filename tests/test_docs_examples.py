@@ -14,9 +14,11 @@ must name the extra that installs it before the block, since a reader without it
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -31,7 +33,10 @@ FENCE = re.compile(r"^```(?P<lang>[\w-]*)(?P<attrs>[^\n]*)\n(?P<body>.*?)^```$",
 MARK = re.compile(r"<!--\s*(?P<kind>not run|slow):\s*(?P<why>.+?)\s*-->\s*$")
 TITLE = re.compile(r'title="(?P<name>[^"]+\.py)"')
 IMPORT = re.compile(r"^\s*(?:from|import)\s+(?P<module>[\w.]+)", re.M)
-TIMEOUT, SLOW_TIMEOUT = 120, 600
+# Each process's limit. A torchrun script runs twice, each within TIMEOUT. Every limit, with the
+# grace given to a hung process to print its stacks, stays under pytest's own timeout: a hang
+# then reports the stacks of the block's processes instead of only pytest's.
+TIMEOUT, SLOW_TIMEOUT, STACKS_GRACE = 120, 240, 10
 # Extras for developing this package: a user's page names the extra meant for users instead.
 DEVELOPER_EXTRAS = {"test", "bench", "docs", "mutation"}
 
@@ -112,15 +117,30 @@ def _run(args: list[str], cwd: Path, timeout: int, block: Block) -> str:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONFAULTHANDLER": "1",  # SIGABRT on a hang prints every thread's stack
     }
-    try:
-        done = subprocess.run(
-            args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{block.id}: did not finish in {timeout} s: {e.stdout!r} {e.stderr!r}")
-    assert done.returncode == 0, f"{block.id} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
-    return done.stdout
+    with subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGABRT)  # torchrun's workers too
+            try:
+                stdout, stderr = process.communicate(timeout=STACKS_GRACE)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"{block.id}: did not finish in {timeout} s; its stacks:\n{stdout}\n{stderr}")
+    assert process.returncode == 0, f"{block.id} failed (exit {process.returncode}):\n{stdout}\n{stderr}"
+    return stdout
 
 
 def _params() -> list[object]:
@@ -141,8 +161,8 @@ def test_the_code_block_runs_as_pasted(block: Block, tmp_path: Path) -> None:
     missing = _missing_module(block.code)
     if missing:
         pytest.skip(f"{block.id} needs {missing}, which is not installed")
-    timeout = SLOW_TIMEOUT if block.mark == "slow" else TIMEOUT
     if not block.script:
+        timeout = SLOW_TIMEOUT if block.mark == "slow" else TIMEOUT
         (tmp_path / "block.py").write_text(block.code)
         _run([sys.executable, "block.py"], tmp_path, timeout, block)
         return
@@ -154,8 +174,8 @@ def test_the_code_block_runs_as_pasted(block: Block, tmp_path: Path) -> None:
         "torch.distributed.run",
         *block.command.split("torchrun", 1)[1].split("#")[0].split(),
     ]
-    first = _run(torchrun, tmp_path, timeout, block)
-    again = _run(torchrun, tmp_path, timeout, block)
+    first = _run(torchrun, tmp_path, TIMEOUT, block)
+    again = _run(torchrun, tmp_path, TIMEOUT, block)
     assert "resumed at 0" in first and "resumed at 0" not in again, (
         f"{block.id}: the second run did not resume:\n{again}"
     )
