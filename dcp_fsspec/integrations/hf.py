@@ -38,6 +38,7 @@ from dcp_fsspec.checkpoint import Checkpointer
 from dcp_fsspec.checkpoint.commit.layout import parse_iteration
 from dcp_fsspec.checkpoint.options import CheckpointerOptions
 from dcp_fsspec.errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidURLError
+from dcp_fsspec.storage.transport.group_tensors import device_for
 from dcp_fsspec.storage.transport.urls import normalize_url, redact_url
 
 __all__ = ["FsspecTrainer"]
@@ -201,9 +202,11 @@ def _every_ranks_rng_state() -> bytes:
     """
     state = torch.get_rng_state()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        states = [torch.empty_like(state) for _ in range(dist.get_world_size())]
-        dist.all_gather(states, state)
-        state = torch.cat(states)
+        # The Trainer's group is NCCL alone on GPUs: it carries the states on the GPU.
+        local = state.to(device_for(None))
+        states = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(states, local)
+        state = torch.cat(states).cpu()
     return state.numpy().tobytes()
 
 
