@@ -121,9 +121,12 @@ def _local_header(buf: memoryview, pos: int) -> tuple[bytes, int, bool, int, int
 # same bytes in every record of one writer, padding included. Their walk is most of a header's
 # parse once data.pkl differs per shape, so it is done once per distinct run of bytes: the first
 # 64 bytes → (all of them, up to data/0's data). Only runs ending in a data/0 whose CRC-32 is in
-# its data descriptor are kept (a CRC in the local header differs per record).
+# its data descriptor are kept (a CRC in the local header differs per record), and only short
+# ones, few of them: a crafted checkpoint cannot make the cache large.
 _KNOWN_ENTRIES: dict[bytes, bytes] = {}
 _ENTRIES_KEY = 64
+_MAX_ENTRIES_LENGTH = 4096
+_MAX_KNOWN_ENTRIES = 256
 
 
 def _known_entries(buf: memoryview, pos: int) -> int | None:
@@ -135,9 +138,9 @@ def _known_entries(buf: memoryview, pos: int) -> int | None:
 
 
 def _remember_entries(buf: memoryview, pos: int, data_start: int) -> None:
-    if data_start - pos < _ENTRIES_KEY:
+    if not _ENTRIES_KEY <= data_start - pos <= _MAX_ENTRIES_LENGTH:
         return
-    if len(_KNOWN_ENTRIES) >= _MAX_KNOWN_HEADERS:
+    if len(_KNOWN_ENTRIES) >= _MAX_KNOWN_ENTRIES:
         _KNOWN_ENTRIES.clear()
     _KNOWN_ENTRIES[bytes(buf[pos : pos + _ENTRIES_KEY])] = bytes(buf[pos:data_start])
 
