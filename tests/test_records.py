@@ -160,3 +160,26 @@ def test_a_spec_counts_its_bytes_by_the_dtypes_element_size() -> None:
     for dtype in DTYPES:
         spec = TensorSpec(dtype, 10, 0, (10,), (1,))
         assert spec.nbytes == 10 * torch.empty((), dtype=dtype).element_size(), dtype
+
+
+def _entries_after_the_pickle(blob: bytes) -> tuple[int, int]:
+    """Where the zip entries between data.pkl and data/0 start and end in ``blob``."""
+    layout = parse_layout(blob)
+    assert layout is not None
+    return blob.index(b"PK\x07\x08") + 16, layout.data_start
+
+
+def test_a_damaged_entry_after_the_pickle_is_refused_though_a_record_before_began_the_same() -> None:
+    first = b"".join(bytes(b) for b in encode_tensor(torch.randn(300)).buffers())
+    later = bytearray(b"".join(bytes(b) for b in encode_tensor(torch.randn(301)).buffers()))
+    start, data_start = _entries_after_the_pickle(first)
+    later_start, _ = _entries_after_the_pickle(bytes(later))
+    # Different shapes, so different pickles; the entries after them are the same bytes.
+    assert first[start:data_start] == later[later_start : later_start + data_start - start]
+    assert parse_layout(first) is not None
+    # The last of them (data/0's local header), damaged well past where they begin.
+    damaged_at = later.rindex(b"PK\x03\x04", 0, later_start + data_start - start)
+    assert damaged_at - later_start > 64
+    later[damaged_at + 2] ^= 0xFF
+    with pytest.raises(RecordFormatError, match="no zip entry"):
+        parse_layout(bytes(later))

@@ -64,24 +64,20 @@ def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
 def _parse_layout(buf: memoryview) -> RecordLayout | None:
     pos = 0
     spec: TensorSpec | None = None
+    after_pickle = -1  # where the entries after the (one) data.pkl start, while caching them is sound
     while True:
-        if len(buf) < pos + _LOCAL_HEADER_SIZE:
+        if pos == after_pickle and (known := _known_entries(buf, pos)) is not None:
+            assert spec is not None
+            return RecordLayout(spec, known, None)
+        entry = _local_header(buf, pos)
+        if entry is None:
             return None
-        if bytes(buf[pos : pos + 4]) != _LOCAL_HEADER:
-            raise RecordFormatError(f"no zip entry at byte {pos} of the record")
-        flags, method, crc, csize, _usize, name_len, extra_len = struct.unpack_from(
-            "<HHxxxxIIIHH", buf, pos + 6
-        )
-        if method != 0:
-            raise RecordFormatError("compressed zip entry")
-        start = pos + _LOCAL_HEADER_SIZE + name_len + extra_len
-        if len(buf) < start:
-            return None
-        name = bytes(buf[pos + _LOCAL_HEADER_SIZE : pos + _LOCAL_HEADER_SIZE + name_len])
-        has_descriptor = bool(flags & _FLAG_DESCRIPTOR)
+        name, start, has_descriptor, crc, csize = entry
         if name.endswith(b"/data/0"):
             if spec is None:
                 raise RecordFormatError("data/0 before data.pkl")
+            if has_descriptor and after_pickle >= 0:
+                _remember_entries(buf, after_pickle, start)
             return RecordLayout(spec, start, None if has_descriptor else crc)
         end: int | None
         if name.endswith(b"/data.pkl"):
@@ -98,7 +94,55 @@ def _parse_layout(buf: memoryview) -> RecordLayout | None:
             end = _skip_descriptor(buf, end)
         if end is None:
             return None
+        if name.endswith(b"/data.pkl"):
+            # A second data.pkl would change the spec: the entries after the first are not cached.
+            after_pickle = end if after_pickle == -1 else -2
         pos = end
+
+
+def _local_header(buf: memoryview, pos: int) -> tuple[bytes, int, bool, int, int] | None:
+    """The zip local header at ``pos``: its entry's name, where its data starts, whether a
+    data descriptor follows the data, its CRC-32 and size fields; ``None`` if ``buf`` ends first."""
+    if len(buf) < pos + _LOCAL_HEADER_SIZE:
+        return None
+    if bytes(buf[pos : pos + 4]) != _LOCAL_HEADER:
+        raise RecordFormatError(f"no zip entry at byte {pos} of the record")
+    flags, method, crc, csize, _usize, name_len, extra_len = struct.unpack_from("<HHxxxxIIIHH", buf, pos + 6)
+    if method != 0:
+        raise RecordFormatError("compressed zip entry")
+    start = pos + _LOCAL_HEADER_SIZE + name_len + extra_len
+    if len(buf) < start:
+        return None
+    name = bytes(buf[pos + _LOCAL_HEADER_SIZE : pos + _LOCAL_HEADER_SIZE + name_len])
+    return name, start, bool(flags & _FLAG_DESCRIPTOR), crc, csize
+
+
+# The zip entries between data.pkl and data/0 (torch's .format_version, byteorder, …) are the
+# same bytes in every record of one writer, padding included. Their walk is most of a header's
+# parse once data.pkl differs per shape, so it is done once per distinct run of bytes: the first
+# 64 bytes → (all of them, up to data/0's data). Only runs ending in a data/0 whose CRC-32 is in
+# its data descriptor are kept (a CRC in the local header differs per record), and only short
+# ones, few of them: a crafted checkpoint cannot make the cache large.
+_KNOWN_ENTRIES: dict[bytes, bytes] = {}
+_ENTRIES_KEY = 64
+_MAX_ENTRIES_LENGTH = 4096
+_MAX_KNOWN_ENTRIES = 256
+
+
+def _known_entries(buf: memoryview, pos: int) -> int | None:
+    """Where data/0's bytes start, if ``buf[pos:]`` begins with a run of entries seen before."""
+    entries = _KNOWN_ENTRIES.get(bytes(buf[pos : pos + _ENTRIES_KEY]))
+    if entries is None or bytes(buf[pos : pos + len(entries)]) != entries:
+        return None
+    return pos + len(entries)
+
+
+def _remember_entries(buf: memoryview, pos: int, data_start: int) -> None:
+    if not _ENTRIES_KEY <= data_start - pos <= _MAX_ENTRIES_LENGTH:
+        return
+    if len(_KNOWN_ENTRIES) >= _MAX_KNOWN_ENTRIES:
+        _KNOWN_ENTRIES.clear()
+    _KNOWN_ENTRIES[bytes(buf[pos : pos + _ENTRIES_KEY])] = bytes(buf[pos:data_start])
 
 
 def _find_descriptor(buf: memoryview, start: int) -> int | None:
