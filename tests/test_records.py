@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import io
+import struct
 import zlib
 
 import pytest
 import torch
 
 from dcp_fsspec.errors import RecordFormatError
-from dcp_fsspec.storage.format import tensor_records
+from dcp_fsspec.storage.format import record_layout, tensor_records
 from dcp_fsspec.storage.format.archive import ArchiveFormat
 from dcp_fsspec.storage.format.record_layout import descriptor_crc, parse_layout
 from dcp_fsspec.storage.format.tensor_records import (
@@ -183,3 +184,22 @@ def test_a_damaged_entry_after_the_pickle_is_refused_though_a_record_before_bega
     later[damaged_at + 2] ^= 0xFF
     with pytest.raises(RecordFormatError, match="no zip entry"):
         parse_layout(bytes(later))
+
+
+def _renamed(record: bytes, name: bytes) -> bytes:
+    """``record`` with its first zip entry (data.pkl) under another name: a longer header."""
+    name_length = struct.unpack_from("<H", record, 26)[0]
+    head = bytearray(record[:30])
+    struct.pack_into("<H", head, 26, len(name))
+    return bytes(head) + name + record[30 + name_length :]
+
+
+def test_headers_a_crafted_checkpoint_varies_cannot_grow_the_cache_of_parsed_headers() -> None:
+    record = b"".join(bytes(b) for b in encode_tensor(torch.randn(3)).buffers())
+    long_names = [b"x" * (60_000 + i) + b"/data.pkl" for i in range(200)]
+    many_lengths = [b"y" * i + b"/data.pkl" for i in range(1, 500)]
+    for name in long_names + many_lengths:
+        assert parse_layout(_renamed(record, name)) is not None
+    cached = record_layout._KNOWN_HEADERS
+    assert sum(length * len(headers) for length, headers in cached.items()) <= 4 << 20
+    assert len(cached) <= 64  # each length is a lookup on every record parsed

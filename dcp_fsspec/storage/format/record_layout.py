@@ -36,8 +36,12 @@ class RecordLayout:
 
 # Records of one dtype and shape written by one writer share their header bytes exactly, so a
 # checkpoint of many small tensors parses each distinct header once: header length → bytes → layout.
+# Bounded for a crafted checkpoint: few lengths (each is a lookup per record), short headers (a
+# torch.save header is under 1 KiB), and a byte budget for them all.
 _KNOWN_HEADERS: dict[int, dict[bytes, RecordLayout]] = {}
-_MAX_KNOWN_HEADERS = 4096
+_MAX_HEADER_LENGTHS = 64
+_MAX_CACHED_HEADER = 4096
+_MAX_KNOWN_HEADER_BYTES = 4 << 20
 
 
 def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
@@ -53,12 +57,18 @@ def parse_layout(head: bytes | memoryview) -> RecordLayout | None:
             if layout is not None:
                 return layout
     layout = _parse_layout(buf)
-    if layout is not None and layout.crc_in_header is None:
-        # (A CRC in the local header differs per record; such headers are not worth keeping.)
-        if sum(len(k) for k in _KNOWN_HEADERS.values()) >= _MAX_KNOWN_HEADERS:
-            _KNOWN_HEADERS.clear()
-        _KNOWN_HEADERS.setdefault(layout.data_start, {})[bytes(buf[: layout.data_start])] = layout
+    # (A CRC in the local header differs per record; such headers are not worth keeping.)
+    if layout is not None and layout.crc_in_header is None and layout.data_start <= _MAX_CACHED_HEADER:
+        _remember_header(bytes(buf[: layout.data_start]), layout)
     return layout
+
+
+def _remember_header(header: bytes, layout: RecordLayout) -> None:
+    cached = sum(length * len(known) for length, known in _KNOWN_HEADERS.items())
+    full = cached + len(header) > _MAX_KNOWN_HEADER_BYTES
+    if full or (len(header) not in _KNOWN_HEADERS and len(_KNOWN_HEADERS) >= _MAX_HEADER_LENGTHS):
+        _KNOWN_HEADERS.clear()
+    _KNOWN_HEADERS.setdefault(len(header), {})[header] = layout
 
 
 def _parse_layout(buf: memoryview) -> RecordLayout | None:
