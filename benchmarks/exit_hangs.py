@@ -3,7 +3,7 @@
 ``python -m benchmarks.exit_hangs --runs N`` writes the README's ``train_ddp.py`` into a
 scratch folder and runs it under ``torchrun --standalone --nproc-per-node 2`` N times, each time
 in a fresh folder (a run, not the resume). A run still alive after ``--limit-s`` seconds counts
-as hung; its processes are then killed. With ``--other-tree PATH`` the runs alternate between
+as hung; it and its workers are then killed. With ``--other-tree PATH`` the runs alternate between
 this checkout and PATH (another commit's checkout, put first on ``PYTHONPATH``), so both see
 the same load. Each run prints one JSON line; the last line holds the counts per tree.
 """
@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.process_tree import signal_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = re.compile(r'^```python title="train_ddp.py"\n(?P<code>.*?)^```$', re.S | re.M)
 
@@ -36,23 +38,14 @@ def _run_in(folder: Path, tree: Path, script: Path, limit_s: float) -> dict[str,
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     start = time.perf_counter()
     with subprocess.Popen(
-        [*torchrun, script.name],
-        cwd=folder,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        [*torchrun, script.name], cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     ) as process:
         try:
             rc: int | None = process.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             rc = None
-        finally:
-            # torchrun's workers are in its session; a hung one outlives torchrun's own exit.
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            # torchrun starts each worker in a session of its own: they are found through /proc.
+            signal_tree(process.pid, signal.SIGKILL)
     return {"tree": str(tree), "hung": rc is None, "rc": rc, "seconds": round(time.perf_counter() - start, 1)}
 
 

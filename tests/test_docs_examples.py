@@ -14,7 +14,6 @@ must name the extra that installs it before the block, since a reader without it
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import re
@@ -27,6 +26,8 @@ from pathlib import Path
 import pytest
 import tomllib
 from packaging.requirements import Requirement
+
+from tests.process_tree import signal_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)(?P<attrs>[^\n]*)\n(?P<body>.*?)^```$", re.S | re.M)
@@ -127,17 +128,15 @@ def _run(args: list[str], cwd: Path, timeout: int, block: Block) -> str:
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
         text=True,
-        start_new_session=True,
     ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGABRT)  # torchrun's workers too
+            tree = signal_tree(process.pid, signal.SIGABRT)  # torchrun's workers too
             try:
                 stdout, stderr = process.communicate(timeout=STACKS_GRACE)
             finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
+                signal_tree(process.pid, signal.SIGKILL, tree)
             pytest.fail(f"{block.id}: did not finish in {timeout} s; its stacks:\n{stdout}\n{stderr}")
     assert process.returncode == 0, f"{block.id} failed (exit {process.returncode}):\n{stdout}\n{stderr}"
     return stdout
